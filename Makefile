@@ -1,0 +1,30 @@
+# `make demo` and `make test` do all the set-up on a fresh machine: they create .venv when it is
+# missing and install what they need. torch is pinned here (the CPU build is a local file on our
+# machines); the package itself only asks for a range that this version satisfies.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev,plots]'
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m zenflow.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info
