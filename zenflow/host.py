@@ -107,5 +107,8 @@ class InlineHostRunner:
         """Block until submitted work is done; returns the seconds spent blocked."""
         return 0.0
 
+    def check(self) -> None:
+        """Raise if the runner can no longer run updates (never, in process)."""
+
     def close(self) -> None:
         pass

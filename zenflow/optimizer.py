@@ -24,6 +24,7 @@ from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
 from zenflow.host import HostJob, HostState, InlineHostRunner
 from zenflow.kernels import clip_coefficient, moment_rescale
 from zenflow.telemetry import StepTimer
+from zenflow.worker import WorkerHostRunner, split_cores
 
 _NAME = "ZenFlowAdamW"
 
@@ -69,6 +70,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         steps_per_epoch: needed by select_strategy="epoch".
         pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
         reselect_threshold: retained-importance fraction under which "auto" reselects.
+        worker: run host updates in a separate worker process (False: in the training process,
+            synchronously; for debugging).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -77,7 +80,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  full_warm_up_rounds: int = 0, overlap_step: bool = True,
                  max_grad_norm: float | None = None, importance: str = "l2",
                  steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
-                 reselect_threshold: float = 0.9):
+                 reselect_threshold: float = 0.9, worker: bool = True):
         self._built = False
         self.topk_ratio = _checks.between(_NAME, "topk_ratio", topk_ratio, 0.0, 1.0)
         self.select_strategy = _checks.choice(_NAME, "select_strategy", select_strategy,
@@ -104,6 +107,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                                       pt_reserved_cores_perc, 0.0, 1.0)
         self.reselect_threshold = _checks.between(_NAME, "reselect_threshold",
                                                   reselect_threshold, 0.0, 1.0)
+        if not isinstance(worker, bool):
+            raise TypeError(f"{_NAME}: worker must be True or False, got {worker!r}")
+        self.worker = worker
         self._schedule = self._make_schedule()
 
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -143,8 +149,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 else:
                     self._vectors.append(_Vector(p, group, DeviceVector.for_param(p)))
         num_slots = 2 if self.overlap_step else 1
-        self._host = HostState.allocate([m.param for m in self._matrices], num_slots)
-        self._runner = InlineHostRunner(self._host)
+        if self.worker and self._matrices:
+            self._host = HostState.allocate([m.param for m in self._matrices], num_slots,
+                                            shared=True)
+            _, worker_cores = split_cores(self.pt_reserved_cores_perc)
+            self._runner = WorkerHostRunner(self._host, worker_cores)
+        else:
+            self._host = HostState.allocate([m.param for m in self._matrices], num_slots)
+            self._runner = InlineHostRunner(self._host)
 
         self._step = 0               # optimizer steps taken (skipped ones not counted)
         self._window_steps = 0       # steps accumulated in the current window
@@ -168,6 +180,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._closed:
             raise RuntimeError(f"{_NAME}: step() after close()")
+        self._runner.check()  # a dead worker fails this step, not only the next window end
         grads = self._gradients()
         if all(g is None for g in grads.values()):
             return loss
