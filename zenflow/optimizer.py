@@ -235,6 +235,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 continue
             grad_sum = self._host.matrices[m.host].grad_sums[self._slot]
             columns.add_(grad_sum, columns.as_matrix(g).to(grad_sum.device), alpha=clip_coef)
+            self._timer.moved(d2h=g.numel() * g.element_size())
             m.num_grads += 1
 
     # ------------------------------------------------------------------ windows
@@ -269,6 +270,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             m = self._matrices[index]
             param = columns.as_matrix(m.param.data)
             columns.copy_(param, self._host.matrices[m.host].master)
+            self._timer.moved(h2d=param.numel() * param.element_size())
             if self._selected and m.k > 0:
                 # The host updated every column; the device's own columns are newer.
                 columns.scatter_columns(param, m.device.index, m.device.master)
@@ -398,9 +400,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "reselections": self.num_reselections,
             "update_interval": self.update_interval,
             "host_busy_s": self._runner.busy_seconds,
+            "worker": isinstance(self._runner, WorkerHostRunner),
             "host_bytes": self._host.nbytes(),
             **self._timer.summary(),
         }
+
+    def timeline(self) -> dict:
+        """Per-step records of the training process ({start, end, step_s, stall_s, d2h_bytes,
+        h2d_bytes, skipped}) and the (start, end) of each host update, in perf_counter() seconds,
+        for plotting the two side by side."""
+        return {"steps": list(self._timer.records),
+                "host_updates": list(getattr(self._runner, "updates", []))}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
