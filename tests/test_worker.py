@@ -162,6 +162,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # each case starts two interpreters that import torch
 @pytest.mark.parametrize("how", ["exit", "sigkill", "sigint"])
 def test_no_worker_survives_its_parent(how):
     before = _shm_files()

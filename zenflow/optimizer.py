@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from zenflow import _checks, columns, selection
+from zenflow.accelerator import Transfers, pin_in_place, unpin
 from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
 from zenflow.host import HostJob, HostState, InlineHostRunner
 from zenflow.kernels import clip_coefficient, moment_rescale
@@ -149,9 +150,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 else:
                     self._vectors.append(_Vector(p, group, DeviceVector.for_param(p)))
         num_slots = 2 if self.overlap_step else 1
+        self._transfers = Transfers(self.device)
+        self._pinned: list[torch.Tensor] = []
         if self.worker and self._matrices:
             self._host = HostState.allocate([m.param for m in self._matrices], num_slots,
                                             shared=True)
+            if self._transfers.cuda:
+                self._pinned = pin_in_place([t for m in self._host.matrices for t in m.tensors()])
             _, worker_cores = split_cores(self.pt_reserved_cores_perc)
             self._runner = WorkerHostRunner(self._host, worker_cores)
         else:
@@ -229,12 +234,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return not self._selected or m.k < m.num_columns
 
     def _accumulate(self, grads, clip_coef: float) -> None:
-        for m in self._matrices:
-            g = grads[m.param]
-            if g is None or not self._host_owns_columns(m):
-                continue
+        todo = [m for m in self._matrices
+                if grads[m.param] is not None and self._host_owns_columns(m)]
+        on_host = self._transfers.to_host([columns.as_matrix(grads[m.param]) for m in todo])
+        for m, g in zip(todo, on_host):
             grad_sum = self._host.matrices[m.host].grad_sums[self._slot]
-            columns.add_(grad_sum, columns.as_matrix(g).to(grad_sum.device), alpha=clip_coef)
+            columns.add_(grad_sum, g, alpha=clip_coef)
             self._timer.moved(d2h=g.numel() * g.element_size())
             m.num_grads += 1
 
@@ -266,10 +271,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._in_flight is None:
             return
         self._timer.stall(self._runner.wait())
-        for index in self._in_flight:
-            m = self._matrices[index]
+        installs = [self._matrices[index] for index in self._in_flight]
+        self._transfers.to_device([(columns.as_matrix(m.param.data),
+                                    self._host.matrices[m.host].master) for m in installs])
+        for m in installs:
             param = columns.as_matrix(m.param.data)
-            columns.copy_(param, self._host.matrices[m.host].master)
             self._timer.moved(h2d=param.numel() * param.element_size())
             if self._selected and m.k > 0:
                 # The host updated every column; the device's own columns are newer.
@@ -378,6 +384,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not getattr(self, "_closed", True):
             self._closed = True
             self._runner.close()
+            unpin(self._pinned)
+            self._pinned = []
 
     def __enter__(self):
         return self
