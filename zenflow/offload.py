@@ -25,6 +25,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.max_grad_norm = (None if max_grad_norm is None else
                               _checks.number(_NAME, "max_grad_norm", max_grad_norm, low=0.0,
                                              low_open=True))
+        params = _checks.param_list(_NAME, params)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
         self.device = _checks.parameters(_NAME, self._params)

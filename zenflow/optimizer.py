@@ -113,6 +113,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.worker = worker
         self._schedule = self._make_schedule()
 
+        params = _checks.param_list(_NAME, params)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
