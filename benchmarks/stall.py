@@ -88,6 +88,7 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     return {"host": platform.node(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)),
+            "load_average_1m_at_start": os.getloadavg()[0],  # other jobs sharing the machine
             "device": "cpu", "torch": torch.__version__, "python": platform.python_version()}
 
 
@@ -215,6 +216,7 @@ def main() -> int:
                "within_1.2x_of_adamw": ratios["overlap_vs_adamw_iteration"] <= 1.2}
     report = {"benchmark": "stall", "machine": host, "config": vars(args),
               "num_params": num_params, "forward_backward_s_median": fwd_bwd,
+              "load_average_1m_at_end": os.getloadavg()[0],
               "results": results, "ratios": ratios, "targets_met": targets,
               "zenflow_overlap_step_profile_s": profile}
 
@@ -231,7 +233,7 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"stall_{report['machine']['device']}_{report['machine']['cpus']}cpu" + (
+    tag = f"stall_{report['machine']['device']}_{report['machine']['cpus']}cpu_t{args.tokens}" + (
         "_quick" if args.quick else "")
     (out / f"{tag}.json").write_text(json.dumps(report, indent=2))
     plot_timeline(systems, out / f"{tag}_timeline.png", steps=2 * args.update_interval)
@@ -258,7 +260,8 @@ def plot_timeline(systems, path: Path, steps: int) -> None:
             ax.broken_barh([(t1 - origin, t2 - t1 - stall)], (10, 8), color="tab:orange")
             ax.broken_barh([(t2 - stall - origin, stall)], (10, 8), color="tab:red")
         if name == "offload":
-            ax.text(0, 24, "all of step() is host AdamW + copies (counted as stall)", fontsize=8)
+            ax.text(0.005, 0.05, "all of step() is host AdamW + copies (counted as stall)",
+                    fontsize=8, transform=ax.transAxes)
         updates = systems[name]["opt"].timeline()["host_updates"] if name != "offload" else []
         for start, stop in updates:
             if stop >= origin and start <= end:
