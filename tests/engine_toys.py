@@ -83,3 +83,14 @@ def train(engine, steps: range, batch_size: int = 8) -> list[float]:
 
 def weights(model: torch.nn.Module) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def eval_loss(engine) -> float:
+    """Loss on a fixed held-out batch, in eval mode (dropout off): a noise-free progress measure."""
+    was_training = engine.module.training
+    engine.eval()
+    x, y = batch(-1, 256)
+    loss = torch.nn.functional.mse_loss(engine(x).float(), y).item()
+    engine.train(was_training)
+    return loss
