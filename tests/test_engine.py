@@ -321,3 +321,31 @@ def test_loss_scaler_hysteresis_window_and_floor():
     assert c.loss_scale == 8.0  # never two overflows in a row
     c.update(True)
     assert c.loss_scale == 4.0
+
+
+def test_empty_zenflow_block_runs_deepspeed_defaults(make_engine, caplog):
+    # DeepSpeed's defaults: update_interval and select_interval "auto", overlap_step false.
+    cfg = toys.config("adamw", zero_optimization={
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"offload": True}})
+    with caplog.at_level(logging.WARNING, logger="zenflow.engine"):
+        engine, opt, _, _ = make_engine(toys.make_model(), cfg)
+    assert opt.update_interval == "auto" and opt.overlap_step is False
+    assert opt.topk_ratio == 0.1 and opt.auto_ratio == 0.99
+    assert any("zenflow.offload=True is not supported" in r.getMessage() for r in caplog.records)
+    before = toys.eval_loss(engine)
+    toys.train(engine, range(20))
+    engine.synchronize()
+    assert toys.eval_loss(engine) < 0.9 * before
+
+
+def test_steps_per_epoch_comes_from_the_dataloader(make_engine):
+    data = torch.utils.data.TensorDataset(*toys.batch(0, 40))
+    cfg = toys.config("zenflow", batch_size=8, micro=4)
+    cfg["zero_optimization"]["zenflow"]["select_strategy"] = "epoch"
+    cfg["zero_optimization"]["zenflow"]["select_interval"] = 1
+    engine, opt, loader, _ = make_engine(toys.make_model(), cfg, training_data=data)
+    assert len(loader) == 10 and opt.steps_per_epoch == 5  # 10 micro-batches, 2 per step
+    for x, y in loader:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 5
