@@ -27,13 +27,15 @@ SEED_ZERO_BLOCK = {
 }
 
 IN, HIDDEN, OUT = 32, 48, 4
+# Where the engine puts the model; hand-written reference loops and data go there too.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def make_model(seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.GELU(),
                                torch.nn.Dropout(dropout), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.GELU(), torch.nn.Linear(HIDDEN, OUT))
+                               torch.nn.GELU(), torch.nn.Linear(HIDDEN, OUT)).to(DEVICE)
 
 
 _TEACHER = None
@@ -47,7 +49,7 @@ def batch(step: int, size: int):
         _TEACHER = torch.randn(IN, OUT, generator=g) / IN ** 0.5
     g = torch.Generator().manual_seed(10_000 + step)
     x = torch.randn(size, IN, generator=g)
-    return x, torch.tanh(x @ _TEACHER) * 3
+    return x.to(DEVICE), (torch.tanh(x @ _TEACHER) * 3).to(DEVICE)
 
 
 def config(kind: str = "adamw", batch_size: int = 8, micro: int | None = None, **extra) -> dict:

@@ -83,6 +83,14 @@ def test_ignored_keys_are_accepted_and_listed():
     assert resolved_settings(cfg)["ignored_keys"] == cfg.ignored_keys()
 
 
+def test_unimplemented_zenflow_offload_is_shown_as_ignored():
+    cfg = parse_config(with_(zero_optimization={"stage": 2, "zenflow": {"offload": True}}),
+                       world_size=1)
+    settings = resolved_settings(cfg)
+    assert "offload" not in settings["optimizer_kwargs"]
+    assert settings["ignored_keys"] == ["zero_optimization.zenflow.offload"]
+
+
 def test_scheduler_params_get_defaults():
     cfg = parse_config(with_(scheduler={"type": "WarmupCosineLR",
                                         "params": {"total_num_steps": 100}}), world_size=1)

@@ -217,6 +217,16 @@ def test_initialize_returns_deepspeed_tuple_and_leaves_weights_alone(make_engine
     assert model.training
 
 
+def test_config_file_path_is_accepted(make_engine, tmp_path):
+    import json
+
+    file = tmp_path / "ds_config.json"
+    file.write_text(json.dumps(toys.config("zenflow", gradient_accumulation_steps=2)))
+    engine, opt, _, _ = make_engine(toys.make_model(), str(file))
+    assert opt.topk_ratio == 0.05 and opt.update_interval == 4 and opt.overlap_step is True
+    assert engine.train_micro_batch_size_per_gpu() == 4
+
+
 def test_bad_config_fails_before_touching_the_model():
     model = toys.make_model()
     cfg = toys.config("adamw", bf16={"enabled": True}, zero_optimization={"stage": 3})

@@ -515,6 +515,11 @@ def resolved_settings(cfg: ZenFlowConfig) -> dict:
         "offload_optimizer": cfg.zero_optimization.offload_device,
         "ignored_keys": cfg.ignored_keys(),
     }
+    if cfg.optimizer_kind == "zenflow" and out["optimizer_kwargs"] is not None:
+        # ZenFlowAdamW keeps its device-side state on the device; DeepSpeed's `offload` of that
+        # state is not implemented, so the key is shown as what it is: without effect.
+        if out["optimizer_kwargs"].pop("offload"):
+            out["ignored_keys"] = out["ignored_keys"] + ["zero_optimization.zenflow.offload"]
     if fp16.enabled:
         out["loss_scaling"] = (
             {"dynamic": True, "initial_scale": 2.0 ** fp16.initial_scale_power,
