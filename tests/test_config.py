@@ -148,6 +148,8 @@ MALFORMED = [
      "scheduler.params.total_num_steps", "is required"),
     (with_(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cubic"}}),
      "scheduler.params.warmup_type", "'log' or 'linear'"),
+    (with_(scheduler={"type": "WarmupLR", "params": [1]}), "scheduler.params",
+     "must be an object, got [1]"),
     (with_(fp16={"enabled": True, "hysteresis": 0}), "fp16.hysteresis", "must be > 0"),
     (with_(fp16={"enabled": True}, bf16={"enabled": True}), "bf16.enabled", "at most one"),
     (with_(gradient_clipping=-1.0), "gradient_clipping", "must be >= 0"),

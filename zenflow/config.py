@@ -231,6 +231,8 @@ class SchedulerSection(_Section):
         # that schedule's keys and not a union of all three.
         if isinstance(data, dict) and data.get("type") in _SCHEDULER_PARAMS:
             params = data.get("params", {})
+            if params is not None and not isinstance(params, dict):
+                raise ValueError(f"@params must be an object, got {params!r}")
             if isinstance(params, dict):
                 try:
                     parsed = _SCHEDULER_PARAMS[data["type"]].model_validate(params)
