@@ -29,7 +29,8 @@ def test_seed_block_parses_to_zenflow_with_deepspeed_defaults():
     assert kw["select_strategy"] == "auto" and kw["select_interval"] == "auto"
     # keys the seed leaves out take DeepSpeed 0.19's defaults
     assert kw["auto_ratio"] == 0.99 and kw["pt_reserved_cores_perc"] == 0.5
-    assert kw["steps_per_epoch"] is None and kw["offload"] is False
+    assert kw["steps_per_epoch"] is None and cfg.zenflow.offload is False
+    assert "offload" not in kw  # accepted, logged as having no effect, not passed on
     assert kw["max_grad_norm"] is None  # no gradient_clipping in the config
 
 

@@ -14,7 +14,6 @@ with bf16/fp16 they are cast once, and the optimizer keeps fp32 master weights.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import random
@@ -34,7 +33,6 @@ log = logging.getLogger("zenflow.engine")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Keys of the zenflow block that only some versions of ZenFlowAdamW accept; the others are
 # passed through unconditionally so that an unsupported value fails loudly in the optimizer.
-_OPTIONAL_ZENFLOW_KWARGS = ("offload", "auto_ratio")
 
 
 def _core_optimizers():
@@ -185,14 +183,6 @@ class ZenFlowEngine(torch.nn.Module):
             if kwargs["steps_per_epoch"] is None and self.training_dataloader is not None:
                 kwargs["steps_per_epoch"] = max(
                     1, len(self.training_dataloader) // cfg.gradient_accumulation_steps)
-            accepted = inspect.signature(zenflow_cls).parameters
-            takes_any = any(p.kind == p.VAR_KEYWORD for p in accepted.values())
-            for key in _OPTIONAL_ZENFLOW_KWARGS:
-                if key not in accepted and not takes_any:
-                    value = kwargs.pop(key)
-                    if key in cfg.zenflow.model_fields_set:
-                        log.warning("zero_optimization.zenflow.%s=%r is not supported by this "
-                                    "ZenFlowAdamW and has no effect", key, value)
             return zenflow_cls(groups, **kwargs)
         if cfg.optimizer_kind == "offload":
             _, offload_cls = _core_optimizers()
