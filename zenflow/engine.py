@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import random
+from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
 
 from zenflow.checkpoint import check_tag, read_checkpoint, write_checkpoint
+from zenflow.distributed import Partition
 from zenflow.config import (ConfigError, ZenFlowConfig, load_config_dict, optimizer_kwargs,
                             parse_config, resolved_settings, scheduler_kwargs)
 from zenflow.loss_scaler import LossScaler
@@ -262,7 +264,24 @@ class ZenFlowEngine(torch.nn.Module):
             self._optimizer_step()
         self.micro_steps += 1
 
+    def _average_gradients(self) -> None:
+        """Data parallel: every rank steps with the mean of all ranks' gradients, so weights stay
+        identical. A model wrapped in DistributedDataParallel has averaged them in backward
+        already, and averaging again would be wrong, so it is left alone."""
+        partition = Partition.from_group()
+        if not partition.active or isinstance(self.module,
+                                              torch.nn.parallel.DistributedDataParallel):
+            return
+        grads = [p.grad for p in self._params if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            same = [g for g in grads if g.dtype == dtype]
+            flat = partition.sum_(torch.cat([g.reshape(-1) for g in same]), "averaging gradients")
+            flat /= partition.world_size
+            for g, averaged in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(averaged.view_as(g))
+
     def _optimizer_step(self) -> None:
+        self._average_gradients()
         inv_scale = 1.0
         if self.loss_scaler is not None:
             scale = self.loss_scaler.loss_scale  # the scale these gradients were made with
@@ -345,22 +364,52 @@ class ZenFlowEngine(torch.nn.Module):
             "config": self._raw_config,
             "optimizer_class": type(self.optimizer).__name__,
         }
-        objects = {"model_states.pt": self.module.state_dict(),
-                   "optimizer_states.pt": self.optimizer.state_dict(),
-                   "engine_states.pt": engine_state}
-        meta = {"global_steps": self.global_steps,
+        partition = Partition.from_group()
+        meta = {"global_steps": self.global_steps, "world_size": partition.world_size,
                 "optimizer_class": type(self.optimizer).__name__, "dtype": str(self.dtype)}
-        path = write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest)
-        return str(path)
+        objects = {"model_states.pt": self.module.state_dict(), "engine_states.pt": engine_state}
+        if not partition.active:
+            objects["optimizer_states.pt"] = self.optimizer.state_dict()
+            return str(write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest))
+        # Data parallel: each rank's optimizer holds its own share of the host state, and its own
+        # RNG. Rank 0 collects them and writes one atomic checkpoint with a file per rank.
+        import torch.distributed as dist
+        mine = {"optimizer": self.optimizer.state_dict(), "rng": engine_state["rng"]}
+        shares = [None] * partition.world_size
+        partition._run("collecting optimizer shares for the checkpoint",
+                       dist.all_gather_object, shares, mine)
+        for rank, share in enumerate(shares):
+            objects[f"rank{rank}_states.pt"] = share
+        path = save_dir
+        if partition.rank == 0:
+            path = write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest)
+        partition._run("waiting for rank 0 to write the checkpoint", dist.barrier)
+        return str(Path(save_dir) / tag)
 
     def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Optional[str] = None,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str, dict]:
         """Verify and restore a checkpoint. Returns (path, client_state) like DeepSpeed."""
-        path, _, objs = read_checkpoint(
-            load_dir, tag, ["model_states.pt", "optimizer_states.pt", "engine_states.pt"],
-            map_location="cpu")
+        partition = Partition.from_group()
+        mine = f"rank{partition.rank}_states.pt" if partition.active else "optimizer_states.pt"
+        path, manifest, objs = read_checkpoint(
+            load_dir, tag, ["model_states.pt", "engine_states.pt"], map_location="cpu")
+        saved_world = manifest["meta"].get("world_size", 1)
+        if saved_world != partition.world_size:
+            raise ValueError(f"checkpoint {str(path)!r} was written by {saved_world} rank(s) and "
+                             f"this run has {partition.world_size}: each rank's optimizer holds "
+                             "only its share of the host state, so resume on the same number of "
+                             "ranks (or pass load_module_only=True to load only the weights)")
+        if mine not in manifest["files"]:
+            raise ValueError(f"checkpoint {str(path)!r} has no {mine}")
+        # read_checkpoint verified every file of the manifest, this one included.
+        share = torch.load(path / mine, map_location="cpu", weights_only=False)
         state = objs["engine_states.pt"]
+        if partition.active:
+            objs["optimizer_states.pt"] = share["optimizer"]
+            state = dict(state, rng=share["rng"])
+        else:
+            objs["optimizer_states.pt"] = share
         if state["optimizer_class"] != type(self.optimizer).__name__ and not load_module_only:
             raise ValueError(f"checkpoint {str(path)!r} was written with "
                              f"{state['optimizer_class']}, this engine runs "

@@ -12,6 +12,7 @@ training process or in a worker process that received it with shared-memory tens
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,7 +61,7 @@ class HostState:
 
         matrices = []
         for value in initial_values:
-            shape = ((value.shape[0], value.numel() // value.shape[0]) if value.ndim >= 2
+            shape = ((value.shape[0], math.prod(value.shape[1:])) if value.ndim >= 2
                      else (1, value.numel()))
             master = new(shape)
             master.copy_(value.detach().reshape(shape))

@@ -15,6 +15,7 @@ host works while the device trains; otherwise it is installed before step() retu
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import torch
 
 from zenflow import _checks, columns, selection
 from zenflow.accelerator import Transfers, pin_in_place, unpin
+from zenflow.distributed import Partition, local_rank_share
 from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
 from zenflow.host import HostJob, HostState, InlineHostRunner
 from zenflow.kernels import clip_coefficient, gradient_norms, moment_rescale
@@ -41,6 +43,7 @@ class _Matrix:
     host: int                  # index into HostState.matrices
     k: int                     # number of columns updated on the device
     device: DeviceColumns
+    rows: slice                # the rows of the host state this rank holds (all: one rank)
     host_step: int = 0         # host AdamW updates so far
     num_grads: int = 0         # gradients summed in the current window
 
@@ -79,6 +82,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         reselect_threshold: retained-importance fraction under which "auto" reselects.
         worker: run host updates in a separate worker process (False: in the training process,
             synchronously; for debugging).
+        process_group: the torch.distributed group to partition the host state across (default:
+            the default group when torch.distributed is initialized). Gradients must already be
+            averaged across ranks (DDP or zenflow.initialize do it); the optimizer never reduces
+            them again.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -88,7 +95,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, importance: str = "l2",
                  steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
                  reselect_threshold: float = 0.9, auto_ratio: float = 0.99,
-                 auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True):
+                 auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True,
+                 process_group=None):
         self._built = False
         self.topk_ratio = _checks.between(_NAME, "topk_ratio", topk_ratio, 0.0, 1.0)
         self.select_strategy = _checks.choice(_NAME, "select_strategy", select_strategy,
@@ -119,6 +127,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise TypeError(f"{_NAME}: worker must be True or False, got {worker!r}")
         self.worker = worker
         self._schedule = self._make_schedule()
+        self._partition = Partition.from_group(process_group)
         if self.update_interval == "auto":
             self._window = AutoWindow(self.auto_ratio, *self.auto_update_bounds,
                                       overlap=self.overlap_step)
@@ -159,21 +168,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if p.ndim >= 2:
                     k = selection.num_selected(self.topk_ratio, p.numel() // p.shape[0])
                     cols = DeviceColumns.empty(p.shape[0], k, self.device, step=0)
-                    self._matrices.append(_Matrix(p, group, len(self._matrices), k, cols))
+                    self._matrices.append(_Matrix(p, group, len(self._matrices), k, cols,
+                                                  self._partition.rows(p.shape[0])))
                 else:
                     self._vectors.append(_Vector(p, group, DeviceVector.for_param(p)))
         num_slots = 2 if self.overlap_step else 1
         self._transfers = Transfers(self.device)
         self._pinned: list[torch.Tensor] = []
+        own_rows = [columns.as_matrix(m.param.detach())[m.rows] for m in self._matrices]
         if self.worker and self._matrices:
-            self._host = HostState.allocate([m.param for m in self._matrices], num_slots,
-                                            shared=True)
+            self._host = HostState.allocate(own_rows, num_slots, shared=True)
             if self._transfers.cuda:
                 self._pinned = pin_in_place([t for m in self._host.matrices for t in m.tensors()])
-            _, worker_cores = split_cores(self.pt_reserved_cores_perc)
+            cores = local_rank_share(sorted(os.sched_getaffinity(0)))
+            _, worker_cores = split_cores(self.pt_reserved_cores_perc, cores)
             self._runner = WorkerHostRunner(self._host, worker_cores)
         else:
-            self._host = HostState.allocate([m.param for m in self._matrices], num_slots)
+            self._host = HostState.allocate(own_rows, num_slots)
             self._runner = InlineHostRunner(self._host)
 
         self._step = 0               # optimizer steps taken (skipped ones not counted)
@@ -222,9 +233,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._observe_importance(grads, norms, clip_coef)
         self._accumulate(grads, clip_coef)
         self._window_steps += 1
-        if warming_up or self._window.should_end(self._window_steps, self._runner_ready(),
-                                                 self._runner_update_seconds(),
-                                                 self._step_seconds):
+        if warming_up or self._window_ends():
             if not warming_up:
                 log.debug("step %d: end window: %s", self._step, self._window.reason)
             self._end_window(synchronous=warming_up or not self.overlap_step)
@@ -243,6 +252,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                      f"; dense gradients on {self.device} are required")
                 grads[p] = g
         return grads
+
+    def _window_ends(self) -> bool:
+        ends = self._window.should_end(self._window_steps, self._runner_ready(),
+                                       self._runner_update_seconds(), self._step_seconds)
+        if isinstance(self._window, AutoWindow):
+            # Timings differ between ranks; every rank must end the window at the same step.
+            ends = self._partition.any(ends, "agreeing on the end of a host window")
+        return ends
 
     def _measure_step_period(self) -> None:
         now = time.perf_counter()
@@ -293,7 +310,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _accumulate(self, grads, clip_coef: float) -> None:
         todo = [m for m in self._matrices
                 if grads[m.param] is not None and self._host_owns_columns(m)]
-        on_host = self._transfers.to_host([columns.as_matrix(grads[m.param]) for m in todo])
+        on_host = self._transfers.to_host([columns.as_matrix(grads[m.param])[m.rows]
+                                           for m in todo])
         for m, g in zip(todo, on_host):
             grad_sum = self._host.matrices[m.host].grad_sums[self._slot]
             columns.add_(grad_sum, g, alpha=clip_coef)
@@ -331,8 +349,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         self._timer.stall(self._runner.wait())
         installs = [self._matrices[index] for index in self._in_flight]
-        self._transfers.to_device([(columns.as_matrix(m.param.data),
-                                    self._host.matrices[m.host].master) for m in installs])
+        self._transfers.to_device([(columns.as_matrix(m.param.data), self._installed_values(m))
+                                   for m in installs])
         for m in installs:
             param = columns.as_matrix(m.param.data)
             self._timer.moved(h2d=param.numel() * param.element_size())
@@ -340,6 +358,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 # The host updated every column; the device's own columns are newer.
                 columns.scatter_columns(param, m.device.index, m.device.master)
         self._in_flight = None
+
+    def _installed_values(self, m: _Matrix) -> torch.Tensor:
+        """The host's new values of a whole matrix: this rank's rows, plus the other ranks'."""
+        master = self._host.matrices[m.host].master
+        if not self._partition.active:
+            return master
+        # Only the parameter's dtype needs to travel; each rank keeps its own fp32 rows.
+        return self._partition.gather_rows(master.to(m.param.dtype), m.param.shape[0],
+                                           "installing host-updated rows")
 
     def synchronize(self) -> None:
         """Wait for the in-flight host update and install it now (before evaluation or saving
@@ -367,25 +394,38 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             log.debug("step %d: keep selection (retained importance %.3f); next check in %d "
                       "window(s)", self._step, retained, self._schedule.check_gap)
 
-    def _importance(self, grad: torch.Tensor | None, m: _Matrix) -> torch.Tensor:
-        if grad is None:  # no gradient: keep the first columns (or the current ones)
-            return torch.zeros(m.num_columns, device=self.device)
-        return selection.column_importance(grad, self.importance)
+    def _importances(self, grads, matrices: list[_Matrix]) -> list[torch.Tensor]:
+        """Column importance of each matrix. Across ranks, each computes it over its own rows and
+        the ranks add them up: one number per column travels, never a gradient."""
+        partial = []
+        for m in matrices:
+            g = grads[m.param]
+            if g is None:  # no gradient: ties everywhere, so the first columns win
+                partial.append(torch.zeros(m.num_columns, device=self.device))
+                continue
+            if self._partition.active:
+                g = columns.as_matrix(g)[m.rows]
+            norms = selection.column_importance(g, self.importance)
+            partial.append(norms.square_() if self.importance == "l2" and
+                           self._partition.active else norms)
+        if not self._partition.active or not partial:
+            return partial
+        flat = self._partition.sum_(torch.cat(partial).cpu(), "exchanging column norms")
+        out = list(flat.to(self.device).split([m.num_columns for m in matrices]))
+        return [t.sqrt() for t in out] if self.importance == "l2" else out
 
     def _retained_fraction(self, grads) -> float:
         held = best = 0.0
-        for m in self._matrices:
-            if 0 < m.k < m.num_columns and grads[m.param] is not None:
-                h, b = selection.retained_mass(self._importance(grads[m.param], m),
-                                               m.device.index, m.k)
-                held, best = held + h, best + b
+        todo = [m for m in self._matrices if 0 < m.k < m.num_columns]
+        for m, importance in zip(todo, self._importances(grads, todo)):
+            h, b = selection.retained_mass(importance, m.device.index, m.k)
+            held, best = held + h, best + b
         return 1.0 if best == 0.0 else held / best
 
     def _select(self, grads, first: bool) -> None:
-        for m in self._matrices:
-            if m.k == 0:
-                continue
-            new_index = selection.top_columns(self._importance(grads[m.param], m), m.k)
+        todo = [m for m in self._matrices if m.k > 0]
+        for m, importance in zip(todo, self._importances(grads, todo)):
+            new_index = selection.top_columns(importance, m.k)
             if first:
                 self._take_from_host(m, new_index)
             elif m.k < m.num_columns:
@@ -405,7 +445,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         dev.step = m.host_step
         for dst, src in ((dev.master, host.master), (dev.exp_avg, host.exp_avg),
                          (dev.exp_avg_sq, host.exp_avg_sq)):
-            dst.copy_(src.index_select(1, cpu_index))
+            dst.copy_(self._gather_host_columns(m, src, cpu_index))
+
+    def _gather_host_columns(self, m: _Matrix, host_tensor: torch.Tensor,
+                             cols: torch.Tensor) -> torch.Tensor:
+        """host_tensor[:, cols] over all rows of the matrix (other ranks hold the other rows)."""
+        return self._partition.gather_rows(host_tensor[:, cols], m.param.shape[0],
+                                           "moving columns to the device")
 
     def _move_columns(self, m: _Matrix, new_index: torch.Tensor) -> None:
         """Reselection: columns that leave the device go back to the host and columns that join
@@ -421,10 +467,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         # Device -> host for the columns that leave.
         out_cols, out_pos = old[leaves], leaves.nonzero().flatten().to(dev.index.device)
-        host.master[:, out_cols] = dev.master[:, out_pos].cpu()
-        host.exp_avg[:, out_cols] = dev.exp_avg[:, out_pos].cpu() * moment_rescale(
+        rows = m.rows
+        host.master[:, out_cols] = dev.master[rows, out_pos].cpu()
+        host.exp_avg[:, out_cols] = dev.exp_avg[rows, out_pos].cpu() * moment_rescale(
             beta1, dev.step, m.host_step)
-        host.exp_avg_sq[:, out_cols] = dev.exp_avg_sq[:, out_pos].cpu() * moment_rescale(
+        host.exp_avg_sq[:, out_cols] = dev.exp_avg_sq[rows, out_pos].cpu() * moment_rescale(
             beta2, dev.step, m.host_step)
 
         # New device arrays: staying columns from the device, joining ones from the host.
@@ -436,7 +483,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             current = getattr(dev, name)
             fresh = torch.empty_like(current)
             fresh[:, stay_dst] = current[:, stay_src]
-            joining = getattr(host, name)[:, join_cols]
+            joining = self._gather_host_columns(m, getattr(host, name), join_cols)
             if beta is not None:
                 joining = joining * moment_rescale(beta, m.host_step, dev.step)
             fresh[:, join_dst] = joining.to(fresh.device)
@@ -521,7 +568,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "num_reselections": self.num_reselections, "num_windows": self.num_windows,
             "schedule": self._schedule.state_dict(), "window": self._window.state_dict(),
             "topk_ratio": self.topk_ratio,
-            "overlap_step": self.overlap_step,
+            "overlap_step": self.overlap_step, "world_size": self._partition.world_size,
+            "rank": self._partition.rank,
         }}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -536,6 +584,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise ValueError(f"{_NAME}: load_state_dict: saved param groups have sizes "
                              f"{[len(g['params']) for g in groups]}, this optimizer's have "
                              f"{[len(g['params']) for g in self.param_groups]}")
+        if saved.get("world_size", 1) != self._partition.world_size:
+            raise ValueError(f"{_NAME}: load_state_dict: the state was saved by rank "
+                             f"{saved.get('rank', 0)} of {saved.get('world_size', 1)}, but this "
+                             f"run has {self._partition.world_size} rank(s); each rank holds "
+                             "only its share of the host state, so resume on the same number "
+                             "of ranks")
+        if saved.get("rank", 0) != self._partition.rank:
+            raise ValueError(f"{_NAME}: load_state_dict: this is rank {self._partition.rank} "
+                             f"but the state belongs to rank {saved.get('rank', 0)}")
         if saved["topk_ratio"] != self.topk_ratio:
             raise ValueError(f"{_NAME}: load_state_dict: saved topk_ratio {saved['topk_ratio']} "
                              f"differs from this optimizer's {self.topk_ratio}")
