@@ -75,38 +75,23 @@ def describe(xs: list[float]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------
-# telemetry from our optimizers' opt.stats(): the keys are found by name so that the benchmark
-# follows the telemetry module rather than duplicating its schema.
+# telemetry from our optimizers' opt.stats() (zenflow.telemetry): cumulative counters in seconds.
+STALL_KEY = "stall_s_total"   # time step() spent blocked on the host
+BUSY_KEY = "host_busy_s"      # time the host side spent updating
 
 
-def _find_number(stats: dict | None, *words: str) -> float | None:
-    """The first numeric value whose (flattened) key contains all `words`."""
-    if not isinstance(stats, dict):
+def counter(stats: dict | None, key: str) -> float | None:
+    value = stats.get(key) if isinstance(stats, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def per_step_over_measured(result: dict, key: str, steps: int) -> float | None:
+    """Mean per measured step of a cumulative counter, from its values at start and end."""
+    m = result.get("stats_measured") or {}
+    start, end = counter(m.get("start"), key), counter(m.get("end"), key)
+    if start is None or end is None:
         return None
-    for key, value in _flatten(stats):
-        k = key.lower()
-        if all(w in k for w in words) and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
-
-
-def _flatten(d: dict, prefix: str = ""):
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            yield from _flatten(v, key + ".")
-        else:
-            yield key, v
-
-
-def stall_per_step(final_stats: dict | None, measured_steps: int, total_steps: int) -> float | None:
-    """Mean seconds step() spent waiting on the host per step, from cumulative telemetry."""
-    total = _find_number(final_stats, "stall")
-    if total is None:
-        return None
-    # Prefer an explicit per-step figure when the telemetry gives one.
-    mean = _find_number(final_stats, "stall", "mean") or _find_number(final_stats, "stall", "per_step")
-    return mean if mean is not None else total / max(total_steps, 1)
+    return (end - start) / max(steps, 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,6 +181,14 @@ class Progress:
         self.out.flush()
 
 
+def round_order(systems: list[str], r: int) -> list[str]:
+    """The systems of round `r`, rotated by `r` so none always runs first."""
+    if not systems:
+        return []
+    k = r % len(systems)
+    return systems[k:] + systems[:k]
+
+
 def run_benchmark(spec: dict, systems: list[str], rounds: int, *, child_timeout_s: float = 900.0,
                   out: TextIO = sys.stdout) -> dict[str, Any]:
     """Run `systems` for `rounds` rounds (each a fresh child process) and summarise."""
@@ -219,8 +212,7 @@ def run_benchmark(spec: dict, systems: list[str], rounds: int, *, child_timeout_
     progress = Progress(out, rounds * len(runnable))
     failed: set[str] = set()
     for r in range(rounds):
-        order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
-        for name in order:
+        for name in round_order(runnable, r):
             if name in failed:
                 progress.done += 1
                 continue
@@ -270,9 +262,10 @@ def summarise(rounds: list[dict], spec: dict) -> dict[str, Any] | None:
     phases = {k: describe([p[k] for r in ok for p in r["phases"]])["median"]
               for k in ("forward", "backward", "step")}
     last = ok[-1]
-    total_steps = spec["warmup"] + spec["steps"]
-    stalls = [stall_per_step(r.get("final_stats"), spec["steps"], total_steps) for r in ok]
+    stalls = [per_step_over_measured(r, STALL_KEY, spec["steps"]) for r in ok]
     stalls = [s for s in stalls if s is not None]
+    busy = [per_step_over_measured(r, BUSY_KEY, spec["steps"]) for r in ok]
+    busy = [b for b in busy if b is not None]
     return {
         # Headline: time per step averaged over whole update windows (see window_means).
         "window_step_s": describe(windows) if windows else describe(step_s),
@@ -282,6 +275,7 @@ def summarise(rounds: list[dict], spec: dict) -> dict[str, Any] | None:
         "phase_mean_s": {k: statistics.fmean(p[k] for r in ok for p in r["phases"])
                          for k in ("forward", "backward", "step")},
         "stall_per_step_s": statistics.median(stalls) if stalls else None,
+        "host_busy_per_step_s": statistics.median(busy) if busy else None,
         "rss_peak_mb": max(r["rss_peak_mb"] for r in ok),
         "rss_peak_children_mb": max(r["rss_peak_children_mb"] for r in ok),
         "rss_after_model_mb": max(r["rss_after_model_mb"] for r in ok),
@@ -331,21 +325,22 @@ def check_targets(report: dict, device: str) -> list[dict[str, Any]]:
 
 def format_table(report: dict) -> str:
     errors: list[str] = []
-    rows = [("system", "ms/step", "p10-p90", "median", "fwd", "bwd", "step()", "stall",
+    rows = [("system", "ms/step", "p10-p90", "median", "fwd", "bwd", "step()", "stall", "busy",
              "RSS MB", "dev MB", "loss@w0", "start", "final", "eval")]
     for name, e in report["systems"].items():
         s = e.get("summary")
         if not s:
-            rows.append((name, "-", "-", "-", *[""] * 10))
+            rows.append((name, "-", "-", "-", *[""] * 11))
             errors.append(f"{name}: {(e.get('error') or 'no result').splitlines()[0][:200]}")
             continue
         st, ph = s["window_step_s"], s["phase_median_s"]
-        stall = s["stall_per_step_s"]
+        stall, busy = s["stall_per_step_s"], s["host_busy_per_step_s"]
         rows.append((
             name, f"{st['median'] * 1e3:.1f}", f"{st['p10'] * 1e3:.0f}-{st['p90'] * 1e3:.0f}",
             f"{s['step_s']['median'] * 1e3:.1f}",
             f"{ph['forward'] * 1e3:.0f}", f"{ph['backward'] * 1e3:.0f}", f"{ph['step'] * 1e3:.0f}",
             "-" if stall is None else f"{stall * 1e3:.1f}",
+            "-" if busy is None else f"{busy * 1e3:.1f}",
             f"{s['rss_peak_mb']:.0f}", "-" if s["device_peak_mb"] is None else f"{s['device_peak_mb']:.0f}",
             f"{s['loss_given_weights']:.4f}", f"{s['loss_first_step']:.4f}",
             f"{s['loss_final_window']:.4f}",
@@ -356,7 +351,7 @@ def format_table(report: dict) -> str:
     lines.insert(1, "-" * len(lines[0]))
     lines.append("ms/step: mean step time over an update window (median over windows, p10-p90); "
                  "median: median single step;")
-    lines.append("fwd/bwd/step(): median phase times; stall: wait for the host worker per step; "
+    lines.append("fwd/bwd/step(): median phase times; stall: wait for the host per step; busy: host update time per step; "
                  "loss@w0: loss of the given weights, start: first training loss, final: mean of "
                  "the last window, eval: held-out batch")
     lines.extend(errors)

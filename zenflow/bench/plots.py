@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from zenflow.bench.harness import _find_number
+from zenflow.bench.harness import BUSY_KEY, STALL_KEY, counter
 
 PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "step": "#C44E52"}
 
@@ -68,11 +68,11 @@ def plot_step_times(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _per_step_deltas(stats_per_step: list[Any], *words: str) -> list[float | None]:
-    """Per-step increments of a cumulative telemetry counter found by name."""
-    values = [_find_number(s, *words) for s in stats_per_step]
+def _per_step_deltas(stats_per_step: list[Any], key: str, before: Any) -> list[float | None]:
+    """Per-step increments of a cumulative telemetry counter (`before`: stats before step 1)."""
+    values = [counter(s, key) for s in stats_per_step]
     out: list[float | None] = []
-    prev = None
+    prev = counter(before, key)
     for v in values:
         out.append(None if v is None or prev is None else max(v - prev, 0.0))
         prev = v if v is not None else prev
@@ -97,8 +97,9 @@ def plot_timeline(report: dict, path: str) -> None:
         if not tl:
             continue
         t0 = tl[0]["start"]
-        stalls = _per_step_deltas(r.get("stats_per_step") or [], "stall")
-        busy = _per_step_deltas(r.get("stats_per_step") or [], "busy")
+        before = (r.get("stats_measured") or {}).get("start")
+        stalls = _per_step_deltas(r.get("stats_per_step") or [], STALL_KEY, before)
+        busy = _per_step_deltas(r.get("stats_per_step") or [], BUSY_KEY, before)
         for k, st in enumerate(tl):
             x = (st["start"] - t0) * 1e3
             for phase, color in PHASE_COLORS.items():

@@ -284,6 +284,7 @@ def run_system(spec: dict) -> dict:
     total = spec["warmup"] + spec["steps"]
     losses, step_s, phases, timeline, stats_per_step = [], [], [], [], []
     t_origin = time.perf_counter()
+    stats_start = runner.stats()  # replaced after the last warm-up step
     try:
         for i in range(total):
             x, y = (t.to(device) for t in stream.batch(i))
@@ -291,6 +292,8 @@ def run_system(spec: dict) -> dict:
             loss, ph = runner.train_step(x, y, sync)
             t1 = time.perf_counter()
             losses.append(loss)
+            if i + 1 == spec["warmup"]:
+                stats_start = runner.stats()
             if i >= spec["warmup"]:
                 step_s.append(t1 - t0)
                 phases.append(ph)
@@ -299,6 +302,8 @@ def run_system(spec: dict) -> dict:
                     stats_per_step.append(runner.stats())
             _progress(system=name, step=i + 1, total=total, loss=loss, seconds=t1 - t0,
                       warmup=i < spec["warmup"])
+        # Telemetry over exactly the measured steps: counters at their start and end.
+        result["stats_measured"] = {"start": stats_start, "end": runner.stats()}
         runner.finish()
         result["final_stats"] = runner.stats()
         if cuda:
