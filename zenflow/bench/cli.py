@@ -16,7 +16,7 @@ SEED_ZENFLOW_BLOCK = {"topk_ratio": 0.05, "select_strategy": "auto", "select_int
 PRESETS: dict[str, dict] = {
     # Optimizer-bound on a 2-core CPU: ~92M parameters, wide layers, only 32 tokens per step.
     "cpu-small": dict(device="cpu", dtype="float32", n_layer=6, n_embd=1024, n_head=16,
-                      vocab_size=8192, seq_len=32, batch_size=1, warmup=4, steps=12, rounds=2),
+                      vocab_size=8192, seq_len=32, batch_size=1, warmup=4, steps=8, rounds=2),
     # ~1.0B and ~3.0B parameters in bf16 for one GPU.
     "gpu-1b": dict(device="cuda", dtype="bfloat16", n_layer=18, n_embd=2048, n_head=16,
                    vocab_size=32000, seq_len=512, batch_size=4, warmup=8, steps=16, rounds=2),
@@ -47,9 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads in each system's main process (default 1, leaving the "
                         "other cores to host-update workers)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--eval-batches", type=int, default=8,
+                   help="held-out batches for the final eval loss")
     r.add_argument("--child-timeout", type=float, default=900.0, help="seconds per child process")
     o = p.add_argument_group("optimizer (identical for every system)")
-    o.add_argument("--lr", type=float, default=1e-3)
+    o.add_argument("--lr", type=float, default=3e-4)
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--topk-ratio", type=float, default=SEED_ZENFLOW_BLOCK["topk_ratio"])
     o.add_argument("--update-interval", type=int, default=SEED_ZENFLOW_BLOCK["update_interval"])
@@ -78,9 +80,9 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
             raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {base[key]}")
     if base["warmup"] < 0:
         raise ValueError(f"--warmup must be >= 0, got {base['warmup']}")
-    for key in ("main_threads", "timeline_steps"):
-        if getattr(args, key) < (1 if key == "main_threads" else 0):
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    for key, least in (("main_threads", 1), ("eval_batches", 1), ("timeline_steps", 0)):
+        if getattr(args, key) < least:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {getattr(args, key)}")
     if not 0.0 <= args.topk_ratio <= 1.0:
         raise ValueError(f"--topk-ratio must be in [0, 1], got {args.topk_ratio}")
     if args.update_interval < 1:
@@ -97,6 +99,7 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
         "num_params": GPTConfig(**model).num_params(),
         "batch_size": base["batch_size"], "steps": base["steps"], "warmup": base["warmup"],
         "timeline_steps": args.timeline_steps, "main_threads": args.main_threads, "seed": args.seed,
+        "eval_batches": args.eval_batches,
         "lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": args.weight_decay,
         "zenflow": dict(SEED_ZENFLOW_BLOCK, topk_ratio=args.topk_ratio,
                         update_interval=args.update_interval),

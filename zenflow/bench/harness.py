@@ -310,8 +310,9 @@ def check_targets(report: dict, device: str) -> list[dict[str, Any]]:
         targets.append({"claim": f"{system} >= {at_least}x faster per step than {ref}",
                         "measured": measured,
                         "met": None if measured is None else measured >= at_least})
-    # Final losses of the ZenFlow runs within 2% of each other.
-    finals = {n: e["summary"]["loss_final_window"] for n, e in report["systems"].items()
+    # Final losses of the ZenFlow runs within 2% of each other (held-out eval loss: the training
+    # loss of one 32-token batch is too noisy to compare).
+    finals = {n: e["summary"]["eval_loss"] for n, e in report["systems"].items()
               if e.get("summary") and n in ("zenflow", "zenflow-sync", "ds-zenflow")}
     if len(finals) >= 2:
         spread = (max(finals.values()) - min(finals.values())) / min(finals.values())

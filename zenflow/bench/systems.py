@@ -255,6 +255,14 @@ def _progress(**fields: Any) -> None:
     print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
 
+def _eval_loss(model, stream: TokenStream, batches: int, device) -> float:
+    """Mean loss on held-out batches (step numbers no training step uses), the same for all."""
+    with torch.no_grad():
+        losses = [float(model(*(t.to(device) for t in stream.batch(10**6 + i))))
+                  for i in range(batches)]
+    return sum(losses) / len(losses)
+
+
 def run_system(spec: dict) -> dict:
     """Train `spec["system"]` for warmup + steps and return the measurements."""
     name = spec["system"]
@@ -308,10 +316,7 @@ def run_system(spec: dict) -> dict:
         result["final_stats"] = runner.stats()
         if cuda:
             result["device_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        with torch.no_grad():
-            model_eval = model
-            xe, ye = stream.batch(10**6)  # a held-out batch, identical for every system
-            result["eval_loss"] = float(model_eval(xe.to(device), ye.to(device)))
+        result["eval_loss"] = _eval_loss(model, stream, spec["eval_batches"], device)
     finally:
         runner.close()
     result.update(losses=losses, step_s=step_s, phases=phases, timeline=timeline,
