@@ -45,6 +45,16 @@ def integer(owner: str, name: str, value, *, low: int, allow_auto: bool = False)
     return int(value)
 
 
+def interval_bounds(owner: str, name: str, value) -> tuple[int, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        _fail(owner, f"{name} must be a pair (min_steps, max_steps), got {value!r}", TypeError)
+    low = integer(owner, f"{name}[0]", value[0], low=1)
+    high = integer(owner, f"{name}[1]", value[1], low=1)
+    if high < low:
+        _fail(owner, f"{name} must have min <= max, got {tuple(value)}")
+    return low, high
+
+
 def choice(owner: str, name: str, value, allowed: tuple[str, ...]):
     if value not in allowed:
         _fail(owner, f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
