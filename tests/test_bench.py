@@ -44,6 +44,9 @@ def test_bad_arguments_are_rejected_before_work():
         cli.build_spec(_args(["--systems", "adamw,nope"]))
     with pytest.raises(ValueError, match="n_embd"):
         cli.build_spec(_args(["--n-embd", "30", "--n-head", "4"]))
+    with pytest.raises(ValueError, match="--select-interval"):
+        cli.build_spec(_args(["--select-interval", "often"]))
+    assert cli.build_spec(_args(["--select-interval", "8"]))[0]["zenflow"]["select_interval"] == 8
     with pytest.raises(ValueError, match="--topk-ratio"):
         cli.build_spec(_args(["--topk-ratio", "1.5"]))
 

@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--topk-ratio", type=float, default=SEED_ZENFLOW_BLOCK["topk_ratio"])
     o.add_argument("--update-interval", type=int, default=SEED_ZENFLOW_BLOCK["update_interval"])
+    o.add_argument("--select-interval", default=SEED_ZENFLOW_BLOCK["select_interval"],
+                   help='"auto" or a number of steps between column reselections (both ZenFlows)')
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     out.add_argument("--plot", metavar="PATH",
@@ -85,6 +87,15 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
             raise ValueError(f"--{key.replace('_', '-')} must be >= {least}, got {getattr(args, key)}")
     if not 0.0 <= args.topk_ratio <= 1.0:
         raise ValueError(f"--topk-ratio must be in [0, 1], got {args.topk_ratio}")
+    select_interval = args.select_interval
+    if select_interval != "auto":
+        try:
+            select_interval = int(select_interval)
+        except ValueError:
+            select_interval = 0
+        if select_interval < 1:
+            raise ValueError(f'--select-interval must be "auto" or an integer >= 1, '
+                             f"got {args.select_interval!r}")
     if args.update_interval < 1:
         raise ValueError(f"--update-interval must be >= 1, got {args.update_interval}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -102,7 +113,7 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
         "eval_batches": args.eval_batches,
         "lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": args.weight_decay,
         "zenflow": dict(SEED_ZENFLOW_BLOCK, topk_ratio=args.topk_ratio,
-                        update_interval=args.update_interval),
+                        update_interval=args.update_interval, select_interval=select_interval),
     }
     return spec, systems, base["rounds"]
 
