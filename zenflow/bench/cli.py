@@ -113,7 +113,10 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
         "eval_batches": args.eval_batches,
         "lr": args.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": args.weight_decay,
         "zenflow": dict(SEED_ZENFLOW_BLOCK, topk_ratio=args.topk_ratio,
-                        update_interval=args.update_interval, select_interval=select_interval),
+                        update_interval=args.update_interval, select_interval=select_interval,
+                        # DeepSpeed refuses an integer interval with strategy "auto" (it means
+                        # once per epoch there); a step count needs strategy "step" in both.
+                        select_strategy="auto" if select_interval == "auto" else "step"),
     }
     return spec, systems, base["rounds"]
 
