@@ -83,8 +83,8 @@ def plot_timeline(report: dict, path: str) -> None:
     """A few consecutive measured steps per system (first round), on a common time axis.
 
     Each step is drawn as forward, backward and step(); where our optimizers report it, the
-    part of step() spent waiting on the host worker (stall) is hatched, and the worker's busy
-    time in that step is drawn as a thin bar below.
+    part of step() spent waiting on the host worker (stall) is hatched, and the host updates are
+    drawn as a thin bar below (their recorded spans, or else the busy time added in each step).
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -100,6 +100,9 @@ def plot_timeline(report: dict, path: str) -> None:
         before = (r.get("stats_measured") or {}).get("start")
         stalls = _per_step_deltas(r.get("stats_per_step") or [], STALL_KEY, before)
         busy = _per_step_deltas(r.get("stats_per_step") or [], BUSY_KEY, before)
+        spans = r.get("host_update_spans") or []
+        for a, b in spans:  # the host update's own start and end, where the optimizer records it
+            ax.barh(y - 0.36, (b - a) * 1e3, left=(a - t0) * 1e3, height=0.12, color="#8172B2")
         for k, st in enumerate(tl):
             x = (st["start"] - t0) * 1e3
             for phase, color in PHASE_COLORS.items():
@@ -109,14 +112,14 @@ def plot_timeline(report: dict, path: str) -> None:
                     ax.barh(y, min(stalls[k] * 1e3, w), left=x, height=0.5, color="none",
                             hatch="////", edgecolor="black", linewidth=0)
                 x += w
-            if k < len(busy) and busy[k]:
+            if k < len(busy) and busy[k] and not spans:
                 ax.barh(y - 0.36, busy[k] * 1e3, left=(st["start"] - t0) * 1e3, height=0.12,
                         color="#8172B2")
     ax.set_yticks(range(len(done)), [n for n, _ in reversed(done)])
     ax.set_xlabel("time since first measured step (ms)")
     fig.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()]
                + [Patch(facecolor="none", hatch="////", edgecolor="black", label="stall in step()"),
-                  Patch(color="#8172B2", label="host worker busy (per step)")],
+                  Patch(color="#8172B2", label="host update running")],
                loc="lower center", ncol=5, frameon=False)
     ax.set_title("timeline of measured steps (round 1): " + _title(report))
     fig.tight_layout(rect=(0, 0.1, 1, 1))

@@ -90,6 +90,11 @@ class _TorchOptimizerRunner:
         stats = getattr(self.opt, "stats", None)
         return _jsonable(stats()) if callable(stats) else None
 
+    def host_updates(self) -> list[tuple[float, float]]:
+        """(start, end) perf_counter seconds of each host update, where the optimizer says."""
+        timeline = getattr(self.opt, "timeline", None)
+        return [tuple(u) for u in timeline().get("host_updates", [])] if callable(timeline) else []
+
     def finish(self) -> None:
         # Install any in-flight host update so the final weights are the trained ones.
         sync = getattr(self.opt, "synchronize", None)
@@ -159,6 +164,9 @@ class _DeepSpeedRunner:
 
     def stats(self) -> None:
         return None
+
+    def host_updates(self) -> list:
+        return []
 
     def finish(self) -> None:
         pass
@@ -310,6 +318,13 @@ def run_system(spec: dict) -> dict:
                     stats_per_step.append(runner.stats())
             _progress(system=name, step=i + 1, total=total, loss=loss, seconds=t1 - t0,
                       warmup=i < spec["warmup"])
+        # Host updates that overlap the timeline steps, on the timeline's clock (perf_counter is
+        # system-wide monotonic on Linux, so a worker process's stamps line up with ours).
+        if timeline:
+            t_end = timeline[-1]["start"] + sum(timeline[-1][k] for k in ("forward", "backward", "step"))
+            result["host_update_spans"] = [
+                (a - t_origin, b - t_origin) for a, b in runner.host_updates()
+                if b - t_origin >= timeline[0]["start"] and a - t_origin <= t_end]
         # Telemetry over exactly the measured steps: counters at their start and end.
         result["stats_measured"] = {"start": stats_start, "end": runner.stats()}
         runner.finish()
