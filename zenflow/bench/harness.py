@@ -327,11 +327,11 @@ def check_targets(report: dict, device: str) -> list[dict[str, Any]]:
 def format_table(report: dict) -> str:
     errors: list[str] = []
     rows = [("system", "ms/step", "p10-p90", "median", "fwd", "bwd", "step()", "stall", "busy",
-             "RSS MB", "dev MB", "loss@w0", "start", "final", "eval")]
+             "RSS MB", "child MB", "dev MB", "loss@w0", "start", "final", "eval")]
     for name, e in report["systems"].items():
         s = e.get("summary")
         if not s:
-            rows.append((name, "-", "-", "-", *[""] * 11))
+            rows.append((name, "-", "-", "-", *[""] * 12))
             errors.append(f"{name}: {(e.get('error') or 'no result').splitlines()[0][:200]}")
             continue
         st, ph = s["window_step_s"], s["phase_median_s"]
@@ -342,7 +342,7 @@ def format_table(report: dict) -> str:
             f"{ph['forward'] * 1e3:.0f}", f"{ph['backward'] * 1e3:.0f}", f"{ph['step'] * 1e3:.0f}",
             "-" if stall is None else f"{stall * 1e3:.1f}",
             "-" if busy is None else f"{busy * 1e3:.1f}",
-            f"{s['rss_peak_mb']:.0f}", "-" if s["device_peak_mb"] is None else f"{s['device_peak_mb']:.0f}",
+            f"{s['rss_peak_mb']:.0f}", f"{s['rss_peak_children_mb']:.0f}", "-" if s["device_peak_mb"] is None else f"{s['device_peak_mb']:.0f}",
             f"{s['loss_given_weights']:.4f}", f"{s['loss_first_step']:.4f}",
             f"{s['loss_final_window']:.4f}",
             "-" if s["eval_loss"] is None else f"{s['eval_loss']:.4f}"))
@@ -352,7 +352,8 @@ def format_table(report: dict) -> str:
     lines.insert(1, "-" * len(lines[0]))
     lines.append("ms/step: mean step time over an update window (median over windows, p10-p90); "
                  "median: median single step;")
-    lines.append("fwd/bwd/step(): median phase times; stall: wait for the host per step; busy: host update time per step; "
+    lines.append("fwd/bwd/step(): median phase times; stall: wait for the host per step; busy: host update time per step; RSS / child MB: peak RSS "
+                 "of the main process / of its largest child process (shared memory in both); "
                  "loss@w0: loss of the given weights, start: first training loss, final: mean of "
                  "the last window, eval: held-out batch")
     lines.extend(errors)

@@ -259,6 +259,33 @@ def _maxrss_mb(who: int) -> float:
     return resource.getrusage(who).ru_maxrss / 1024.0
 
 
+def _descendants_peak_rss_mb() -> dict[int, float]:
+    """VmHWM (peak RSS) of every live descendant process, by pid: host-update workers that are
+    not our direct, reaped children (a fork server's workers, DeepSpeed's optimizer process)."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # the command name may contain spaces; the ppid follows its closing paren
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = {}, [os.getpid()]
+    while frontier:
+        pid = frontier.pop()
+        for child in (c for c, pp in parent_of.items() if pp == pid):
+            frontier.append(child)
+            try:
+                with open(f"/proc/{child}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            found[child] = int(line.split()[1]) / 1024.0
+            except OSError:
+                pass
+    return found
+
+
 def _progress(**fields: Any) -> None:
     print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
@@ -332,14 +359,16 @@ def run_system(spec: dict) -> dict:
         if cuda:
             result["device_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         result["eval_loss"] = _eval_loss(model, stream, spec["eval_batches"], device)
+        result["descendants_peak_rss_mb"] = _descendants_peak_rss_mb() if os.path.isdir("/proc") else {}
     finally:
         runner.close()
     result.update(losses=losses, step_s=step_s, phases=phases, timeline=timeline,
                   stats_per_step=stats_per_step,
                   rss_peak_mb=_maxrss_mb(resource.RUSAGE_SELF),
-                  # Largest reaped descendant (e.g. a host-update worker). Shared-memory pages
-                  # are counted in both this and rss_peak_mb.
-                  rss_peak_children_mb=_maxrss_mb(resource.RUSAGE_CHILDREN))
+                  # Largest descendant, reaped or still alive before close() (e.g. a host-update
+                  # worker). Shared-memory pages are counted in both this and rss_peak_mb.
+                  rss_peak_children_mb=max([_maxrss_mb(resource.RUSAGE_CHILDREN),
+                                            *result.get("descendants_peak_rss_mb", {}).values()]))
     return result
 
 
