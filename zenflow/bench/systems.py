@@ -327,8 +327,8 @@ def run_system(spec: dict) -> dict:
     total = spec["warmup"] + spec["steps"]
     losses, step_s, phases, timeline, stats_per_step = [], [], [], [], []
     t_origin = time.perf_counter()
-    stats_start = runner.stats()  # replaced after the last warm-up step
     try:
+        stats_start = runner.stats()  # replaced after the last warm-up step
         for i in range(total):
             x, y = (t.to(device) for t in stream.batch(i))
             t0 = time.perf_counter()
