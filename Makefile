@@ -33,3 +33,13 @@ clean:
 .PHONY: bench-stall
 bench-stall: $(STAMP)
 	$(PY) benchmarks/stall.py
+
+# zenflow bench (issue 6): `make deepspeed` installs DeepSpeed CPU-only into .venv (optional, only
+# for the comparison); `make bench-cpu` runs the CPU preset and writes JSON + PNG.
+.PHONY: deepspeed bench-cpu
+deepspeed: $(STAMP)
+	VENV=$(VENV) ./scripts/install_deepspeed.sh
+
+bench-cpu: $(STAMP)
+	$(PY) -m zenflow.cli bench --preset cpu-small \
+		--json benchmarks/results/cpu-small.json --plot benchmarks/results/cpu-small.png

@@ -1,0 +1,155 @@
+"""A small GPT-style causal language model and a synthetic token stream for benchmarking.
+
+The model is deliberately plain (nanoGPT-like): token and position embeddings, pre-norm
+transformer blocks, a final LayerNorm and an *untied* output head, so every weight is its own
+parameter and no system has to special-case shared tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layer: int = 6
+    n_embd: int = 1024
+    n_head: int = 16
+    vocab_size: int = 8192
+    seq_len: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by "
+                             f"n_head ({self.n_head})")
+
+    def num_params(self) -> int:
+        """Parameter count without building the model (matches GPT.num_params)."""
+        d, v, s, L = self.n_embd, self.vocab_size, self.seq_len, self.n_layer
+        per_block = 2 * (2 * d)                    # two LayerNorms
+        per_block += 3 * d * d + 3 * d             # qkv
+        per_block += d * d + d                     # attention output
+        per_block += 4 * d * d + 4 * d             # mlp up
+        per_block += 4 * d * d + d                 # mlp down
+        return v * d + s * d + L * per_block + 2 * d + d * v
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.down = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied on purpose
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 style: N(0, 0.02), residual projections scaled down by depth.
+        for name, p in self.named_parameters():
+            if p.ndim >= 2:
+                std = 0.02
+                if name.endswith(("proj.weight", "down.weight")):
+                    std /= math.sqrt(2 * self.cfg.n_layer)
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) when `targets` is None, else the mean cross-entropy loss."""
+        T = idx.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class TokenStream:
+    """A deterministic, learnable synthetic token stream.
+
+    Tokens live in a small random subset of the vocabulary (`active` tokens) and follow a fixed
+    random cycle through it (next = succ[current]) with a fraction of random replacements. The
+    loss therefore falls within a few steps (first the unigram, then the bigram structure), which
+    makes final losses comparable across systems, and every system sees identical batches.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, seed: int = 0,
+                 noise: float = 0.1, active: int = 256) -> None:
+        self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
+        self.noise = noise
+        self.seed = seed
+        gen = torch.Generator().manual_seed(seed)
+        self._tokens = torch.randperm(vocab_size, generator=gen)[:min(active, vocab_size)]
+        n = len(self._tokens)
+        self._succ = torch.zeros(vocab_size, dtype=torch.long)
+        self._succ[self._tokens] = self._tokens[torch.randperm(n, generator=gen)]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets for `step`; a pure function of (seed, step)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        B, T = self.batch_size, self.seq_len + 1
+        seq = torch.empty(B, T, dtype=torch.long)
+        n = len(self._tokens)
+        seq[:, 0] = self._tokens[torch.randint(n, (B,), generator=g)]
+        for t in range(1, T):
+            seq[:, t] = self._succ[seq[:, t - 1]]
+            noisy = torch.rand(B, generator=g) < self.noise
+            seq[noisy, t] = self._tokens[torch.randint(n, (int(noisy.sum()),), generator=g)]
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
