@@ -17,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zenflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        # -h/--help belongs to the subcommand's own parser, built below once we know which it is.
+        p = sub.add_parser(name, help=help_text, add_help=False)
         p.set_defaults(_module=module_name)
     # Parse the command name first, then let the chosen module declare its own arguments.
     args, rest = parser.parse_known_args(argv)

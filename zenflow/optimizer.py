@@ -450,8 +450,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _gather_host_columns(self, m: _Matrix, host_tensor: torch.Tensor,
                              cols: torch.Tensor) -> torch.Tensor:
         """host_tensor[:, cols] over all rows of the matrix (other ranks hold the other rows)."""
-        return self._partition.gather_rows(host_tensor[:, cols], m.param.shape[0],
-                                           "moving columns to the device")
+        own = columns.gather_columns(host_tensor, cols,
+                                     out=host_tensor.new_empty(host_tensor.shape[0], len(cols)))
+        return self._partition.gather_rows(own, m.param.shape[0], "moving columns to the device")
 
     def _move_columns(self, m: _Matrix, new_index: torch.Tensor) -> None:
         """Reselection: columns that leave the device go back to the host and columns that join
@@ -467,12 +468,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
         # Device -> host for the columns that leave.
         out_cols, out_pos = old[leaves], leaves.nonzero().flatten().to(dev.index.device)
-        rows = m.rows
-        host.master[:, out_cols] = dev.master[rows, out_pos].cpu()
-        host.exp_avg[:, out_cols] = dev.exp_avg[rows, out_pos].cpu() * moment_rescale(
-            beta1, dev.step, m.host_step)
-        host.exp_avg_sq[:, out_cols] = dev.exp_avg_sq[rows, out_pos].cpu() * moment_rescale(
-            beta2, dev.step, m.host_step)
+        for name, beta in (("master", None), ("exp_avg", beta1), ("exp_avg_sq", beta2)):
+            leaving = getattr(dev, name)[m.rows].index_select(1, out_pos).cpu()
+            if beta is not None:
+                leaving.mul_(moment_rescale(beta, dev.step, m.host_step))
+            columns.scatter_columns(getattr(host, name), out_cols, leaving)
 
         # New device arrays: staying columns from the device, joining ones from the host.
         stay_src = torch.searchsorted(old, new[stays]).to(dev.index.device)
@@ -482,11 +482,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         for name, beta in (("master", None), ("exp_avg", beta1), ("exp_avg_sq", beta2)):
             current = getattr(dev, name)
             fresh = torch.empty_like(current)
-            fresh[:, stay_dst] = current[:, stay_src]
+            fresh.index_copy_(1, stay_dst, current.index_select(1, stay_src))
             joining = self._gather_host_columns(m, getattr(host, name), join_cols)
             if beta is not None:
-                joining = joining * moment_rescale(beta, m.host_step, dev.step)
-            fresh[:, join_dst] = joining.to(fresh.device)
+                joining.mul_(moment_rescale(beta, m.host_step, dev.step))
+            fresh.index_copy_(1, join_dst, joining.to(fresh.device))
             setattr(dev, name, fresh)
         dev.index = new_index.to(dev.index.device)
 
