@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
+@dataclass
 class Partition:
-    """This rank's place in the process group (a single process is rank 0 of 1)."""
+    """This rank's place in the process group (a single process is rank 0 of 1), and the bytes
+    its collectives have sent, by purpose."""
     rank: int = 0
     world_size: int = 1
     group: object = None
+    bytes_sent: dict = field(default_factory=dict)
 
     @classmethod
     def from_group(cls, group=None) -> "Partition":
@@ -50,6 +52,10 @@ class Partition:
         return math.ceil(num_rows / self.world_size)
 
     # -- collectives --------------------------------------------------------------------------
+    def _count(self, what: str, tensor: torch.Tensor) -> None:
+        self.bytes_sent[what] = (self.bytes_sent.get(what, 0) +
+                                 tensor.numel() * tensor.element_size())
+
     def _run(self, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -62,6 +68,7 @@ class Partition:
     def sum_(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """All-reduce (sum) in place; a no-op on one rank."""
         if self.active:
+            self._count(what, tensor)
             self._run(what, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
@@ -70,6 +77,7 @@ class Partition:
         if not self.active:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._count(what, t)
         self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
@@ -81,7 +89,10 @@ class Partition:
         padded = own_rows.new_zeros((per_rank, *own_rows.shape[1:]))
         padded[: own_rows.shape[0]] = own_rows
         out = own_rows.new_empty((per_rank * self.world_size, *own_rows.shape[1:]))
-        self._run(what, dist.all_gather_into_tensor, out, padded, group=self.group)
+        self._count(what, padded)
+        # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._run(what, all_gather, out, padded, group=self.group)
         return out[:num_rows]
 
 

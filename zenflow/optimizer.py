@@ -521,6 +521,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "update_interval": self.update_interval,
             "last_window_steps": self._window.last_interval,
             "retained_importance": self._schedule.last_retained,
+            "world_size": self._partition.world_size,
+            "collective_bytes_sent": dict(self._partition.bytes_sent),
             "host_busy_s": self._runner.busy_seconds,
             "worker": isinstance(self._runner, WorkerHostRunner),
             "host_bytes": self._host.nbytes(),
