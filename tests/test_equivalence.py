@@ -1,0 +1,165 @@
+"""DESIGN.md section 2's equivalences against torch.optim.AdamW, on real models and data."""
+import copy
+
+import pytest
+import torch
+
+import zenflow
+from conftest import MODELS
+
+STEPS = 24
+TOL = dict(rtol=1e-5, atol=1e-6)
+HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+
+
+def matrices(model):
+    return [p for p in model.parameters() if p.ndim >= 2]
+
+
+def vectors(model):
+    return [p for p in model.parameters() if p.ndim < 2]
+
+
+def assert_models_close(a, b):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def train(model, loss_fn, opt, steps=STEPS):
+    for t in range(steps):
+        opt.zero_grad()
+        loss_fn(model, t).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_topk_one_is_adamw(model_name, overlap):
+    make, loss_fn = MODELS[model_name]
+    model, twin = make(), make()
+    with zenflow.ZenFlowAdamW(model.parameters(), **HP, topk_ratio=1.0, update_interval=3,
+                              overlap_step=overlap, select_strategy="step",
+                              select_interval=5) as opt:
+        train(model, loss_fn, opt)
+    train(twin, loss_fn, torch.optim.AdamW(twin.parameters(), **HP))
+    assert_models_close(model, twin)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_topk_zero_interval_one_is_adamw(model_name):
+    make, loss_fn = MODELS[model_name]
+    model, twin = make(), make()
+    with zenflow.ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.0, update_interval=1,
+                              overlap_step=False) as opt:
+        train(model, loss_fn, opt)
+    train(twin, loss_fn, torch.optim.AdamW(twin.parameters(), **HP))
+    assert_models_close(model, twin)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("interval", [2, 5])
+def test_topk_zero_is_gradient_accumulation(model_name, interval):
+    """Matrices: AdamW every `interval` steps on the mean gradient. Vectors: AdamW every step."""
+    make, loss_fn = MODELS[model_name]
+    model, twin = make(), make()
+    with zenflow.ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.0,
+                              update_interval=interval, overlap_step=False) as opt:
+        train(model, loss_fn, opt)
+
+    vec_opt = torch.optim.AdamW(vectors(twin), **HP)
+    mat_opt = torch.optim.AdamW(matrices(twin), **HP)
+    sums = [torch.zeros_like(p) for p in matrices(twin)]
+    for t in range(STEPS):
+        twin.zero_grad()
+        loss_fn(twin, t).backward()
+        vec_opt.step()
+        for s, p in zip(sums, matrices(twin)):
+            s += p.grad
+        if (t + 1) % interval == 0:
+            for s, p in zip(sums, matrices(twin)):
+                p.grad = s / interval
+            mat_opt.step()
+            for s in sums:
+                s.zero_()
+    assert_models_close(model, twin)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_topk_zero_overlap_is_delayed_adamw(model_name):
+    """Each step's matrix update becomes visible one step later (ZeRO-Offload's DPU)."""
+    make, loss_fn = MODELS[model_name]
+    model, twin = make(), make()
+    with zenflow.ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.0, update_interval=1,
+                              overlap_step=True) as opt:
+        train(model, loss_fn, opt)
+
+    shadow = [p.detach().clone().requires_grad_() for p in matrices(twin)]
+    vec_opt = torch.optim.AdamW(vectors(twin), **HP)
+    shadow_opt = torch.optim.AdamW(shadow, **HP)
+    for t in range(STEPS):
+        twin.zero_grad()
+        loss_fn(twin, t).backward()
+        vec_opt.step()
+        previous = [s.detach().clone() for s in shadow]
+        for s, p in zip(shadow, matrices(twin)):
+            s.grad = p.grad.clone()
+        shadow_opt.step()
+        if t > 0:  # the first step's update is installed at the end of the second
+            with torch.no_grad():
+                for p, prev in zip(matrices(twin), previous):
+                    p.copy_(prev)
+    assert_models_close(model, twin)
+
+
+def test_lr_scheduler_drives_both_sides():
+    """The host reads lr from param_groups when a window ends, so schedulers work."""
+    make, loss_fn = MODELS["mlp"]
+    model, twin = make(), make()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.0, update_interval=1,
+                               overlap_step=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.3)
+    ref = torch.optim.AdamW(twin.parameters(), **HP)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref, step_size=5, gamma=0.3)
+    for t in range(STEPS):
+        for o, m, s in ((opt, model, sched), (ref, twin, ref_sched)):
+            o.zero_grad()
+            loss_fn(m, t).backward()
+            o.step()
+            s.step()
+    opt.close()
+    assert_models_close(model, twin)
+
+
+def test_clipping_matches_clip_grad_norm():
+    make, loss_fn = MODELS["transformer_block"]
+    model, twin = make(), make()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **HP, topk_ratio=1.0, max_grad_norm=0.05)
+    ref = torch.optim.AdamW(twin.parameters(), **HP)
+    for t in range(STEPS):
+        opt.zero_grad()
+        loss_fn(model, t).backward()
+        opt.step()
+        ref.zero_grad()
+        loss_fn(twin, t).backward()
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05)
+        ref.step()
+    opt.close()
+    assert_models_close(model, twin)
+
+
+def test_offload_adamw_is_adamw():
+    make, loss_fn = MODELS["transformer_block"]
+    model, twin = make(), make()
+    train(model, loss_fn, zenflow.OffloadAdamW(model.parameters(), **HP))
+    train(twin, loss_fn, torch.optim.AdamW(twin.parameters(), **HP))
+    assert_models_close(model, twin)
+
+
+def test_weights_are_never_rewritten_at_construction():
+    make, _ = MODELS["transformer_block"]
+    model = make()
+    before = copy.deepcopy(model.state_dict())
+    with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.3):
+        pass
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

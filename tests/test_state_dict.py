@@ -1,0 +1,84 @@
+"""A run resumed from state_dict() continues bit for bit like the uninterrupted run."""
+import io
+
+import pytest
+import torch
+
+import zenflow
+from conftest import MODELS
+
+KW = dict(lr=2e-3, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=4)
+
+
+def run(make, loss_fn, opt_kwargs, steps, resume_at=None):
+    model = make()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **opt_kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + 0.1 * t))
+    for t in range(steps):
+        if t == resume_at:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict()}, buffer)
+            opt.close()
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=False)
+            model = make()
+            model.load_state_dict(saved["model"])
+            opt = zenflow.ZenFlowAdamW(model.parameters(), **opt_kwargs)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + 0.1 * t))
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+        opt.zero_grad()
+        loss_fn(model, t).backward()
+        opt.step()
+        sched.step()
+    stats = opt.stats()
+    opt.close()
+    return model, stats
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("resume_at", [5, 7, 10])  # mid-window, window boundary, after reselection
+@pytest.mark.parametrize("warm_up", [0, 2])
+def test_resume_is_bit_exact(overlap, resume_at, warm_up):
+    make, loss_fn = MODELS["transformer_block"]
+    kwargs = dict(KW, overlap_step=overlap, full_warm_up_rounds=warm_up, max_grad_norm=1.0)
+    straight, straight_stats = run(make, loss_fn, kwargs, steps=20)
+    resumed, resumed_stats = run(make, loss_fn, kwargs, steps=20, resume_at=resume_at)
+    assert straight_stats["reselections"] > 0
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+    assert resumed_stats["steps"] == straight_stats["steps"]
+    assert resumed_stats["reselections"] == straight_stats["reselections"]
+
+
+def test_state_dict_is_a_snapshot():
+    """Training on after state_dict() must not change what was saved."""
+    make, loss_fn = MODELS["mlp"]
+    model = make()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **KW)
+    for t in range(4):
+        opt.zero_grad()
+        loss_fn(model, t).backward()
+        opt.step()
+    saved = opt.state_dict()
+    copies = {k: v.clone() for k, v in saved["state"][0].items() if torch.is_tensor(v)}
+    for t in range(4, 8):
+        opt.zero_grad()
+        loss_fn(model, t).backward()
+        opt.step()
+    for k, v in copies.items():
+        assert torch.equal(saved["state"][0][k], v), k
+    opt.close()
+
+
+def test_load_rejects_mismatched_state():
+    make, loss_fn = MODELS["mlp"]
+    opt = zenflow.ZenFlowAdamW(make().parameters(), **KW)
+    other = zenflow.ZenFlowAdamW(make().parameters(), **dict(KW, topk_ratio=0.5))
+    with pytest.raises(ValueError, match="topk_ratio"):
+        other.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="not saved by ZenFlowAdamW"):
+        opt.load_state_dict(torch.optim.AdamW(make().parameters()).state_dict())
+    opt.close()
+    other.close()

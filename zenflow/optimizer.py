@@ -1,0 +1,477 @@
+"""ZenFlowAdamW: AdamW that updates the important columns now and the rest asynchronously.
+
+One step, top to bottom (DESIGN.md section 2):
+
+    clip          global gradient norm; a non-finite norm skips the step untouched
+    select        at a window boundary: choose each matrix's top-k columns (first time, or when due)
+    device        AdamW on the selected columns and on every vector parameter, fp32 state
+    accumulate    add this step's gradients to the host's fp32 sums
+    end window    every `update_interval` steps: the host runs AdamW with the mean gradient
+
+Warm-up steps (`full_warm_up_rounds`) are windows of one step with no column on the device.
+With `overlap_step`, a window's host update is installed at the end of the next window, so the
+host works while the device trains; otherwise it is installed before step() returns.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zenflow import _checks, columns, selection
+from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
+from zenflow.host import HostJob, HostState, InlineHostRunner
+from zenflow.kernels import clip_coefficient, moment_rescale
+from zenflow.telemetry import StepTimer
+
+_NAME = "ZenFlowAdamW"
+
+
+@dataclass
+class _Matrix:
+    """Bookkeeping of one matrix parameter (ndim >= 2), viewed as [out, in]."""
+    param: torch.nn.Parameter
+    group: dict
+    host: int                  # index into HostState.matrices
+    k: int                     # number of columns updated on the device
+    device: DeviceColumns
+    host_step: int = 0         # host AdamW updates so far
+    num_grads: int = 0         # gradients summed in the current window
+
+    @property
+    def num_columns(self) -> int:
+        return self.param.numel() // self.param.shape[0]
+
+
+@dataclass
+class _Vector:
+    param: torch.nn.Parameter
+    group: dict
+    state: DeviceVector
+
+
+class ZenFlowAdamW(torch.optim.Optimizer):
+    """AdamW with ZenFlow's importance-aware split between device and host.
+
+    Args:
+        params: trainable parameters (or param groups with lr/betas/eps/weight_decay), one device.
+        lr, betas, eps, weight_decay: as in torch.optim.AdamW; read from param_groups at each use.
+        topk_ratio: fraction of each matrix's columns (input channels) updated on the device.
+        select_strategy: "step", "epoch" or "auto" (= "step").
+        select_interval: steps (or epochs) between reselections, or "auto": reselect when the
+            selected columns hold less than `reselect_threshold` of the best columns' importance.
+        update_interval: steps per host window.
+        full_warm_up_rounds: initial steps that update every parameter fully (on the host).
+        overlap_step: install each window's host update one window later, hiding the host's work.
+        max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
+        importance: "l2" or "l1" column norm.
+        steps_per_epoch: needed by select_strategy="epoch".
+        pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
+        reselect_threshold: retained-importance fraction under which "auto" reselects.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, topk_ratio: float = 0.1,
+                 select_strategy: str = "auto", select_interval="auto", update_interval=4,
+                 full_warm_up_rounds: int = 0, overlap_step: bool = True,
+                 max_grad_norm: float | None = None, importance: str = "l2",
+                 steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
+                 reselect_threshold: float = 0.9):
+        self._built = False
+        self.topk_ratio = _checks.between(_NAME, "topk_ratio", topk_ratio, 0.0, 1.0)
+        self.select_strategy = _checks.choice(_NAME, "select_strategy", select_strategy,
+                                              ("auto", "step", "epoch"))
+        self.select_interval = _checks.integer(_NAME, "select_interval", select_interval, low=1,
+                                               allow_auto=True)
+        self.update_interval = _checks.integer(_NAME, "update_interval", update_interval, low=1,
+                                               allow_auto=True)
+        if self.update_interval == "auto":
+            raise NotImplementedError(f"{_NAME}: update_interval=\"auto\" is not implemented yet; "
+                                      "pass an integer number of steps per host window")
+        self.full_warm_up_rounds = _checks.integer(_NAME, "full_warm_up_rounds",
+                                                   full_warm_up_rounds, low=0)
+        if not isinstance(overlap_step, bool):
+            raise TypeError(f"{_NAME}: overlap_step must be True or False, got {overlap_step!r}")
+        self.overlap_step = overlap_step
+        self.max_grad_norm = (None if max_grad_norm is None else
+                              _checks.number(_NAME, "max_grad_norm", max_grad_norm, low=0.0,
+                                             low_open=True))
+        self.importance = _checks.choice(_NAME, "importance", importance, ("l2", "l1"))
+        self.steps_per_epoch = (None if steps_per_epoch is None else
+                                _checks.integer(_NAME, "steps_per_epoch", steps_per_epoch, low=1))
+        self.pt_reserved_cores_perc = _checks.between(_NAME, "pt_reserved_cores_perc",
+                                                      pt_reserved_cores_perc, 0.0, 1.0)
+        self.reselect_threshold = _checks.between(_NAME, "reselect_threshold",
+                                                  reselect_threshold, 0.0, 1.0)
+        self._schedule = self._make_schedule()
+
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        self.device = _checks.parameters(_NAME, all_params)
+        self._build()
+
+    def _make_schedule(self) -> selection.SelectionSchedule:
+        if self.select_interval == "auto":
+            return selection.SelectionSchedule(drift_threshold=self.reselect_threshold)
+        if self.select_strategy == "epoch":
+            if self.steps_per_epoch is None:
+                raise ValueError(f"{_NAME}: select_strategy=\"epoch\" with select_interval="
+                                 f"{self.select_interval} needs steps_per_epoch")
+            return selection.SelectionSchedule(every_steps=self.select_interval *
+                                               self.steps_per_epoch)
+        return selection.SelectionSchedule(every_steps=self.select_interval)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise NotImplementedError(f"{_NAME}: add_param_group after construction is not "
+                                      "supported; pass every group to the constructor")
+        super().add_param_group(param_group)
+        _checks.group_hyperparameters(_NAME, self.param_groups[-1])
+
+    # ------------------------------------------------------------------ construction
+    def _build(self) -> None:
+        self._matrices: list[_Matrix] = []
+        self._vectors: list[_Vector] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim >= 2:
+                    k = selection.num_selected(self.topk_ratio, p.numel() // p.shape[0])
+                    cols = DeviceColumns.empty(p.shape[0], k, self.device, step=0)
+                    self._matrices.append(_Matrix(p, group, len(self._matrices), k, cols))
+                else:
+                    self._vectors.append(_Vector(p, group, DeviceVector.for_param(p)))
+        num_slots = 2 if self.overlap_step else 1
+        self._host = HostState.allocate([m.param for m in self._matrices], num_slots)
+        self._runner = InlineHostRunner(self._host)
+
+        self._step = 0               # optimizer steps taken (skipped ones not counted)
+        self._window_steps = 0       # steps accumulated in the current window
+        self._slot = 0               # host gradient-sum buffer being filled
+        self._selected = False       # columns chosen yet (false during warm-up)
+        self._in_flight: list[int] | None = None   # matrices whose host update is not installed
+        self.skipped_steps = 0
+        self.num_reselections = 0
+        self.num_windows = 0
+        self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
+        self._timer = StepTimer()
+        self._closed = False
+        self._built = True
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._closed:
+            raise RuntimeError(f"{_NAME}: step() after close()")
+        grads = self._gradients()
+        if all(g is None for g in grads.values()):
+            return loss
+        self._timer.begin()
+        clip_coef = clip_coefficient([g for g in grads.values() if g is not None],
+                                      self.max_grad_norm)
+        if clip_coef is None:
+            self.skipped_steps += 1
+            self._timer.end(skipped=True)
+            return loss
+
+        warming_up = self._step < self.full_warm_up_rounds
+        if not warming_up and self._window_steps == 0:
+            self._maybe_select(grads, clip_coef)
+        self._device_update(grads, clip_coef)
+        self._accumulate(grads, clip_coef)
+        self._window_steps += 1
+        if warming_up or self._window_steps >= self.update_interval:
+            self._end_window(synchronous=warming_up or not self.overlap_step)
+        self._step += 1
+        self._timer.end()
+        return loss
+
+    def _gradients(self) -> dict[torch.Tensor, torch.Tensor | None]:
+        grads = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is not None and (g.is_sparse or g.device != self.device):
+                    raise ValueError(f"{_NAME}: the gradient of a parameter of shape "
+                                     f"{tuple(p.shape)} is {'sparse' if g.is_sparse else 'on ' + str(g.device)}"
+                                     f"; dense gradients on {self.device} are required")
+                grads[p] = g
+        return grads
+
+    def _device_update(self, grads, clip_coef: float) -> None:
+        matrices = []
+        if self._selected:
+            matrices = [(m.param, grads[m.param], m.device, m.group) for m in self._matrices
+                        if m.k > 0 and grads[m.param] is not None]
+        vectors = [(v.param, grads[v.param], v.state, v.group) for v in self._vectors
+                   if grads[v.param] is not None]
+        device_step(matrices, vectors, clip_coef)
+
+    def _host_owns_columns(self, m: _Matrix) -> bool:
+        return not self._selected or m.k < m.num_columns
+
+    def _accumulate(self, grads, clip_coef: float) -> None:
+        for m in self._matrices:
+            g = grads[m.param]
+            if g is None or not self._host_owns_columns(m):
+                continue
+            grad_sum = self._host.matrices[m.host].grad_sums[self._slot]
+            columns.add_(grad_sum, columns.as_matrix(g).to(grad_sum.device), alpha=clip_coef)
+            m.num_grads += 1
+
+    # ------------------------------------------------------------------ windows
+    def _end_window(self, synchronous: bool) -> None:
+        """Hand the window's gradient sums to the host; install results per the overlap rule."""
+        self._install_in_flight()
+        jobs = []
+        for m in self._matrices:
+            if m.num_grads == 0:
+                continue
+            m.host_step += 1
+            jobs.append(HostJob(m.host, m.host_step, m.num_grads, *hyper(m.group)))
+            m.num_grads = 0
+        self._window_steps = 0
+        self.num_windows += 1
+        self.decisions.append((self._step, "flush"))
+        if not jobs:
+            return
+        self._runner.submit(jobs, self._slot)
+        self._in_flight = [job.matrix for job in jobs]
+        if synchronous:
+            self._install_in_flight()
+        else:
+            self._slot = 1 - self._slot
+
+    def _install_in_flight(self) -> None:
+        """Wait for the submitted host update (if any) and copy its columns to the device."""
+        if self._in_flight is None:
+            return
+        self._timer.stall(self._runner.wait())
+        for index in self._in_flight:
+            m = self._matrices[index]
+            param = columns.as_matrix(m.param.data)
+            columns.copy_(param, self._host.matrices[m.host].master)
+            if self._selected and m.k > 0:
+                # The host updated every column; the device's own columns are newer.
+                columns.scatter_columns(param, m.device.index, m.device.master)
+        self._in_flight = None
+
+    def synchronize(self) -> None:
+        """Wait for the in-flight host update and install it now (before evaluation or saving
+        the final model). Training continues correctly afterwards; the update is just visible
+        earlier than the overlap schedule would make it."""
+        self._install_in_flight()
+
+    # ------------------------------------------------------------------ selection
+    def _maybe_select(self, grads, clip_coef: float) -> None:
+        if not self._selected:
+            self._select(grads, first=True)
+            return
+        if not self._schedule.wants_check(self._step):
+            return
+        retained = None
+        if self._schedule.every_steps is None:
+            retained = self._retained_fraction(grads)
+        if self._schedule.due(retained):
+            self._install_in_flight()  # state can only move once the host is drained
+            self._select(grads, first=False)
+
+    def _importance(self, grad: torch.Tensor | None, m: _Matrix) -> torch.Tensor:
+        if grad is None:  # no gradient: keep the first columns (or the current ones)
+            return torch.zeros(m.num_columns, device=self.device)
+        return selection.column_importance(grad, self.importance)
+
+    def _retained_fraction(self, grads) -> float:
+        held = best = 0.0
+        for m in self._matrices:
+            if 0 < m.k < m.num_columns and grads[m.param] is not None:
+                h, b = selection.retained_mass(self._importance(grads[m.param], m),
+                                               m.device.index, m.k)
+                held, best = held + h, best + b
+        return 1.0 if best == 0.0 else held / best
+
+    def _select(self, grads, first: bool) -> None:
+        for m in self._matrices:
+            if m.k == 0:
+                continue
+            new_index = selection.top_columns(self._importance(grads[m.param], m), m.k)
+            if first:
+                self._take_from_host(m, new_index)
+            elif m.k < m.num_columns:
+                self._move_columns(m, new_index)
+        self._selected = True
+        self._schedule.selected(self._step)
+        if not first:
+            self.num_reselections += 1
+        self.decisions.append((self._step, "select" if first else "reselect"))
+
+    def _take_from_host(self, m: _Matrix, index: torch.Tensor) -> None:
+        """First selection: the device side starts at the host's count with the host's state."""
+        host = self._host.matrices[m.host]
+        cpu_index = index.cpu()
+        dev = m.device
+        dev.index.copy_(index)
+        dev.step = m.host_step
+        for dst, src in ((dev.master, host.master), (dev.exp_avg, host.exp_avg),
+                         (dev.exp_avg_sq, host.exp_avg_sq)):
+            dst.copy_(src.index_select(1, cpu_index))
+
+    def _move_columns(self, m: _Matrix, new_index: torch.Tensor) -> None:
+        """Reselection: columns that leave the device go back to the host and columns that join
+        come from it, with master values, moments (rescaled between the two sides' step counts
+        so bias-corrected values are unchanged) and nothing reset."""
+        host = self._host.matrices[m.host]
+        dev = m.device
+        beta1, beta2 = (float(b) for b in m.group["betas"])
+        old = dev.index.cpu()
+        new = new_index.cpu()
+        stays = torch.isin(new, old)
+        leaves = ~torch.isin(old, new)
+
+        # Device -> host for the columns that leave.
+        out_cols, out_pos = old[leaves], leaves.nonzero().flatten().to(dev.index.device)
+        host.master[:, out_cols] = dev.master[:, out_pos].cpu()
+        host.exp_avg[:, out_cols] = dev.exp_avg[:, out_pos].cpu() * moment_rescale(
+            beta1, dev.step, m.host_step)
+        host.exp_avg_sq[:, out_cols] = dev.exp_avg_sq[:, out_pos].cpu() * moment_rescale(
+            beta2, dev.step, m.host_step)
+
+        # New device arrays: staying columns from the device, joining ones from the host.
+        stay_src = torch.searchsorted(old, new[stays]).to(dev.index.device)
+        stay_dst = stays.nonzero().flatten().to(dev.index.device)
+        join_cols = new[~stays]
+        join_dst = (~stays).nonzero().flatten().to(dev.index.device)
+        for name, beta in (("master", None), ("exp_avg", beta1), ("exp_avg_sq", beta2)):
+            current = getattr(dev, name)
+            fresh = torch.empty_like(current)
+            fresh[:, stay_dst] = current[:, stay_src]
+            joining = getattr(host, name)[:, join_cols]
+            if beta is not None:
+                joining = joining * moment_rescale(beta, m.host_step, dev.step)
+            fresh[:, join_dst] = joining.to(fresh.device)
+            setattr(dev, name, fresh)
+        dev.index = new_index.to(dev.index.device)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the host worker and release its memory. Idempotent."""
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._runner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def stats(self) -> dict:
+        """Telemetry: counters and per-step timings of the training process and the host."""
+        return {
+            "steps": self._step,
+            "skipped_steps": self.skipped_steps,
+            "windows": self.num_windows,
+            "reselections": self.num_reselections,
+            "update_interval": self.update_interval,
+            "host_busy_s": self._runner.busy_seconds,
+            "host_bytes": self._host.nbytes(),
+            **self._timer.summary(),
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly: host and device state, selection, counters and
+        the partial window. Waits for in-flight host work first (without installing it)."""
+        self._timer.stall(self._runner.wait())
+        index_of = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state = {}
+        for m in self._matrices:
+            host = self._host.matrices[m.host]
+            state[index_of[m.param]] = {
+                "kind": "matrix", "host_step": m.host_step, "num_grads": m.num_grads,
+                "host_master": host.master.clone(), "host_exp_avg": host.exp_avg.clone(),
+                "host_exp_avg_sq": host.exp_avg_sq.clone(),
+                "host_grad_sum": host.grad_sums[self._slot].clone(),
+                "device_step": m.device.step, "device_index": m.device.index.clone(),
+                "device_master": m.device.master.clone(),
+                "device_exp_avg": m.device.exp_avg.clone(),
+                "device_exp_avg_sq": m.device.exp_avg_sq.clone(),
+            }
+        for v in self._vectors:
+            state[index_of[v.param]] = {
+                "kind": "vector", "step": v.state.step, "master": v.state.master.clone(),
+                "exp_avg": v.state.exp_avg.clone(), "exp_avg_sq": v.state.exp_avg_sq.clone(),
+            }
+        groups = []
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [index_of[p] for p in g["params"]]})
+        return {"state": state, "param_groups": groups, "zenflow": {
+            "step": self._step, "window_steps": self._window_steps, "selected": self._selected,
+            "in_flight": self._in_flight, "skipped_steps": self.skipped_steps,
+            "num_reselections": self.num_reselections, "num_windows": self.num_windows,
+            "schedule": self._schedule.state_dict(), "topk_ratio": self.topk_ratio,
+            "overlap_step": self.overlap_step,
+        }}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state saved by state_dict() from an optimizer over the same parameters."""
+        saved = state_dict.get("zenflow")
+        if saved is None:
+            raise ValueError(f"{_NAME}: load_state_dict got a state dict without the 'zenflow' "
+                             "section; it was not saved by ZenFlowAdamW")
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"{_NAME}: load_state_dict: saved param groups have sizes "
+                             f"{[len(g['params']) for g in groups]}, this optimizer's have "
+                             f"{[len(g['params']) for g in self.param_groups]}")
+        if saved["topk_ratio"] != self.topk_ratio:
+            raise ValueError(f"{_NAME}: load_state_dict: saved topk_ratio {saved['topk_ratio']} "
+                             f"differs from this optimizer's {self.topk_ratio}")
+        self._timer.stall(self._runner.wait())
+        index_of = {p: i for i, p in enumerate(params)}
+        for m in self._matrices:
+            s = state_dict["state"][index_of[m.param]]
+            if s["kind"] != "matrix" or s["host_master"].shape != self._host.matrices[m.host].master.shape:
+                raise ValueError(f"{_NAME}: load_state_dict: saved state for the parameter of "
+                                 f"shape {tuple(m.param.shape)} does not match it")
+            host = self._host.matrices[m.host]
+            host.master.copy_(s["host_master"])
+            host.exp_avg.copy_(s["host_exp_avg"])
+            host.exp_avg_sq.copy_(s["host_exp_avg_sq"])
+            for buf in host.grad_sums:
+                buf.zero_()
+            host.grad_sums[0].copy_(s["host_grad_sum"])
+            m.host_step, m.num_grads = s["host_step"], s["num_grads"]
+            dev = m.device
+            dev.step = s["device_step"]
+            for name in ("index", "master", "exp_avg", "exp_avg_sq"):
+                getattr(dev, name).copy_(s[f"device_{name}"])
+        for v in self._vectors:
+            s = state_dict["state"][index_of[v.param]]
+            if s["kind"] != "vector" or s["master"].shape != v.state.master.shape:
+                raise ValueError(f"{_NAME}: load_state_dict: saved state for the parameter of "
+                                 f"shape {tuple(v.param.shape)} does not match it")
+            v.state.step = s["step"]
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(v.state, name).copy_(s[name])
+        for group, saved_group in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        self._slot = 0
+        self._step, self._window_steps = saved["step"], saved["window_steps"]
+        self._selected, self._in_flight = saved["selected"], saved["in_flight"]
+        self.skipped_steps = saved["skipped_steps"]
+        self.num_reselections, self.num_windows = saved["num_reselections"], saved["num_windows"]
+        self._schedule.load_state_dict(saved["schedule"])

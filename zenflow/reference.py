@@ -1,0 +1,193 @@
+"""The slow, obviously-correct ZenFlow of DESIGN.md section 2, kept as the tests' oracle.
+
+It shares no code with the fast optimizer. Every matrix keeps full-size fp32 tensors (master
+value, moments, gradient sum) and a boolean mask of the columns the device owns; every update is
+written out element-wise with plain tensor arithmetic. Decisions that "auto" settings make at
+run time can be given to `step()` explicitly, so the reference checks the arithmetic of any
+decision sequence.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def adamw_update(value, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW update (torch.optim.AdamW's formula), returning new (value, exp_avg, exp_avg_sq)."""
+    value = value * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
+    denom = exp_avg_sq.sqrt() / math.sqrt(bias2) + eps
+    value = value - (lr / bias1) * exp_avg / denom
+    return value, exp_avg, exp_avg_sq
+
+
+def rescale(beta, from_step, to_step):
+    """Keeps m / (1 - beta^count) unchanged when a moment's count goes from_step -> to_step."""
+    if from_step == 0 or to_step == 0:
+        return 0.0
+    return (1 - beta ** to_step) / (1 - beta ** from_step)
+
+
+class ReferenceZenFlow:
+    """Single param group. `params` are the model's tensors; the reference updates them in place.
+
+    select_interval: reselect at the first window boundary >= this many steps after the last
+    selection (None: never reselect on its own; pass reselect=True to step()).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 topk_ratio=0.1, update_interval=4, full_warm_up_rounds=0, overlap_step=False,
+                 max_grad_norm=None, importance="l2", select_interval=None):
+        self.params = list(params)
+        self.lr, (self.beta1, self.beta2), self.eps, self.wd = lr, betas, eps, weight_decay
+        self.topk_ratio, self.update_interval = topk_ratio, update_interval
+        self.warm_up, self.overlap = full_warm_up_rounds, overlap_step
+        self.max_grad_norm, self.importance = max_grad_norm, importance
+        self.select_interval = select_interval
+        self.t = 0
+        self.window_steps = 0
+        self.selected = False
+        self.last_selection = 0
+        self.pending = False
+        self.skipped = 0
+        self.state = []
+        for p in self.params:
+            s = {"master": p.detach().float().clone(), "m": torch.zeros(p.shape),
+                 "v": torch.zeros(p.shape)}
+            if p.ndim >= 2:
+                cols = p.numel() // p.shape[0]
+                s.update(master=s["master"].reshape(p.shape[0], cols),
+                         m=torch.zeros(p.shape[0], cols), v=torch.zeros(p.shape[0], cols),
+                         acc=torch.zeros(p.shape[0], cols), acc_n=0, host_count=0,
+                         device_count=0, on_device=torch.zeros(cols, dtype=torch.bool),
+                         k=min(cols, math.ceil(topk_ratio * cols)))
+            else:
+                s["count"] = 0
+            self.state.append(s)
+
+    # -- helpers -----------------------------------------------------------------------
+    def _write(self, p, s, column_mask=None):
+        """Copy the master value into the model parameter (only the masked columns)."""
+        if p.ndim < 2:
+            p.data.copy_(s["master"].to(p.dtype))
+            return
+        current = p.data.reshape(s["master"].shape)
+        for j in range(current.shape[1]):
+            if column_mask is None or column_mask[j]:
+                current[:, j] = s["master"][:, j].to(p.dtype)
+
+    def _install_host_columns(self):
+        for p, s in zip(self.params, self.state):
+            if p.ndim >= 2:
+                self._write(p, s, ~s["on_device"])
+        self.pending = False
+
+    def _choose(self, grad2d, k):
+        if grad2d is None:
+            scores = [0.0] * 0
+            return list(range(k))
+        if self.importance == "l2":
+            scores = [float(grad2d[:, j].double().pow(2).sum().sqrt()) for j in range(grad2d.shape[1])]
+        else:
+            scores = [float(grad2d[:, j].double().abs().sum()) for j in range(grad2d.shape[1])]
+        order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+        return sorted(order[:k])
+
+    def _select(self, grads, first):
+        for p, s, g in zip(self.params, self.state, grads):
+            if p.ndim < 2 or s["k"] == 0:
+                continue
+            chosen = torch.zeros_like(s["on_device"])
+            chosen[self._choose(g, s["k"])] = True
+            if first:
+                s["device_count"] = s["host_count"]
+            for j in range(chosen.numel()):
+                if chosen[j] and not s["on_device"][j]:      # host -> device
+                    s["m"][:, j] *= rescale(self.beta1, s["host_count"], s["device_count"])
+                    s["v"][:, j] *= rescale(self.beta2, s["host_count"], s["device_count"])
+                elif s["on_device"][j] and not chosen[j]:    # device -> host
+                    s["m"][:, j] *= rescale(self.beta1, s["device_count"], s["host_count"])
+                    s["v"][:, j] *= rescale(self.beta2, s["device_count"], s["host_count"])
+            s["on_device"] = chosen
+        self.selected = True
+        self.last_selection = self.t
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self, grads, lr=None, flush=None, reselect=None):
+        """grads: one tensor (or None) per param. flush/reselect override the fixed schedule."""
+        if lr is not None:
+            self.lr = lr
+        present = [g.double() for g in grads if g is not None]
+        norm = math.sqrt(sum(float((g * g).sum()) for g in present))
+        if not math.isfinite(norm):
+            self.skipped += 1
+            return
+        coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+        grads = [None if g is None else (g.float() * coef) for g in grads]
+        grads2d = [None if g is None or p.ndim < 2 else g.reshape(p.shape[0], -1)
+                   for p, g in zip(self.params, grads)]
+
+        warming_up = self.t < self.warm_up
+        if not warming_up and self.window_steps == 0:
+            if not self.selected:
+                self._select(grads2d, first=True)
+            else:
+                due = (reselect if reselect is not None else
+                       self.select_interval is not None and
+                       self.t - self.last_selection >= self.select_interval)
+                if due:
+                    if self.pending:
+                        self._install_host_columns()
+                    self._select(grads2d, first=False)
+
+        # Device: vectors, and the device-owned columns of each matrix.
+        for p, s, g, g2 in zip(self.params, self.state, grads, grads2d):
+            if g is None:
+                continue
+            if p.ndim < 2:
+                s["count"] += 1
+                s["master"], s["m"], s["v"] = adamw_update(
+                    s["master"], g, s["m"], s["v"], s["count"], self.lr, self.beta1, self.beta2,
+                    self.eps, self.wd)
+                self._write(p, s)
+            elif s["on_device"].any():
+                s["device_count"] += 1
+                cols = s["on_device"]
+                new = adamw_update(s["master"][:, cols], g2[:, cols], s["m"][:, cols],
+                                   s["v"][:, cols], s["device_count"], self.lr, self.beta1,
+                                   self.beta2, self.eps, self.wd)
+                s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = new
+                self._write(p, s, cols)
+
+        # Host: sum the gradients of the columns the host owns.
+        for p, s, g2 in zip(self.params, self.state, grads2d):
+            if g2 is not None and not s["on_device"].all():
+                s["acc"][:, ~s["on_device"]] += g2[:, ~s["on_device"]]
+                s["acc_n"] += 1
+
+        self.window_steps += 1
+        ends = flush if (flush is not None and not warming_up) else (
+            warming_up or self.window_steps >= self.update_interval)
+        if ends:
+            if self.pending:
+                self._install_host_columns()
+            for p, s in zip(self.params, self.state):
+                if p.ndim < 2 or s["acc_n"] == 0:
+                    continue
+                s["host_count"] += 1
+                cols = ~s["on_device"]
+                new = adamw_update(s["master"][:, cols], s["acc"][:, cols] / s["acc_n"],
+                                   s["m"][:, cols], s["v"][:, cols], s["host_count"], self.lr,
+                                   self.beta1, self.beta2, self.eps, self.wd)
+                s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = new
+                s["acc"].zero_()
+                s["acc_n"] = 0
+            self.pending = True
+            if warming_up or not self.overlap:
+                self._install_host_columns()
+            self.window_steps = 0
+        self.t += 1
