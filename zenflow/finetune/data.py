@@ -70,7 +70,8 @@ def bbc_news_articles(root: Path | None = None) -> list[Example]:
 def split_by_article(examples: list[Example], test_fraction: float = 0.2,
                      seed: int = 0) -> tuple[list[Example], list[Example]]:
     """Stratified train/test split by article: within each class the articles are shuffled with
-    `random.Random(seed)` and the first `round(test_fraction * n)` go to the test set."""
+    `random.Random(seed)` and the first `round(test_fraction * n)` go to the test set; both
+    sets are then shuffled with the same generator so that the classes are mixed."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction} is not allowed: it must be in (0, 1)")
     by_label: dict[int, list[Example]] = {}
@@ -84,6 +85,9 @@ def split_by_article(examples: list[Example], test_fraction: float = 0.2,
         n_test = round(test_fraction * len(group))
         test += group[:n_test]
         train += group[n_test:]
+    # Mix the classes so that any prefix (a --train-subset) is a fair sample of them.
+    rng.shuffle(train)
+    rng.shuffle(test)
     return train, test
 
 
