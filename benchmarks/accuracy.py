@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bbc-steps", type=int, default=BBCSetting.steps)
     ap.add_argument("--bbc-max-length", type=int, default=BBCSetting.max_length)
     ap.add_argument("--lm-steps", type=int, default=LMSetting.steps)
+    ap.add_argument("--lm-batch-size", type=int, default=LMSetting.batch_size)
+    ap.add_argument("--name", default="accuracy", help="stem of the JSON and PNG file names")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
         print(f"BBC News: {vars(s)}", flush=True)
         result["bbc"] = run_all(BBCExperiment(s), args.seeds, systems, not args.no_progress)
     if "lm" in args.tasks:
-        s = LMSetting(steps=args.lm_steps)
+        s = LMSetting(steps=args.lm_steps, batch_size=args.lm_batch_size)
         result["lm_setting"] = vars(s)
         print(f"Shakespeare LM: {vars(s)}", flush=True)
         result["lm"] = run_all(LMExperiment(s), args.seeds, systems, not args.no_progress)
@@ -154,8 +156,8 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accuracy.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / "accuracy.png")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / f"{args.name}.png")
     for key, unit in (("bbc", "accuracy"), ("lm", "held-out loss")):
         if key in result:
             print(f"\n{key}: {unit} over seeds {args.seeds}")
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
                     print(f"  {name:<32} no result: {result[key]['errors'].get(name, 'not run')}")
     if "verdicts" in result:
         print("\nvs AdamW:", json.dumps(result["verdicts"], indent=2))
-    print(f"\nwrote {out / 'accuracy.json'} and {out / 'accuracy.png'}")
+    print(f"\nwrote {out / (args.name + '.json')} and {out / (args.name + '.png')}")
     return 0
 
 
