@@ -45,6 +45,16 @@ def integer(owner: str, name: str, value, *, low: int, allow_auto: bool = False)
     return int(value)
 
 
+def interval_bounds(owner: str, name: str, value) -> tuple[int, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        _fail(owner, f"{name} must be a pair (min_steps, max_steps), got {value!r}", TypeError)
+    low = integer(owner, f"{name}[0]", value[0], low=1)
+    high = integer(owner, f"{name}[1]", value[1], low=1)
+    if high < low:
+        _fail(owner, f"{name} must have min <= max, got {tuple(value)}")
+    return low, high
+
+
 def choice(owner: str, name: str, value, allowed: tuple[str, ...]):
     if value not in allowed:
         _fail(owner, f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
@@ -63,6 +73,17 @@ def group_hyperparameters(owner: str, group: dict) -> None:
     number(owner, "weight_decay", group["weight_decay"], low=0.0)
 
 
+def param_list(owner: str, params) -> list:
+    """The params argument as a list (it may be a generator), refusing an empty one."""
+    if isinstance(params, torch.Tensor):
+        _fail(owner, "params must be an iterable of tensors or param groups, got a single tensor",
+              TypeError)
+    params = list(params)
+    if not params:
+        _fail(owner, "params is empty: pass the model's trainable parameters")
+    return params
+
+
 def parameters(owner: str, params: list[torch.Tensor]) -> torch.device:
     """All trainable, dense, contiguous floating tensors on one device; returns that device."""
     if not params:
@@ -72,12 +93,12 @@ def parameters(owner: str, params: list[torch.Tensor]) -> torch.device:
         where = f"params[{i}] (shape {tuple(p.shape)})"
         if not isinstance(p, torch.Tensor):
             _fail(owner, f"params[{i}] must be a torch.Tensor, got {type(p).__name__}", TypeError)
-        if not p.requires_grad:
-            _fail(owner, f"{where} does not require grad; pass only trainable parameters, "
-                         "e.g. [p for p in model.parameters() if p.requires_grad]")
         if p.dtype not in _FLOAT_DTYPES:
             _fail(owner, f"{where} has dtype {p.dtype}; allowed: float32, bfloat16, float16",
                   TypeError)
+        if not p.requires_grad:
+            _fail(owner, f"{where} does not require grad; pass only trainable parameters, "
+                         "e.g. [p for p in model.parameters() if p.requires_grad]")
         if p.device != device:
             _fail(owner, f"all params must be on one device: params[0] is on {device}, "
                          f"{where} is on {p.device}")

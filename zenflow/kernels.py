@@ -46,13 +46,16 @@ def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
     torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias1)
 
 
-def clip_coefficient(grads: list[torch.Tensor], max_grad_norm: float | None) -> float | None:
+def gradient_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each gradient, as fp32 scalar tensors (computed in fp32 for any dtype)."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return list(torch._foreach_norm(grads))
+    return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+
+
+def clip_coefficient(norms: list[torch.Tensor], max_grad_norm: float | None) -> float | None:
     """The factor clip_grad_norm_ would scale every gradient by (1.0 without clipping), or None
     when the global gradient norm is not finite and the step must be skipped."""
-    if all(g.dtype == torch.float32 for g in grads):
-        norms = torch._foreach_norm(grads)
-    else:
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if not torch.isfinite(total):
         return None

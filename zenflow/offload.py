@@ -11,7 +11,7 @@ import torch
 from zenflow import _checks, columns
 from zenflow.device_adam import hyper
 from zenflow.host import HostJob, HostState
-from zenflow.kernels import clip_coefficient
+from zenflow.kernels import clip_coefficient, gradient_norms
 from zenflow.telemetry import StepTimer
 
 _NAME = "OffloadAdamW"
@@ -25,6 +25,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.max_grad_norm = (None if max_grad_norm is None else
                               _checks.number(_NAME, "max_grad_norm", max_grad_norm, low=0.0,
                                              low_open=True))
+        params = _checks.param_list(_NAME, params)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._params = [p for g in self.param_groups for p in g["params"]]
         self.device = _checks.parameters(_NAME, self._params)
@@ -51,7 +52,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not present:
             return loss
         self._timer.begin()
-        clip_coef = clip_coefficient([p.grad for _, p in present], self.max_grad_norm)
+        clip_coef = clip_coefficient(gradient_norms([p.grad for _, p in present]),
+                                      self.max_grad_norm)
         if clip_coef is None:
             self.skipped_steps += 1
             self._timer.end(skipped=True)

@@ -14,6 +14,7 @@ host works while the device trains; otherwise it is installed before step() retu
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,10 +23,12 @@ import torch
 from zenflow import _checks, columns, selection
 from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
 from zenflow.host import HostJob, HostState, InlineHostRunner
-from zenflow.kernels import clip_coefficient, moment_rescale
+from zenflow.kernels import clip_coefficient, gradient_norms, moment_rescale
 from zenflow.telemetry import StepTimer
+from zenflow.windows import AutoWindow, FixedWindow
 
 _NAME = "ZenFlowAdamW"
+log = logging.getLogger("zenflow")
 
 
 @dataclass
@@ -61,7 +64,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         select_strategy: "step", "epoch" or "auto" (= "step").
         select_interval: steps (or epochs) between reselections, or "auto": reselect when the
             selected columns hold less than `reselect_threshold` of the best columns' importance.
-        update_interval: steps per host window.
+        update_interval: steps per host window, or "auto": end a window when the deferred
+            columns' summed gradient reaches one important step (see zenflow/windows.py).
+        auto_ratio: the "auto" window threshold (DeepSpeed's key and default).
+        auto_update_bounds: (min, max) window length for update_interval="auto".
         full_warm_up_rounds: initial steps that update every parameter fully (on the host).
         overlap_step: install each window's host update one window later, hiding the host's work.
         max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
@@ -77,7 +83,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  full_warm_up_rounds: int = 0, overlap_step: bool = True,
                  max_grad_norm: float | None = None, importance: str = "l2",
                  steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
-                 reselect_threshold: float = 0.9):
+                 reselect_threshold: float = 0.9, auto_ratio: float = 0.99,
+                 auto_update_bounds: tuple[int, int] = (1, 16)):
         self._built = False
         self.topk_ratio = _checks.between(_NAME, "topk_ratio", topk_ratio, 0.0, 1.0)
         self.select_strategy = _checks.choice(_NAME, "select_strategy", select_strategy,
@@ -86,9 +93,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                                allow_auto=True)
         self.update_interval = _checks.integer(_NAME, "update_interval", update_interval, low=1,
                                                allow_auto=True)
-        if self.update_interval == "auto":
-            raise NotImplementedError(f"{_NAME}: update_interval=\"auto\" is not implemented yet; "
-                                      "pass an integer number of steps per host window")
+        self.auto_ratio = _checks.number(_NAME, "auto_ratio", auto_ratio, low=0.0, low_open=True)
+        self.auto_update_bounds = _checks.interval_bounds(_NAME, "auto_update_bounds",
+                                                          auto_update_bounds)
         self.full_warm_up_rounds = _checks.integer(_NAME, "full_warm_up_rounds",
                                                    full_warm_up_rounds, low=0)
         if not isinstance(overlap_step, bool):
@@ -105,7 +112,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.reselect_threshold = _checks.between(_NAME, "reselect_threshold",
                                                   reselect_threshold, 0.0, 1.0)
         self._schedule = self._make_schedule()
+        if self.update_interval == "auto":
+            self._window = AutoWindow(self.auto_ratio, *self.auto_update_bounds,
+                                      overlap=self.overlap_step)
+        else:
+            self._window = FixedWindow(self.update_interval)
 
+        params = _checks.param_list(_NAME, params)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -156,6 +169,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.num_windows = 0
         self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
         self._timer = StepTimer()
+        self._step_seconds = 0.0     # moving average of the time between step() calls
+        self._last_step_start = None
         self._closed = False
         self._built = True
 
@@ -172,8 +187,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if all(g is None for g in grads.values()):
             return loss
         self._timer.begin()
-        clip_coef = clip_coefficient([g for g in grads.values() if g is not None],
-                                      self.max_grad_norm)
+        self._measure_step_period()
+        norms = dict(zip((p for p, g in grads.items() if g is not None),
+                         gradient_norms([g for g in grads.values() if g is not None])))
+        clip_coef = clip_coefficient(list(norms.values()), self.max_grad_norm)
         if clip_coef is None:
             self.skipped_steps += 1
             self._timer.end(skipped=True)
@@ -183,9 +200,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not warming_up and self._window_steps == 0:
             self._maybe_select(grads, clip_coef)
         self._device_update(grads, clip_coef)
+        if not warming_up and isinstance(self._window, AutoWindow):
+            self._observe_importance(grads, norms, clip_coef)
         self._accumulate(grads, clip_coef)
         self._window_steps += 1
-        if warming_up or self._window_steps >= self.update_interval:
+        if warming_up or self._window.should_end(self._window_steps, self._runner_ready(),
+                                                 self._runner_update_seconds(),
+                                                 self._step_seconds):
+            if not warming_up:
+                log.debug("step %d: end window: %s", self._step, self._window.reason)
             self._end_window(synchronous=warming_up or not self.overlap_step)
         self._step += 1
         self._timer.end()
@@ -202,6 +225,40 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                      f"; dense gradients on {self.device} are required")
                 grads[p] = g
         return grads
+
+    def _measure_step_period(self) -> None:
+        now = time.perf_counter()
+        if self._last_step_start is not None:
+            period = now - self._last_step_start
+            self._step_seconds = (period if self._step_seconds == 0.0
+                                  else 0.8 * self._step_seconds + 0.2 * period)
+        self._last_step_start = now
+
+    def _runner_ready(self) -> bool:
+        ready = getattr(self._runner, "ready", None)
+        return True if ready is None or self._in_flight is None else ready()
+
+    def _runner_update_seconds(self) -> float:
+        return getattr(self._runner, "last_update_seconds", 0.0)
+
+    def _observe_importance(self, grads, norms, clip_coef: float) -> None:
+        """Feed the auto window this step's squared norms of deferred and selected columns."""
+        deferred_sq = selected_sq = 0.0
+        deferred_cols = selected_cols = 0
+        for m in self._matrices:
+            if grads[m.param] is None:
+                continue
+            total_sq = (float(norms[m.param]) * clip_coef) ** 2
+            if m.k > 0:
+                # The device update gathered (and clipped) exactly these columns.
+                sel_sq = float(torch.linalg.vector_norm(m.device.grad)) ** 2
+            else:
+                sel_sq = 0.0
+            selected_sq += sel_sq
+            selected_cols += m.k
+            deferred_sq += max(0.0, total_sq - sel_sq)
+            deferred_cols += m.num_columns - m.k
+        self._window.observe(deferred_sq, deferred_cols, selected_sq, selected_cols)
 
     def _device_update(self, grads, clip_coef: float) -> None:
         matrices = []
@@ -235,6 +292,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             m.host_step += 1
             jobs.append(HostJob(m.host, m.host_step, m.num_grads, *hyper(m.group)))
             m.num_grads = 0
+        self._window.last_interval = self._window_steps
+        self._window.ended()
         self._window_steps = 0
         self.num_windows += 1
         self.decisions.append((self._step, "flush"))
@@ -278,8 +337,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._schedule.every_steps is None:
             retained = self._retained_fraction(grads)
         if self._schedule.due(retained):
+            log.debug("step %d: reselect (%s)", self._step,
+                      f"retained importance {retained:.3f} < {self.reselect_threshold}"
+                      if retained is not None else f"{self._schedule.every_steps} steps passed")
             self._install_in_flight()  # state can only move once the host is drained
             self._select(grads, first=False)
+        elif retained is not None:
+            log.debug("step %d: keep selection (retained importance %.3f); next check in %d "
+                      "window(s)", self._step, retained, self._schedule.check_gap)
 
     def _importance(self, grad: torch.Tensor | None, m: _Matrix) -> torch.Tensor:
         if grad is None:  # no gradient: keep the first columns (or the current ones)
@@ -384,6 +449,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "windows": self.num_windows,
             "reselections": self.num_reselections,
             "update_interval": self.update_interval,
+            "last_window_steps": self._window.last_interval,
+            "retained_importance": self._schedule.last_retained,
             "host_busy_s": self._runner.busy_seconds,
             "host_bytes": self._host.nbytes(),
             **self._timer.summary(),
@@ -421,7 +488,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "step": self._step, "window_steps": self._window_steps, "selected": self._selected,
             "in_flight": self._in_flight, "skipped_steps": self.skipped_steps,
             "num_reselections": self.num_reselections, "num_windows": self.num_windows,
-            "schedule": self._schedule.state_dict(), "topk_ratio": self.topk_ratio,
+            "schedule": self._schedule.state_dict(), "window": self._window.state_dict(),
+            "topk_ratio": self.topk_ratio,
             "overlap_step": self.overlap_step,
         }}
 
@@ -475,3 +543,4 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.skipped_steps = saved["skipped_steps"]
         self.num_reselections, self.num_windows = saved["num_reselections"], saved["num_windows"]
         self._schedule.load_state_dict(saved["schedule"])
+        self._window.load_state_dict(saved["window"])

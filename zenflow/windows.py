@@ -1,0 +1,110 @@
+"""When a host window ends: after a fixed number of steps, or when the deferred gradients matter.
+
+The "auto" criterion. Each step splits every matrix's gradient into the selected columns K (updated
+now, on the device) and the deferred columns U (summed on the host). Per column, the deferred
+gradient is small next to the selected one: that is why the columns were chosen. Let
+
+    r_t = rms_column_norm(g_U at step t) / rms_column_norm(g_K at step t)
+
+where rms_column_norm is sqrt(sum of squared column norms / number of columns), pooled over all
+matrices. Summing r_t over the window measures how much gradient each deferred column has
+gathered, in units of what an important column receives (and is applied) in one step. The
+window ends when that sum reaches `threshold` (DeepSpeed's `auto_ratio`, default 0.99): the
+deferred columns have, on average, as much pending gradient as one device update of an important
+column carries. Because both sides are per-column averages, the criterion does not depend on
+topk_ratio or on layer widths; with 10% selected and r_t ~ 0.3 it gives windows of ~4 steps. Every
+quantity comes from norms the step already has (the clipping norm of each gradient and the norm
+of the gathered selected columns), so no extra pass over the gradients is needed.
+
+Bounds: windows are at least `min_steps` and at most `max_steps` long. With overlap, the window
+is also at least as long as it takes to hide the host update behind the device's steps
+(host seconds / step seconds, measured), and it ends early only if the host is ready: a longer
+window is chosen over a stall, up to `max_steps`.
+"""
+from __future__ import annotations
+
+import math
+
+
+class FixedWindow:
+    """Windows of exactly `steps` steps."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.last_interval = None
+        self.reason = ""
+
+    def observe(self, deferred_sq: float, deferred_cols: int, selected_sq: float,
+                selected_cols: int) -> None:
+        pass
+
+    def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
+                   step_seconds: float) -> bool:
+        self.reason = f"fixed interval {self.steps}"
+        return window_steps >= self.steps
+
+    def ended(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class AutoWindow:
+    """Ends a window when the deferred columns' summed gradient reaches one important step."""
+
+    def __init__(self, threshold: float = 0.99, min_steps: int = 1, max_steps: int = 16,
+                 overlap: bool = True):
+        self.threshold = threshold
+        self.min_steps = min_steps
+        self.max_steps = max_steps
+        self.overlap = overlap
+        self.pending_importance = 0.0  # sum of r_t over the current window
+        self.last_interval = None      # length of the last window
+        self.reason = ""
+
+    def observe(self, deferred_sq: float, deferred_cols: int, selected_sq: float,
+                selected_cols: int) -> None:
+        """Add step t's r_t from the squared norms of the deferred and selected columns."""
+        if deferred_cols == 0:
+            return
+        deferred = math.sqrt(max(deferred_sq, 0.0) / deferred_cols)
+        if selected_cols == 0 or selected_sq <= 0.0:
+            self.pending_importance = math.inf  # nothing on the device: defer as little as allowed
+            return
+        self.pending_importance += deferred / math.sqrt(selected_sq / selected_cols)
+
+    def hide_steps(self, host_seconds: float, step_seconds: float) -> int:
+        """Steps the device needs to cover one host update (overlap only)."""
+        if not self.overlap or host_seconds <= 0.0 or step_seconds <= 0.0:
+            return 1
+        return math.ceil(host_seconds / step_seconds)
+
+    def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
+                   step_seconds: float) -> bool:
+        if window_steps >= self.max_steps:
+            self.reason = f"reached max_steps={self.max_steps}"
+            return True
+        floor = max(self.min_steps, min(self.max_steps, self.hide_steps(host_seconds, step_seconds)))
+        if window_steps < floor:
+            return False
+        if self.pending_importance < self.threshold:
+            return False
+        if self.overlap and not host_ready:
+            return False  # ending now would stall on the previous window; keep accumulating
+        self.reason = (f"deferred importance {self.pending_importance:.3g} >= {self.threshold} "
+                       f"after {window_steps} steps (floor {floor})")
+        return True
+
+    def ended(self) -> None:
+        self.pending_importance = 0.0
+
+    def state_dict(self) -> dict:
+        return {"pending_importance": self.pending_importance, "last_interval": self.last_interval}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending_importance = state["pending_importance"]
+        self.last_interval = state["last_interval"]
