@@ -8,11 +8,11 @@ per byte. Four whole works are held out (seeded choice), so no held-out line is 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 from zenflow.finetune.experiments import LMExperiment, LMSetting
+from zenflow.finetune.models import perplexity
 from zenflow.finetune.optim import OPTIMIZERS
 from zenflow.finetune.train import plot_loss_curves
 
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         r = exp.run(kind, args.seed, progress=not args.no_progress, **extra)
         curves[kind], losses[kind] = r.train.losses, r.metric
         print(f"  {kind:>12}: held-out loss {r.metric:.4f} nats/byte, perplexity "
-              f"{math.exp(r.metric):.3f}, median step {r.train.summary()['median_step_s']:.3f} s",
+              f"{perplexity(r.metric):.3f}, median step {r.train.summary()['median_step_s']:.3f} s",
               flush=True)
     if "adamw" in losses:
         for kind, loss in losses.items():
