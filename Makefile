@@ -30,3 +30,8 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The worker's stall benchmark (AdamW, OffloadAdamW, ZenFlow sync/overlap alternated in one run).
+.PHONY: bench-stall
+bench-stall: $(STAMP)
+	$(PY) benchmarks/stall.py

@@ -96,16 +96,22 @@ class InlineHostRunner:
     def __init__(self, host: HostState):
         self.host = host
         self.busy_seconds = 0.0
+        self.updates: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
 
     def submit(self, jobs: list[HostJob], slot: int) -> None:
         import time
         start = time.perf_counter()
         self.host.update(jobs, slot)
-        self.busy_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self.busy_seconds += end - start
+        self.updates.append((start, end))
 
     def wait(self) -> float:
         """Block until submitted work is done; returns the seconds spent blocked."""
         return 0.0
+
+    def check(self) -> None:
+        """Raise if the runner can no longer run updates (never, in process)."""
 
     def close(self) -> None:
         pass

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from zenflow import _checks, columns, selection
+from zenflow.accelerator import Transfers, pin_in_place, unpin
 from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
 from zenflow.host import HostJob, HostState, InlineHostRunner
 from zenflow.kernels import clip_coefficient, gradient_norms, moment_rescale
 from zenflow.telemetry import StepTimer
 from zenflow.windows import AutoWindow, FixedWindow
+from zenflow.worker import WorkerHostRunner, split_cores
 
 _NAME = "ZenFlowAdamW"
 log = logging.getLogger("zenflow")
@@ -75,6 +77,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         steps_per_epoch: needed by select_strategy="epoch".
         pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
         reselect_threshold: retained-importance fraction under which "auto" reselects.
+        worker: run host updates in a separate worker process (False: in the training process,
+            synchronously; for debugging).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -84,7 +88,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, importance: str = "l2",
                  steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
                  reselect_threshold: float = 0.9, auto_ratio: float = 0.99,
-                 auto_update_bounds: tuple[int, int] = (1, 16)):
+                 auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True):
         self._built = False
         self.topk_ratio = _checks.between(_NAME, "topk_ratio", topk_ratio, 0.0, 1.0)
         self.select_strategy = _checks.choice(_NAME, "select_strategy", select_strategy,
@@ -111,6 +115,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                                       pt_reserved_cores_perc, 0.0, 1.0)
         self.reselect_threshold = _checks.between(_NAME, "reselect_threshold",
                                                   reselect_threshold, 0.0, 1.0)
+        if not isinstance(worker, bool):
+            raise TypeError(f"{_NAME}: worker must be True or False, got {worker!r}")
+        self.worker = worker
         self._schedule = self._make_schedule()
         if self.update_interval == "auto":
             self._window = AutoWindow(self.auto_ratio, *self.auto_update_bounds,
@@ -156,8 +163,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 else:
                     self._vectors.append(_Vector(p, group, DeviceVector.for_param(p)))
         num_slots = 2 if self.overlap_step else 1
-        self._host = HostState.allocate([m.param for m in self._matrices], num_slots)
-        self._runner = InlineHostRunner(self._host)
+        self._transfers = Transfers(self.device)
+        self._pinned: list[torch.Tensor] = []
+        if self.worker and self._matrices:
+            self._host = HostState.allocate([m.param for m in self._matrices], num_slots,
+                                            shared=True)
+            if self._transfers.cuda:
+                self._pinned = pin_in_place([t for m in self._host.matrices for t in m.tensors()])
+            _, worker_cores = split_cores(self.pt_reserved_cores_perc)
+            self._runner = WorkerHostRunner(self._host, worker_cores)
+        else:
+            self._host = HostState.allocate([m.param for m in self._matrices], num_slots)
+            self._runner = InlineHostRunner(self._host)
 
         self._step = 0               # optimizer steps taken (skipped ones not counted)
         self._window_steps = 0       # steps accumulated in the current window
@@ -183,6 +200,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._closed:
             raise RuntimeError(f"{_NAME}: step() after close()")
+        self._runner.check()  # a dead worker fails this step, not only the next window end
         grads = self._gradients()
         if all(g is None for g in grads.values()):
             return loss
@@ -273,12 +291,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return not self._selected or m.k < m.num_columns
 
     def _accumulate(self, grads, clip_coef: float) -> None:
-        for m in self._matrices:
-            g = grads[m.param]
-            if g is None or not self._host_owns_columns(m):
-                continue
+        todo = [m for m in self._matrices
+                if grads[m.param] is not None and self._host_owns_columns(m)]
+        on_host = self._transfers.to_host([columns.as_matrix(grads[m.param]) for m in todo])
+        for m, g in zip(todo, on_host):
             grad_sum = self._host.matrices[m.host].grad_sums[self._slot]
-            columns.add_(grad_sum, columns.as_matrix(g).to(grad_sum.device), alpha=clip_coef)
+            columns.add_(grad_sum, g, alpha=clip_coef)
+            self._timer.moved(d2h=g.numel() * g.element_size())
             m.num_grads += 1
 
     # ------------------------------------------------------------------ windows
@@ -311,10 +330,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._in_flight is None:
             return
         self._timer.stall(self._runner.wait())
-        for index in self._in_flight:
-            m = self._matrices[index]
+        installs = [self._matrices[index] for index in self._in_flight]
+        self._transfers.to_device([(columns.as_matrix(m.param.data),
+                                    self._host.matrices[m.host].master) for m in installs])
+        for m in installs:
             param = columns.as_matrix(m.param.data)
-            columns.copy_(param, self._host.matrices[m.host].master)
+            self._timer.moved(h2d=param.numel() * param.element_size())
             if self._selected and m.k > 0:
                 # The host updated every column; the device's own columns are newer.
                 columns.scatter_columns(param, m.device.index, m.device.master)
@@ -428,6 +449,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not getattr(self, "_closed", True):
             self._closed = True
             self._runner.close()
+            unpin(self._pinned)
+            self._pinned = []
 
     def __enter__(self):
         return self
@@ -452,9 +475,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "last_window_steps": self._window.last_interval,
             "retained_importance": self._schedule.last_retained,
             "host_busy_s": self._runner.busy_seconds,
+            "worker": isinstance(self._runner, WorkerHostRunner),
             "host_bytes": self._host.nbytes(),
             **self._timer.summary(),
         }
+
+    def timeline(self) -> dict:
+        """Per-step records of the training process ({start, end, step_s, stall_s, d2h_bytes,
+        h2d_bytes, skipped}) and the (start, end) of each host update, in perf_counter() seconds,
+        for plotting the two side by side."""
+        return {"steps": list(self._timer.records),
+                "host_updates": list(getattr(self._runner, "updates", []))}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -1,4 +1,6 @@
-"""Per-step timings of the training process: time inside step() and time blocked on the host."""
+"""Per-step telemetry of the training process: time inside step(), time blocked on the host (the
+stall) and bytes copied device->host and host->device. Records carry perf_counter() times, which
+are system-wide on Linux, so they line up with the worker's (start, end) pairs on one timeline."""
 from __future__ import annotations
 
 import statistics
@@ -14,6 +16,10 @@ class StepTimer:
         self.records: deque[dict] = deque(maxlen=history)
         self._start = None
         self._stall = 0.0
+        self._d2h = 0
+        self._h2d = 0
+        self.total_d2h_bytes = 0
+        self.total_h2d_bytes = 0
         self.total_step_s = 0.0
         self.total_stall_s = 0.0
         self.timed_steps = 0
@@ -21,6 +27,15 @@ class StepTimer:
     def begin(self) -> None:
         self._start = time.perf_counter()
         self._stall = 0.0
+        self._d2h = self._h2d = 0
+
+    def moved(self, d2h: int = 0, h2d: int = 0) -> None:
+        """Count bytes copied device->host / host->device (outside a step: totals only)."""
+        self.total_d2h_bytes += d2h
+        self.total_h2d_bytes += h2d
+        if self._start is not None:
+            self._d2h += d2h
+            self._h2d += h2d
 
     def stall(self, seconds: float) -> None:
         """Add blocked time; outside a step (state_dict, synchronize) it counts in the totals."""
@@ -33,7 +48,8 @@ class StepTimer:
         end = time.perf_counter()
         step_s = end - self._start
         self.records.append({"start": self._start, "end": end, "step_s": step_s,
-                             "stall_s": self._stall, "skipped": skipped})
+                             "stall_s": self._stall, "d2h_bytes": self._d2h,
+                             "h2d_bytes": self._h2d, "skipped": skipped})
         self.total_step_s += step_s
         self.total_stall_s += self._stall
         self.timed_steps += 1
@@ -50,4 +66,8 @@ class StepTimer:
             "step_s_median": statistics.median(steps) if steps else 0.0,
             "stall_s_median": statistics.median(stalls) if stalls else 0.0,
             "stall_s_mean": statistics.fmean(stalls) if stalls else 0.0,
+            "d2h_bytes_total": self.total_d2h_bytes,
+            "h2d_bytes_total": self.total_h2d_bytes,
+            "d2h_bytes_per_step": self.total_d2h_bytes / max(1, self.timed_steps),
+            "h2d_bytes_per_step": self.total_h2d_bytes / max(1, self.timed_steps),
         }

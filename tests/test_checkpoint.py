@@ -1,0 +1,232 @@
+"""Checkpoints: a resumed run (in a fresh process) equals an uninterrupted one; damaged or
+half-written checkpoints are refused."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine_toys as toys
+from zenflow.checkpoint import CheckpointError
+from zenflow.engine import initialize
+
+TESTS = str(Path(__file__).resolve().parent)
+FP16 = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 3}
+WARMUP = {"type": "WarmupLR", "params": {"warmup_num_steps": 15, "warmup_max_lr": 1e-2}}
+VARIANTS = {
+    "adamw": dict(kind="adamw", gradient_clipping=1.0),
+    "adamw-fp16-warmup": dict(kind="adamw", fp16=FP16, scheduler=WARMUP),
+    "adamw-bf16": dict(kind="adamw", bf16={"enabled": True}),
+    "offload": dict(kind="offload", gradient_clipping=1.0),
+    "zenflow-overlap": dict(kind="zenflow", scheduler=WARMUP),
+    "zenflow-sync": dict(kind="zenflow-sync", gradient_clipping=1.0),
+}
+
+
+def _config(variant):
+    v = dict(VARIANTS[variant])
+    return toys.config(v.pop("kind"), batch_size=8, micro=4, **v)
+
+
+def _engine(variant, model_seed=0):
+    engine, *_ = initialize(model=toys.make_model(seed=model_seed, dropout=0.1),
+                            config=_config(variant))
+    torch.manual_seed(5)  # dropout draws from here; the checkpoint must carry it across
+    return engine
+
+
+def _counters(engine):
+    return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
+            "lr": engine.get_lr(), "loss_scale": engine.loss_scale}
+
+
+CHILD = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+import test_checkpoint as tc, engine_toys as toys
+for variant in {variants!r}:
+    engine = tc._engine(variant, model_seed=99)  # other initial weights: they must be replaced
+    path, client = engine.load_checkpoint({root!r} + "/" + variant)
+    assert client == {{"note": "step 10"}}, client
+    toys.train(engine, range(10, 20))
+    engine.synchronize()
+    out = {root!r} + "/" + variant + ".resumed"
+    torch.save(toys.weights(engine.module), out + ".pt")
+    json.dump(tc._counters(engine), open(out + ".json", "w"))
+    engine.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory):
+    """Per variant: 20 uninterrupted steps here; 10 steps, a checkpoint, and 10 more steps in
+    one fresh child process that loads each checkpoint (one process for all variants: each
+    python start-up with torch costs seconds)."""
+    root = tmp_path_factory.mktemp("resume")
+    expected = {}
+    for variant in VARIANTS:
+        whole = _engine(variant)
+        toys.train(whole, range(20))
+        whole.synchronize()
+        expected[variant] = (toys.weights(whole.module), _counters(whole))
+        whole.close()
+
+        first = _engine(variant)
+        toys.train(first, range(10))
+        first.save_checkpoint(root / variant, client_state={"note": "step 10"})
+        first.close()
+        assert (root / variant / "latest").read_text() == "global_step10"
+    code = CHILD.format(tests=TESTS, variants=list(VARIANTS), root=str(root))
+    # Same intra-op thread count as here, so that the child's kernels reduce in the same order.
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env=env)
+    return root, expected, run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_in_a_fresh_process_equals_uninterrupted_run(resumed_runs, variant):
+    root, expected, run = resumed_runs
+    assert run.returncode == 0, run.stderr[-3000:]
+    weights, counters = expected[variant]
+    resumed = torch.load(root / f"{variant}.resumed.pt")
+    for name, value in weights.items():
+        assert torch.equal(resumed[name], value), f"{variant}: {name} differs after resume"
+    assert json.load(open(root / f"{variant}.resumed.json")) == json.loads(json.dumps(counters))
+
+
+def test_round_trip_restores_counters_schedule_scaler_and_rng(tmp_path):
+    a = _engine("adamw-fp16-warmup")
+    toys.train(a, range(7))
+    a.save_checkpoint(tmp_path, tag="mine", client_state={"epoch": 3})
+    after_save = torch.rand(4)
+    b = _engine("adamw-fp16-warmup", model_seed=1)
+    torch.manual_seed(123)
+    path, client = b.load_checkpoint(tmp_path)
+    assert Path(path) == tmp_path / "mine" and client == {"epoch": 3}
+    assert torch.equal(torch.rand(4), after_save)  # the RNG continues where it was saved
+    assert _counters(b) == _counters(a)
+    assert b.lr_scheduler.last_batch_iteration == a.lr_scheduler.last_batch_iteration
+    assert b.loss_scaler.state_dict() == a.loss_scaler.state_dict()
+    assert all(torch.equal(x, y) for x, y in zip(b.module.state_dict().values(),
+                                                 a.module.state_dict().values()))
+    for pa, pb in zip(a.optimizer.state_dict()["state"].values(),
+                      b.optimizer.state_dict()["state"].values()):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def _saved(tmp_path, steps=3):
+    engine = _engine("adamw")
+    toys.train(engine, range(steps))
+    path = Path(engine.save_checkpoint(tmp_path / "ckpt"))
+    return engine, path
+
+
+def test_truncated_file_is_rejected(tmp_path):
+    engine, path = _saved(tmp_path)
+    f = path / "optimizer_states.pt"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated or damaged: optimizer_states.pt has"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_missing_manifest_is_rejected(tmp_path):
+    engine, path = _saved(tmp_path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete: it has no manifest.json"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_missing_file_and_flipped_byte_are_rejected(tmp_path):
+    engine, path = _saved(tmp_path)
+    f = path / "model_states.pt"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256 of model_states.pt"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    engine.load_checkpoint(tmp_path / "ckpt")  # repaired: loads again
+    (path / "engine_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="engine_states.pt is missing"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_failed_load_leaves_the_engine_untouched(tmp_path):
+    engine, path = _saved(tmp_path)
+    before, counters = toys.weights(engine.module), _counters(engine)
+    (path / "optimizer_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    assert _counters(engine) == counters
+    assert all(torch.equal(before[k], v) for k, v in toys.weights(engine.module).items())
+
+
+CRASH = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+import test_checkpoint as tc, engine_toys as toys
+engine = tc._engine("adamw")
+toys.train(engine, range(3))
+engine.save_checkpoint({ckpt!r})                      # global_step3: complete
+toys.train(engine, range(3, 6))
+# Die at the commit point of the next save: every file is written, nothing is renamed yet.
+os.rename = lambda *a, **k: os._exit(9)
+engine.save_checkpoint({ckpt!r})                      # global_step6: never completes
+"""
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run = subprocess.run([sys.executable, "-c", CRASH.format(tests=TESTS, ckpt=str(ckpt))],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 9, run.stderr[-3000:]
+    assert (ckpt / "latest").read_text() == "global_step3"
+    assert not (ckpt / "global_step6").exists()
+    assert any(p.name.startswith(".global_step6.tmp-") for p in ckpt.iterdir())
+    engine = _engine("adamw", model_seed=7)
+    engine.load_checkpoint(ckpt)
+    assert engine.global_steps == 3
+    with pytest.raises(CheckpointError, match="does not exist"):
+        engine.load_checkpoint(ckpt, tag="global_step6")
+
+
+def test_no_checkpoint_and_bad_tags(tmp_path):
+    engine = _engine("adamw")
+    with pytest.raises(CheckpointError, match="no checkpoint to load"):
+        engine.load_checkpoint(tmp_path)
+    for tag in ("../escape", ".hidden", "latest", ""):
+        with pytest.raises(ValueError, match="checkpoint tag"):
+            engine.save_checkpoint(tmp_path, tag=tag)
+
+
+def test_saving_the_same_tag_twice_replaces_it(tmp_path):
+    engine = _engine("adamw")
+    toys.train(engine, range(2))
+    engine.save_checkpoint(tmp_path, tag="t")
+    toys.train(engine, range(2, 4))
+    engine.save_checkpoint(tmp_path, tag="t")
+    other = _engine("adamw", model_seed=3)
+    other.load_checkpoint(tmp_path, tag="t")
+    assert other.global_steps == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t"]
+
+
+def test_checkpoint_of_another_optimizer_is_refused_unless_weights_only(tmp_path):
+    engine, _ = _saved(tmp_path)
+    off = _engine("offload")
+    with pytest.raises(ValueError, match="written with AdamW, this engine runs OffloadAdamW"):
+        off.load_checkpoint(tmp_path / "ckpt")
+    off.load_checkpoint(tmp_path / "ckpt", load_module_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(off.module.state_dict().values(),
+                                                 engine.module.state_dict().values()))
+    assert off.global_steps == 0
+    off.close()

@@ -1,0 +1,210 @@
+"""The DeepSpeed-style config: defaults, DeepSpeed's batch-size rule, and errors that name keys."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine_toys import SEED_ZERO_BLOCK
+from zenflow.cli import main as cli_main
+from zenflow.config import (ConfigError, ZenFlowSection, optimizer_kwargs, parse_config,
+                            resolved_settings)
+
+BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def with_(**overrides):
+    cfg = copy.deepcopy(BASE)
+    cfg.update(copy.deepcopy(overrides))
+    return cfg
+
+
+def test_seed_block_parses_to_zenflow_with_deepspeed_defaults():
+    cfg = parse_config(with_(**SEED_ZERO_BLOCK), world_size=1)
+    assert cfg.optimizer_kind == "zenflow"
+    kw = optimizer_kwargs(cfg)
+    assert kw["topk_ratio"] == 0.05 and kw["update_interval"] == 4 and kw["overlap_step"] is True
+    assert kw["select_strategy"] == "auto" and kw["select_interval"] == "auto"
+    # keys the seed leaves out take DeepSpeed 0.19's defaults
+    assert kw["auto_ratio"] == 0.99 and kw["pt_reserved_cores_perc"] == 0.5
+    assert kw["steps_per_epoch"] is None and cfg.zenflow.offload is False
+    assert "offload" not in kw  # accepted, logged as having no effect, not passed on
+    assert kw["max_grad_norm"] is None  # no gradient_clipping in the config
+
+
+def test_empty_zenflow_block_has_deepspeed_defaults():
+    z = ZenFlowSection()
+    assert z.model_dump() == {
+        "topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto",
+        "update_interval": "auto", "overlap_step": False, "offload": False, "auto_ratio": 0.99,
+        "full_warm_up_rounds": 0, "pt_reserved_cores_perc": 0.5, "steps_per_epoch": None}
+    cfg = parse_config(with_(zero_optimization={"stage": 2, "zenflow": {}}), world_size=1)
+    assert cfg.optimizer_kind == "zenflow"
+
+
+def test_optimizer_kind_follows_offload_and_zenflow_blocks():
+    assert parse_config(BASE, world_size=1).optimizer_kind == "adamw"
+    off = with_(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                gradient_clipping=1.0)
+    cfg = parse_config(off, world_size=1)
+    assert cfg.optimizer_kind == "offload" and optimizer_kwargs(cfg)["max_grad_norm"] == 1.0
+    none = with_(zero_optimization={"stage": 1, "offload_optimizer": {"device": "none"}})
+    assert parse_config(none, world_size=1).optimizer_kind == "adamw"
+
+
+@pytest.mark.parametrize("given,world,expected", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 8}, 1, (32, 4, 8)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 1, (32, 4, 8)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 2, (32, 8, 2)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+    ({"train_batch_size": 16}, 2, (16, 8, 1)),
+    ({"train_micro_batch_size_per_gpu": 5}, 3, (15, 5, 1)),
+])
+def test_batch_size_rule(given, world, expected):
+    cfg = parse_config(given, world_size=world)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == expected
+
+
+def test_ignored_keys_are_accepted_and_listed():
+    cfg = parse_config(with_(wall_clock_breakdown=True, zero_allow_untested_optimizer=True,
+                             steps_per_print=10,
+                             zero_optimization={"stage": 2, "overlap_comm": True,
+                                                "offload_optimizer": {"device": "cpu",
+                                                                      "buffer_count": 4}}),
+                       world_size=1)
+    assert cfg.ignored_keys() == ["steps_per_print", "wall_clock_breakdown",
+                                  "zero_allow_untested_optimizer",
+                                  "zero_optimization.offload_optimizer.buffer_count",
+                                  "zero_optimization.overlap_comm"]
+    assert resolved_settings(cfg)["ignored_keys"] == cfg.ignored_keys()
+
+
+def test_unimplemented_zenflow_offload_is_shown_as_ignored():
+    cfg = parse_config(with_(zero_optimization={"stage": 2, "zenflow": {"offload": True}}),
+                       world_size=1)
+    settings = resolved_settings(cfg)
+    assert "offload" not in settings["optimizer_kwargs"]
+    assert settings["ignored_keys"] == ["zero_optimization.zenflow.offload"]
+
+
+def test_scheduler_params_get_defaults():
+    cfg = parse_config(with_(scheduler={"type": "WarmupCosineLR",
+                                        "params": {"total_num_steps": 100}}), world_size=1)
+    name, params = resolved_settings(cfg)["scheduler"]
+    assert name == "WarmupCosineLR"
+    assert params == {"total_num_steps": 100, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+                      "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1}
+
+
+# (config, the key path the error must name, a phrase the message must contain)
+MALFORMED = [
+    (with_(zero_optimization={"zenflow": {"topk_ratio": 1.5}}),
+     "zero_optimization.zenflow.topk_ratio", "must be between 0 and 1, got 1.5"),
+    (with_(zero_optimization={"zenflow": {"topk_ratio": "0.1"}}),
+     "zero_optimization.zenflow.topk_ratio", "must be a number"),
+    (with_(zero_optimization={"zenflow": {"update_interval": 0}}),
+     "zero_optimization.zenflow.update_interval", '"auto" or a positive integer'),
+    (with_(zero_optimization={"zenflow": {"select_interval": "often"}}),
+     "zero_optimization.zenflow.select_interval", '"auto" or a positive integer'),
+    (with_(zero_optimization={"zenflow": {"select_strategy": "random"}}),
+     "zero_optimization.zenflow.select_strategy", "'auto', 'step' or 'epoch'"),
+    (with_(zero_optimization={"zenflow": {"overlap_step": "yes"}}),
+     "zero_optimization.zenflow.overlap_step", "must be true or false"),
+    (with_(zero_optimization={"zenflow": {"full_warm_up_rounds": -1}}),
+     "zero_optimization.zenflow.full_warm_up_rounds", "must be >= 0"),
+    (with_(zero_optimization={"zenflow": {"auto_ratio": 2}}),
+     "zero_optimization.zenflow.auto_ratio", "between 0 and 1"),
+    (with_(zero_optimization={"zenflow": {"pt_reserved_cores_perc": -0.5}}),
+     "zero_optimization.zenflow.pt_reserved_cores_perc", "between 0 and 1"),
+    (with_(zero_optimization={"zenflow": {"topk": 0.1}}),
+     "zero_optimization.zenflow.topk", "is not a known key"),
+    (with_(zero_optimization={"stage": 3}),
+     "zero_optimization.stage", "not supported"),
+    (with_(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
+     "zero_optimization.offload_optimizer.device", "'nvme', which is not supported"),
+    (with_(zero_optimization={"offload_optimizer": {"device": "cpu", "pin_memory": "true"}}),
+     "zero_optimization.offload_optimizer.pin_memory", "must be true or false"),
+    (with_(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
+     "zero_optimization.offload_param", "stage 3"),
+    (with_(train_batch_size=32, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4),
+     "train_batch_size", "= 16, got 32"),
+    ({"optimizer": {"type": "AdamW"}}, "train_batch_size", "is missing"),
+    (with_(train_batch_size="8"), "train_batch_size", "must be an integer, got '8'"),
+    (with_(train_micro_batch_size_per_gpu=0), "train_micro_batch_size_per_gpu", "must be > 0"),
+    (with_(gradient_accumulation_steps=2.5), "gradient_accumulation_steps", "must be an integer"),
+    (with_(optimizer={"type": "SGD"}), "optimizer.type", "got 'SGD'"),
+    (with_(optimizer={"type": "AdamW", "params": {"lr": -1e-3}}), "optimizer.params.lr",
+     "must be >= 0"),
+    (with_(optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.5]}}),
+     "optimizer.params.betas[1]", "between 0 and 1"),
+    (with_(optimizer={"type": "Adam", "params": {"adam_w_mode": False}}),
+     "optimizer.params.adam_w_mode", "not supported"),
+    (with_(scheduler={"type": "OneCycle"}), "scheduler.type", "got 'OneCycle'"),
+    (with_(scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}),
+     "scheduler.params.total_num_steps", "is required"),
+    (with_(scheduler={"type": "WarmupLR", "params": {"warmup_type": "cubic"}}),
+     "scheduler.params.warmup_type", "'log' or 'linear'"),
+    (with_(scheduler={"type": "WarmupLR", "params": [1]}), "scheduler.params",
+     "must be an object, got [1]"),
+    (with_(fp16={"enabled": True, "hysteresis": 0}), "fp16.hysteresis", "must be > 0"),
+    (with_(fp16={"enabled": True}, bf16={"enabled": True}), "bf16.enabled", "at most one"),
+    (with_(gradient_clipping=-1.0), "gradient_clipping", "must be >= 0"),
+    (with_(bogus_key=1), "bogus_key", "is not a known key"),
+    (with_(zero_optimization="stage2"), "zero_optimization", "must be an object"),
+]
+
+
+@pytest.mark.parametrize("cfg,path,phrase", MALFORMED, ids=[m[1] for m in MALFORMED])
+def test_malformed_config_names_the_key(cfg, path, phrase, tmp_path, capsys):
+    with pytest.raises(ConfigError) as err:
+        parse_config(cfg, world_size=1)
+    first = err.value.problems[0]
+    assert first.startswith(path + " "), first
+    assert phrase in first, first
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(cfg))
+    assert cli_main(["check-config", str(file)]) == 1
+    assert path in capsys.readouterr().err
+
+
+def test_at_least_fifteen_malformed_cases():
+    assert len(MALFORMED) >= 15
+
+
+def test_check_config_cli_in_a_subprocess(tmp_path):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(with_(**SEED_ZERO_BLOCK)))
+    bad.write_text(json.dumps(with_(zero_optimization={"stage": 3})))
+    env = dict(os.environ, WORLD_SIZE="1")
+    ok = subprocess.run([sys.executable, "-m", "zenflow.cli", "check-config", str(good)],
+                        capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "zenflow.ZenFlowAdamW" in ok.stdout and "topk_ratio: 0.05" in ok.stdout
+    fail = subprocess.run([sys.executable, "-m", "zenflow.cli", "check-config", str(bad)],
+                          capture_output=True, text=True, env=env)
+    assert fail.returncode == 1
+    assert "zero_optimization.stage is 3, which is not supported" in fail.stderr
+
+
+def test_check_config_reports_unreadable_files(tmp_path, capsys):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{\"train_batch_size\": 8,")
+    assert cli_main(["check-config", str(broken)]) == 1
+    assert "not valid JSON" in capsys.readouterr().err
+    assert cli_main(["check-config", str(tmp_path / "missing.json")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_check_config_json_output(tmp_path, capsys):
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps(with_(fp16={"enabled": True, "initial_scale_power": 8})))
+    assert cli_main(["check-config", str(file), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizer"] == "torch.optim.AdamW"
+    assert out["loss_scaling"]["initial_scale"] == 256.0
+    assert out["precision"].startswith("fp16")

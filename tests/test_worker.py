@@ -1,0 +1,242 @@
+"""The asynchronous host worker: overlap semantics, checkpoints, lifecycle and failure.
+
+Every ZenFlowAdamW here runs its host updates in a real worker process (the default).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import zenflow
+from zenflow.reference import ReferenceZenFlow
+from zenflow.worker import WorkerHostRunner, split_cores
+from zenflow.host import HostJob, HostState
+
+
+def _model(seed: int, bias: bool = True) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16, bias=bias), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 10, bias=bias), torch.nn.Linear(10, 6, bias=bias))
+
+
+def _grads(model, steps: int, seed: int) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=gen) * (1 + 3 * torch.rand(p.shape[-1:], generator=gen))
+             for p in model.parameters()] for _ in range(steps)]
+
+
+def _set_grads(model, grads) -> None:
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _shm_files(*pids: int) -> set[str]:
+    """Shared-memory files named after one of `pids` (torch and Python name them so); other jobs
+    on the machine may create their own files meanwhile."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {f for f in os.listdir("/dev/shm") if any(f"_{pid}_" in f"_{f}_" or f"_{pid}_" in f
+                                                      for pid in pids)}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_overlap_with_worker_matches_reference(seed):
+    rng = random.Random(seed)
+    settings = dict(lr=rng.choice([1e-2, 3e-3]), weight_decay=rng.choice([0.0, 0.05]),
+                    topk_ratio=rng.choice([0.2, 0.5]), update_interval=rng.choice([1, 2, 3]),
+                    full_warm_up_rounds=rng.choice([0, 2]),
+                    max_grad_norm=rng.choice([None, 5.0]))
+    select_interval = rng.choice([3, 5])
+    fast_model, ref_model = _model(seed), _model(seed)
+    opt = zenflow.ZenFlowAdamW(fast_model.parameters(), select_strategy="step",
+                               select_interval=select_interval, overlap_step=True, **settings)
+    ref = ReferenceZenFlow(list(ref_model.parameters()), overlap_step=True, **settings)
+    assert isinstance(opt._runner, WorkerHostRunner)
+    try:
+        for t, grads in enumerate(_grads(fast_model, 14, seed)):
+            lr = settings["lr"] * (1 - 0.03 * t)   # a schedule: the host must see the group's lr
+            opt.param_groups[0]["lr"] = lr
+            _set_grads(fast_model, grads)
+            opt.step()
+            reselect = (t, "reselect") in opt.decisions
+            ref.step(grads, lr=lr, reselect=reselect)
+            for p, q in zip(fast_model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {t} {settings}")
+        assert opt.stats()["host_busy_s"] > 0
+    finally:
+        opt.close()
+
+
+def test_topk0_interval1_overlap_is_one_step_delayed_adamw():
+    model, ref_model = _model(3), _model(3)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, topk_ratio=0.0,
+                               update_interval=1, overlap_step=True)
+    adamw = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    previous = [p.detach().clone() for p in ref_model.parameters()]
+    with opt:
+        for t, grads in enumerate(_grads(model, 8, 3)):
+            _set_grads(model, grads)
+            opt.step()
+            _set_grads(ref_model, grads)
+            adamw.step()
+            for p, before, now in zip(model.parameters(), previous, ref_model.parameters()):
+                # matrices show the update one step late; vectors are updated on the device at once
+                torch.testing.assert_close(p, before if p.ndim >= 2 else now, rtol=1e-6,
+                                           atol=1e-7, msg=f"step {t}")
+            previous = [p.detach().clone() for p in ref_model.parameters()]
+
+
+def test_state_dict_round_trip_in_overlap_mode_is_bit_exact():
+    settings = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, select_strategy="step",
+                    select_interval=9, overlap_step=True)
+    grads = _grads(_model(5), 13, 5)
+    model = _model(5)
+    with zenflow.ZenFlowAdamW(model.parameters(), **settings) as opt:
+        for g in grads:
+            _set_grads(model, g)
+            opt.step()
+        expected = [p.detach().clone() for p in model.parameters()]
+
+    model = _model(5)
+    with zenflow.ZenFlowAdamW(model.parameters(), **settings) as opt:
+        for g in grads[:7]:   # stops mid-window with an update in flight
+            _set_grads(model, g)
+            opt.step()
+        assert opt._in_flight is not None
+        saved_opt = copy.deepcopy(opt.state_dict())
+        saved_model = copy.deepcopy(model.state_dict())
+
+    model = _model(99)
+    model.load_state_dict(saved_model)
+    with zenflow.ZenFlowAdamW(model.parameters(), **settings) as opt:
+        opt.load_state_dict(saved_opt)
+        for g in grads[7:]:
+            _set_grads(model, g)
+            opt.step()
+    for p, q in zip(model.parameters(), expected):
+        assert torch.equal(p, q)
+
+
+def test_close_stops_the_worker_and_leaves_no_shared_memory():
+    model = _model(0)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)
+    for g in _grads(model, 2, 0):
+        _set_grads(model, g)
+        opt.step()
+    pid = opt._runner.pid
+    time.sleep(1.5)   # an idle worker stays up (it checks on its parent about once a second)
+    assert _alive(pid)
+    opt.close()
+    opt.close()  # idempotent
+    assert not _alive(pid)
+    assert not _shm_files(os.getpid(), pid)
+    with pytest.raises(RuntimeError, match="after close"):
+        opt.step()
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time, torch, zenflow
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    print(opt._runner.pid, flush=True)
+    if sys.argv[1] == "hang":
+        time.sleep(60)
+    # "exit": leave without close(); atexit must stop the worker
+""")
+
+
+@pytest.mark.slow   # each case starts two interpreters that import torch
+@pytest.mark.parametrize("how", ["exit", "sigkill", "sigint"])
+def test_no_worker_survives_its_parent(how):
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, "exit" if how == "exit" else "hang"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(child.stdout.readline())
+        if how == "sigkill":
+            child.kill()
+        elif how == "sigint":
+            child.send_signal(signal.SIGINT)   # Ctrl-C
+        child.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while _alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker_pid), f"worker {worker_pid} outlived its parent ({how})"
+        assert not _shm_files(child.pid, worker_pid)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_killed_worker_fails_the_next_step_quickly():
+    model = _model(1)
+    with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=2) as opt:
+        grads = _grads(model, 4, 1)
+        for g in grads[:2]:
+            _set_grads(model, g)
+            opt.step()
+        os.kill(opt._runner.pid, signal.SIGKILL)
+        _set_grads(model, grads[2])
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="SIGKILL"):
+            opt.step()
+            opt.step()   # even if the death went unnoticed for one step, the window end sees it
+        assert time.monotonic() - start < 5
+
+
+def test_worker_exception_is_reported_with_its_traceback():
+    host = HostState.allocate([torch.zeros(3, 4)], num_slots=1, shared=True)
+    runner = WorkerHostRunner(host, cores=None, start_method="spawn")
+    try:
+        runner.submit([HostJob(0, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0)], slot=0)
+        assert runner.wait() >= 0.0
+        runner.submit([HostJob(7, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0)], slot=0)  # no matrix 7
+        with pytest.raises(RuntimeError, match="IndexError"):
+            runner.wait()
+        with pytest.raises(RuntimeError):   # and it stays failed
+            runner.check()
+    finally:
+        runner.close()
+    assert not _alive(runner.pid)
+
+
+def test_split_cores():
+    fake = [1000, 1001, 1002, 1003]   # no /sys topology: each CPU is its own core
+    assert split_cores(0.5, fake[:2]) == ([1000], [1001])
+    assert split_cores(0.5, fake) == ([1000, 1001], [1002, 1003])
+    assert split_cores(0.0, fake) == ([1000], [1001, 1002, 1003])   # training keeps one
+    assert split_cores(1.0, fake) == ([1000, 1001, 1002], [1003])   # worker keeps one
+    assert split_cores(0.5, [1000]) == ([1000], [1000])             # one CPU: shared
+    training, worker = split_cores(0.5)
+    assert set(training) | set(worker) == set(os.sched_getaffinity(0))
+    if len(os.sched_getaffinity(0)) > 1:
+        assert not set(training) & set(worker)
+
+
+def test_worker_false_runs_inline():
+    model = _model(2)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), worker=False)
+    assert not isinstance(opt._runner, WorkerHostRunner)
+    with pytest.raises(TypeError, match="worker"):
+        zenflow.ZenFlowAdamW(model.parameters(), worker="yes")
