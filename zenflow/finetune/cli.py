@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-decay", type=float, default=None)
     parser.add_argument("--max-length", type=int, default=64, help="tokens per example")
     parser.add_argument("--config", default=None,
-                        help="DeepSpeed-style JSON; its zero_optimization.zenflow block picks "
-                             "ZenFlowAdamW, optimizer.params and gradient_clipping are honoured")
+                        help="DeepSpeed-style JSON, validated and mapped as zenflow.initialize does: "
+                             "zero_optimization.zenflow picks ZenFlowAdamW; optimizer.params and "
+                             "gradient_clipping are honoured (batch sizes come from --batch-size)")
     parser.add_argument("--optimizer", default="zenflow", choices=OPTIMIZERS,
                         help="used when no --config is given")
     parser.add_argument("--glue-source", default=GLUE_HUB_ID,
@@ -45,8 +46,12 @@ def _check(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise SystemExit(f"zenflow finetune: --{name.replace('_', '-')}={v} must be at least 1")
-    if args.config and not Path(args.config).is_file():
-        raise SystemExit(f"zenflow finetune: --config {args.config!r} does not exist")
+    if args.config:
+        from zenflow.config import ConfigError, parse_config
+        try:
+            parse_config(args.config)
+        except ConfigError as e:
+            raise SystemExit(f"zenflow finetune: --config {args.config!r}: {e}") from None
     if args.model_path and not Path(args.model_path).is_dir():
         raise SystemExit(f"zenflow finetune: --model-path {args.model_path!r} is not a folder")
 
@@ -78,13 +83,18 @@ def run(args) -> int:
     train = encode(train_ex, tokenizer, args.max_length).to(device)
     test = encode(test_ex, tokenizer, args.max_length).to(device)
     opt = build_optimizer(args, model.parameters())
+    if args.config:
+        from zenflow.finetune.optim import gradient_clipping
+        clip = gradient_clipping(args.config)
+    else:
+        clip = 1.0
     print(f"zenflow finetune: task {data.name} ({len(train)} train / {len(test)} held-out), "
           f"optimizer {type(opt).__name__}, {args.steps} steps x batch {args.batch_size}, "
           f"{args.max_length} tokens, device {device}", flush=True)
     try:
         res = train_classifier(model, opt, train, steps=args.steps,
                                batch_size=min(args.batch_size, len(train)), seed=args.seed,
-                               clip_grad_norm=1.0, progress=not args.no_progress,
+                               clip_grad_norm=clip, progress=not args.no_progress,
                                desc=type(opt).__name__)
         acc = evaluate_classifier(model, test, progress=not args.no_progress)
     finally:

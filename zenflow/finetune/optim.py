@@ -5,7 +5,6 @@ exactly the same hyper-parameters for every system.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -42,52 +41,28 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float
     raise ValueError(f"optimizer={kind!r} is not allowed; choose one of {list(OPTIMIZERS)}")
 
 
-# Keys of a config's "zero_optimization.zenflow" block that map one-to-one onto ZenFlowAdamW.
-ZENFLOW_KEYS = ("topk_ratio", "select_strategy", "select_interval", "update_interval",
-                "full_warm_up_rounds", "overlap_step", "pt_reserved_cores_perc", "steps_per_epoch")
-
-
 def optimizer_from_config(config: str | Path | dict, params, *, lr: float | None = None,
                           weight_decay: float | None = None) -> torch.optim.Optimizer:
-    """The optimizer a DeepSpeed-style config asks for: ZenFlowAdamW when
-    `zero_optimization.zenflow` is present, OffloadAdamW when only `offload_optimizer` is,
-    torch AdamW otherwise. `optimizer.params` (lr, betas, eps, weight_decay) and
-    `gradient_clipping` are honoured; `lr`/`weight_decay` given here override the file.
+    """The optimizer a DeepSpeed-style config asks for, exactly as `zenflow.initialize` builds
+    it: the config is validated by `zenflow.config` (errors name the key) and mapped by its
+    `optimizer_kwargs`: ZenFlowAdamW when `zero_optimization.zenflow` is present, OffloadAdamW
+    when only `offload_optimizer` is, torch AdamW otherwise. `lr`/`weight_decay` given here
+    override the file. The examples drive their own loop, so they take the optimizer only."""
+    import zenflow
+    from zenflow.config import optimizer_kwargs, parse_config
 
-    (When `zenflow.initialize` is available this is what it builds too; the examples keep this
-    small mapping because they drive their own training loop.)"""
-    if not isinstance(config, dict):
-        path = Path(config)
-        if not path.is_file():
-            raise FileNotFoundError(f"--config {str(path)!r} does not exist")
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {str(path)!r} is not valid JSON: {e}") from e
-    opt_cfg = config.get("optimizer", {"type": "AdamW"})
-    opt_type = str(opt_cfg.get("type", "AdamW"))
-    if opt_type.lower() not in ("adamw", "adam"):
-        raise ValueError(f"optimizer.type={opt_type!r} is not supported; allowed: 'AdamW'")
-    oparams = dict(opt_cfg.get("params", {}))
-    unknown = set(oparams) - {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode"}
-    if unknown:
-        raise ValueError(f"optimizer.params has unknown keys {sorted(unknown)}; "
-                         "allowed: lr, betas, eps, weight_decay")
-    kw = dict(lr=float(lr if lr is not None else oparams.get("lr", 2e-5)),
-              weight_decay=float(weight_decay if weight_decay is not None
-                                 else oparams.get("weight_decay", 0.01)),
-              betas=tuple(oparams.get("betas", (0.9, 0.999))),
-              eps=float(oparams.get("eps", 1e-8)),
-              max_grad_norm=config.get("gradient_clipping") or None)
-    zero = config.get("zero_optimization", {})
-    zf = zero.get("zenflow")
-    if zf is not None:
-        unknown = set(zf) - set(ZENFLOW_KEYS)
-        if unknown:
-            raise ValueError(f"zero_optimization.zenflow has unknown keys {sorted(unknown)}; "
-                             f"allowed: {list(ZENFLOW_KEYS)}")
-        return make_optimizer("zenflow", params, **kw, **zf)
-    if zero.get("offload_optimizer", {}).get("device", "none") == "cpu":
-        return make_optimizer("offload", params, **kw)
-    kw.pop("max_grad_norm")
-    return make_optimizer("adamw", params, **kw)
+    cfg = parse_config(config)
+    kw = optimizer_kwargs(cfg)
+    if lr is not None:
+        kw["lr"] = float(lr)
+    if weight_decay is not None:
+        kw["weight_decay"] = float(weight_decay)
+    params = [p for p in params if p.requires_grad]
+    cls = {"zenflow": zenflow.ZenFlowAdamW, "offload": zenflow.OffloadAdamW,
+           "adamw": torch.optim.AdamW}[cfg.optimizer_kind]
+    return cls(params, **kw)
+
+
+def gradient_clipping(config: str | Path | dict) -> float | None:
+    from zenflow.config import parse_config
+    return parse_config(config).gradient_clipping or None
