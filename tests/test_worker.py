@@ -135,6 +135,39 @@ def test_state_dict_round_trip_in_overlap_mode_is_bit_exact():
         assert torch.equal(p, q)
 
 
+def test_garbage_collection_stops_the_worker():
+    import gc
+    model = _model(0)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)
+    for g in _grads(model, 2, 0):
+        _set_grads(model, g)
+        opt.step()
+    pid = opt._runner.pid
+    del opt
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_a_wrapper_sharing_the_optimizers_dict_does_not_stop_its_worker():
+    """Lightning's LightningOptimizer copies the optimizer's __dict__; dropping it must not
+    close the worker the real optimizer still uses."""
+    import gc
+    model = _model(0)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)
+    wrapper = object.__new__(type("Wrapper", (type(opt),), {}))
+    wrapper.__dict__ = opt.__dict__
+    del wrapper
+    gc.collect()
+    for g in _grads(model, 3, 0):
+        _set_grads(model, g)
+        opt.step()
+    assert _alive(opt._runner.pid)
+    opt.close()
+
+
 def test_close_stops_the_worker_and_leaves_no_shared_memory():
     model = _model(0)
     opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)

@@ -492,7 +492,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Stop the host worker and release its memory. Idempotent."""
+        """Stop the host worker and release its memory. Idempotent.
+
+        There is deliberately no __del__ here: frameworks wrap optimizers in objects that share
+        this one's __dict__ (Lightning's LightningOptimizer does), and such a wrapper's
+        collection must not stop the worker the real optimizer still uses. The runner stops
+        its worker when the runner itself is collected, and at interpreter exit."""
         if not getattr(self, "_closed", True):
             self._closed = True
             self._runner.close()
@@ -504,12 +509,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc):
         self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def stats(self) -> dict:
         """Telemetry: counters and per-step timings of the training process and the host."""
