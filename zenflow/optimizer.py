@@ -79,7 +79,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         importance: "l2" or "l1" column norm.
         steps_per_epoch: needed by select_strategy="epoch".
         pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
-        reselect_threshold: retained-importance fraction under which "auto" reselects.
+        reselect_threshold: retained-importance fraction under which "auto" reselects. One
+            step's gradient is noisy: a few steps after a fresh selection the selected columns
+            hold 0.66-0.81 of the best columns' importance when nothing has drifted (measured:
+            MiniLM fine-tuned on BBC News, batch 16; a GPT from scratch), so the default 0.6
+            fires on drift, not on noise.
         worker: run host updates in a separate worker process (False: in the training process,
             synchronously; for debugging).
         process_group: the torch.distributed group to partition the host state across (default:
@@ -94,7 +98,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  full_warm_up_rounds: int = 0, overlap_step: bool = True,
                  max_grad_norm: float | None = None, importance: str = "l2",
                  steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
-                 reselect_threshold: float = 0.9, auto_ratio: float = 0.99,
+                 reselect_threshold: float = 0.6, auto_ratio: float = 0.99,
                  auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True,
                  process_group=None):
         self._built = False
