@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _machine import describe  # noqa: E402
 
-from zenflow.host import HostJob, HostState  # noqa: E402
+from zenflow.bench.harness import machine_info
+from zenflow.host import HostJob, HostState
 
 
 def main() -> None:
@@ -69,7 +68,7 @@ def main() -> None:
         print(f"\rround {r + 1}/{args.repeats}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
 
-    result = {"machine": describe(), "params": n, "threads": args.threads,
+    result = {"machine": machine_info("cpu"), "params": n, "threads": args.threads,
               "repeats": args.repeats, "systems": {}}
     for name, ts in times.items():
         med = statistics.median(ts)

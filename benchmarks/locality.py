@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _machine import describe  # noqa: E402
 
-import zenflow  # noqa: E402
-from zenflow import selection  # noqa: E402
-from zenflow.finetune.data import load_bbc_news  # noqa: E402
-from zenflow.finetune.models import load_classifier  # noqa: E402
-from zenflow.finetune.train import encode  # noqa: E402
+import zenflow
+from zenflow.bench.harness import machine_info
+from zenflow import selection
+from zenflow.finetune.data import load_bbc_news
+from zenflow.finetune.models import load_classifier
+from zenflow.finetune.train import encode
 
 SHARES = (0.01, 0.05, 0.10)
 DISTANCES = (1, 10, 100)
@@ -174,7 +173,7 @@ def main() -> None:
     test = encode(data.test, tokenizer, args.max_length)
 
     history = record_columns(args, train)
-    result = {"machine": describe(), "settings": vars(args), "spatial": spatial(history),
+    result = {"machine": machine_info("cpu"), "settings": vars(args), "spatial": spatial(history),
               "temporal": temporal(history)}
     result["spatial_mean"] = {key: statistics.fmean(v[key] for v in result["spatial"].values())
                               for key in (f"top{int(s * 100)}%" for s in SHARES)}

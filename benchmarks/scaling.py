@@ -28,11 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _machine import describe  # noqa: E402
 
-import zenflow  # noqa: E402
-from zenflow.bench.model import GPT, GPTConfig, TokenStream  # noqa: E402
+import zenflow
+from zenflow.bench.harness import machine_info
+from zenflow.bench.model import GPT, GPTConfig, TokenStream
 
 
 def train(args, rank: int, world: int) -> dict:
@@ -125,7 +124,7 @@ def main() -> None:
     norm_bytes = sent.get("exchanging column norms", 0) / two[0]["selections"]
     grad_bytes = two[0]["matrix_elements"] * 4  # each rank's fp32 matrix gradients
     result = {
-        "machine": describe(), "settings": vars(args), "num_params": one["num_params"],
+        "machine": machine_info("cpu"), "settings": vars(args), "num_params": one["num_params"],
         "one_rank": one, "two_ranks": two,
         "per_step_bytes_sent_rank0": {k: v / two[0]["steps"] for k, v in sent.items()},
         "selection": {"norm_exchange_bytes": norm_bytes, "gradient_allgather_bytes": grad_bytes,

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import math
 import os
-import platform
 import pstats
 import statistics
 import time
@@ -33,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zenflow
+from zenflow.bench.harness import machine_info
 from zenflow.worker import split_cores
 
 SYSTEMS = ["adamw", "offload", "zenflow_sync", "zenflow_overlap"]
@@ -80,18 +79,6 @@ def make_optimizer(name: str, params, args):
                                 overlap_step=(name == "zenflow_overlap"), **common)
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"host": platform.node(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)),
-            "load_average_1m_at_start": os.getloadavg()[0],  # other jobs sharing the machine
-            "device": "cpu", "torch": torch.__version__, "python": platform.python_version()}
-
-
 def profile_step(system, steps: int) -> dict:
     """cProfile of `steps` iterations' step() calls: seconds per step in the optimizer's parts."""
     model, opt, batch = system["model"], system["opt"], system["batch"]
@@ -129,7 +116,7 @@ def main() -> int:
     if args.quick:
         args.d_model, args.layers, args.vocab, args.rounds = 256, 2, 1024, 2
 
-    host = machine()   # before pinning, so it names every CPU this run may use
+    host = machine_info("cpu")   # before pinning, so it names every CPU this run may use
     training_cores, worker_cores = split_cores(0.5)
     os.sched_setaffinity(0, training_cores)
     torch.set_num_threads(1)

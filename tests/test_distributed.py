@@ -1,5 +1,4 @@
 """Data parallel ZenFlow with 2 processes on gloo (127.0.0.1), spawned by the tests."""
-import os
 import socket
 import time
 

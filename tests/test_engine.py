@@ -1,5 +1,4 @@
 """The engine: same results as a hand-written loop, accumulation, fp16 scaling, bf16 masters."""
-import copy
 import logging
 import math
 

@@ -81,6 +81,18 @@ class Partition:
         self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
+    def gather_objects(self, obj, what: str) -> list:
+        """Every rank's picklable `obj`, in rank order."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world_size
+        self._run(what, dist.all_gather_object, out, obj, group=self.group)
+        return out
+
+    def barrier(self, what: str) -> None:
+        if self.active:
+            self._run(what, dist.barrier, group=self.group)
+
     def gather_rows(self, own_rows: torch.Tensor, num_rows: int, what: str) -> torch.Tensor:
         """Every rank's row block of a [num_rows, n] matrix, concatenated: [num_rows, n]."""
         if not self.active:

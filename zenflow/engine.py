@@ -373,17 +373,13 @@ class ZenFlowEngine(torch.nn.Module):
             return str(write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest))
         # Data parallel: each rank's optimizer holds its own share of the host state, and its own
         # RNG. Rank 0 collects them and writes one atomic checkpoint with a file per rank.
-        import torch.distributed as dist
         mine = {"optimizer": self.optimizer.state_dict(), "rng": engine_state["rng"]}
-        shares = [None] * partition.world_size
-        partition._run("collecting optimizer shares for the checkpoint",
-                       dist.all_gather_object, shares, mine)
+        shares = partition.gather_objects(mine, "collecting optimizer shares for the checkpoint")
         for rank, share in enumerate(shares):
             objects[f"rank{rank}_states.pt"] = share
-        path = save_dir
         if partition.rank == 0:
-            path = write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest)
-        partition._run("waiting for rank 0 to write the checkpoint", dist.barrier)
+            write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest)
+        partition.barrier("waiting for rank 0 to write the checkpoint")
         return str(Path(save_dir) / tag)
 
     def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Optional[str] = None,

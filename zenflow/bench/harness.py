@@ -39,6 +39,9 @@ def machine_info(device: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
         "python": platform.python_version(),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],  # other jobs sharing the machine
     }
     try:
         with open("/proc/meminfo") as f:
