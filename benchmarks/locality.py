@@ -59,12 +59,13 @@ def record_columns(args, train):
         opt.zero_grad()
         loss.backward()
         for name, p in matrices:
-            history[name].append(selection.column_importance(p.grad, "l2"))
+            if p.grad is not None:  # unused parts (the encoder's pooler) get no gradient
+                history[name].append(selection.column_importance(p.grad, "l2"))
         opt.step()
         print(f"\rrecording gradients: step {t + 1}/{args.steps} loss {loss.item():.3f}",
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    return history
+    return {name: steps for name, steps in history.items() if steps}
 
 
 def spatial(history):
