@@ -135,6 +135,24 @@ def test_state_dict_round_trip_in_overlap_mode_is_bit_exact():
         assert torch.equal(p, q)
 
 
+def test_worker_reports_readiness_and_update_time_to_the_auto_window():
+    """update_interval="auto" avoids stalls by asking whether the worker is still busy and how
+    long an update takes: both must come from the real worker."""
+    model = _model(0)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)
+    runner = opt._runner
+    assert runner.ready() and runner.last_update_seconds == 0.0
+    for g in _grads(model, 3, 0):
+        _set_grads(model, g)
+        opt.step()
+    deadline = time.monotonic() + 5
+    while not runner.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.ready()
+    assert runner.last_update_seconds > 0.0
+    opt.close()
+
+
 def test_garbage_collection_stops_the_worker():
     import gc
     model = _model(0)

@@ -13,6 +13,7 @@ training process or in a worker process that received it with shared-memory tens
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -99,8 +100,16 @@ class InlineHostRunner:
         self.busy_seconds = 0.0
         self.updates: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
 
+    def ready(self) -> bool:
+        """Whether no update is in flight: always, since submit() runs it to completion."""
+        return True
+
+    @property
+    def last_update_seconds(self) -> float:
+        # In process, nothing overlaps the update: there is no host time to hide.
+        return 0.0
+
     def submit(self, jobs: list[HostJob], slot: int) -> None:
-        import time
         start = time.perf_counter()
         self.host.update(jobs, slot)
         end = time.perf_counter()

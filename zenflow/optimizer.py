@@ -258,8 +258,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return grads
 
     def _window_ends(self) -> bool:
-        ends = self._window.should_end(self._window_steps, self._runner_ready(),
-                                       self._runner_update_seconds(), self._step_seconds)
+        ends = self._window.should_end(self._window_steps, self._runner.ready(),
+                                       self._runner.last_update_seconds, self._step_seconds)
         if isinstance(self._window, AutoWindow):
             # Timings differ between ranks; every rank must end the window at the same step.
             ends = self._partition.any(ends, "agreeing on the end of a host window")
@@ -273,12 +273,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                   else 0.8 * self._step_seconds + 0.2 * period)
         self._last_step_start = now
 
-    def _runner_ready(self) -> bool:
-        ready = getattr(self._runner, "ready", None)
-        return True if ready is None or self._in_flight is None else ready()
-
-    def _runner_update_seconds(self) -> float:
-        return getattr(self._runner, "last_update_seconds", 0.0)
 
     def _observe_importance(self, grads, norms, clip_coef: float) -> None:
         """Feed the auto window this step's squared norms of deferred and selected columns."""

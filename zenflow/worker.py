@@ -247,6 +247,16 @@ class WorkerHostRunner:
             pass
 
     # -- the runner interface
+    def ready(self) -> bool:
+        """Whether no update is in flight (never blocks; raises if the worker died)."""
+        self.check()
+        return not self._pending
+
+    @property
+    def last_update_seconds(self) -> float:
+        """How long the worker took for the last host update (0 before the first)."""
+        return self.updates[-1][1] - self.updates[-1][0] if self.updates else 0.0
+
     def submit(self, jobs: list[HostJob], slot: int) -> None:
         self.check()
         if self._pending:
