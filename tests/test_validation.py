@@ -80,17 +80,24 @@ def snapshot(model, opt):
     return copy.deepcopy(model.state_dict()), opt.state_dict()
 
 
+def assert_same_entries(after: dict, before: dict, where=()) -> None:
+    """Every tensor equal and every other value equal, through nested dicts."""
+    assert after.keys() == before.keys(), where
+    for key, value in before.items():
+        if isinstance(value, dict):
+            assert_same_entries(after[key], value, (*where, key))
+        elif torch.is_tensor(value):
+            assert torch.equal(after[key], value), (*where, key)
+        else:
+            assert after[key] == value, (*where, key)
+
+
 def assert_unchanged(before, model, opt):
     model_before, opt_before = before
     for name, value in model.state_dict().items():
         assert torch.equal(value, model_before[name]), name
     after = opt.state_dict()
-    for index, entry in opt_before["state"].items():
-        for key, value in entry.items():
-            if torch.is_tensor(value):
-                assert torch.equal(after["state"][index][key], value), (index, key)
-            else:
-                assert after["state"][index][key] == value, (index, key)
+    assert_same_entries(after["state"], opt_before["state"])
     skipped_key = "zenflow" if "zenflow" in after else "offload"
     changed = {k for k in after[skipped_key] if after[skipped_key][k] != opt_before[skipped_key][k]}
     assert changed == {"skipped_steps"}
