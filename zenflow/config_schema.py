@@ -8,70 +8,15 @@ must not silently fall back to a default.
 """
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainValidator,
-                      ValidationError, model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zenflow import _limits
 from zenflow.config_input import validation_problems
-
-
-# ---------------------------------------------------------------------------------------------
-# Small typed building blocks. Each raises ValueError with the text that follows the key path.
-
-def _finite(v) -> bool:
-    # No math.isfinite: it overflows on integers beyond the float range.
-    return v == v and v not in (math.inf, -math.inf)
-
-
-def _between(lo: float, hi: float):
-    def check(v):
-        if not (_finite(v) and lo <= v <= hi):
-            raise ValueError(f"must be between {lo:g} and {hi:g}, got {v!r}")
-        return v
-    return AfterValidator(check)
-
-
-def _bounded(lo: float, hi: float = math.inf, *, lo_open: bool = False):
-    """lo <= v <= hi (lo < v when lo_open), finite; each message names the bound it broke."""
-    def check(v):
-        if v != v:
-            raise ValueError(f"must be a number, got {v!r}")
-        if v < lo or (lo_open and v == lo):
-            raise ValueError(f"must be {'>' if lo_open else '>='} {lo:g}, got {v!r}")
-        if v > hi:
-            raise ValueError(f"must be <= {hi:g}, got {v!r}")
-        if not _finite(v):
-            raise ValueError(f"must be finite, got {v!r}")
-        return v
-    return AfterValidator(check)
-
-
-_STRICT = Field(strict=True)
-PosInt = Annotated[int, _STRICT, _bounded(0, _limits.MAX_STEPS, lo_open=True)]
-NonNegInt = Annotated[int, _STRICT, _bounded(0, _limits.MAX_STEPS)]
-Iteration = Annotated[int, _STRICT, _bounded(-1, _limits.MAX_STEPS)]  # last_batch_iteration
-NonNegFloat = Annotated[float, _STRICT, _bounded(0.0)]
-Fraction = Annotated[float, _STRICT, _between(0.0, 1.0)]
-Bool = Annotated[bool, _STRICT]
-LearningRate = Annotated[float, _STRICT, _bounded(0.0, _limits.MAX_LR)]
-Eps = Annotated[float, _STRICT, _bounded(0.0, _limits.MAX_EPS, lo_open=True)]
-WeightDecay = Annotated[float, _STRICT, _bounded(0.0, _limits.MAX_WEIGHT_DECAY)]
-LossScale = Annotated[float, _STRICT, _bounded(0.0, _limits.MAX_LOSS_SCALE)]
-
-
-def _auto_or_interval(v):
-    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)
-                       and 0 < v <= _limits.MAX_INTERVAL):
-        return v
-    if isinstance(v, int) and not isinstance(v, bool) and v > _limits.MAX_INTERVAL:
-        raise ValueError(f'must be "auto" or an integer <= {_limits.MAX_INTERVAL}, got {v!r}')
-    raise ValueError(f'must be "auto" or a positive integer, got {v!r:.100}')
-
-
-AutoOrPosInt = Annotated[Union[str, int], PlainValidator(_auto_or_interval)]
+from zenflow.config_types import (STRICT, AutoOrPosInt, Bool, Eps, Fraction, Iteration,
+                                  LearningRate, LossScale, NonNegFloat, NonNegInt, PosInt,
+                                  WeightDecay, between, bounded)
 
 
 class _Section(BaseModel):
@@ -280,11 +225,11 @@ class SchedulerSection(_Section):
 class FP16Section(_Section):
     enabled: Bool = False
     loss_scale: LossScale = 0.0  # 0 means dynamic loss scaling
-    initial_scale_power: Annotated[int, Field(strict=True), _between(0, 64)] = 16
+    initial_scale_power: Annotated[int, Field(strict=True), between(0, 64)] = 16
     loss_scale_window: PosInt = 1000
     hysteresis: PosInt = 2
     consecutive_hysteresis: Bool = False
-    min_loss_scale: Annotated[float, _STRICT, _bounded(0.0, _limits.MAX_LOSS_SCALE,
+    min_loss_scale: Annotated[float, STRICT, bounded(0.0, _limits.MAX_LOSS_SCALE,
                                                        lo_open=True)] = 1.0
     auto_cast: Any = None
     fp16_master_weights_and_grads: Any = None
