@@ -122,6 +122,8 @@ MALFORMED = [
      "zero_optimization.zenflow.full_warm_up_rounds", "must be >= 0"),
     (with_(zero_optimization={"zenflow": {"auto_ratio": 2}}),
      "zero_optimization.zenflow.auto_ratio", "between 0 and 1"),
+    (with_(zero_optimization={"zenflow": {"auto_ratio": 0.0}}),
+     "zero_optimization.zenflow.auto_ratio", "between 0 and 1 (0 excluded), got 0.0"),
     (with_(zero_optimization={"zenflow": {"pt_reserved_cores_perc": -0.5}}),
      "zero_optimization.zenflow.pt_reserved_cores_perc", "between 0 and 1"),
     (with_(zero_optimization={"zenflow": {"topk": 0.1}}),
@@ -189,6 +191,10 @@ MALFORMED = [
     (with_(scheduler={"type": "WarmupLR", "params": {"last_batch_iteration": -5}}),
      "scheduler.params.last_batch_iteration", "must be >= -1"),
     (with_(scheduler={"type": ["WarmupLR"]}), "scheduler.type", "got ['WarmupLR']"),
+    (with_(scheduler={"type": "WarmupDecayLR", "params": None}),
+     "scheduler.params.total_num_steps", "is required"),
+    (with_(scheduler={"type": "WarmupCosineLR"}), "scheduler.params.total_num_steps",
+     "is required"),
     (with_(scheduler={"type": {"name": "WarmupLR"}}), "scheduler.type", "must be one of"),
 ]
 

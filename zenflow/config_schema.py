@@ -49,7 +49,7 @@ class ZenFlowSection(_Section):
     update_interval: AutoOrPosInt = "auto"
     overlap_step: Bool = False
     offload: Bool = False
-    auto_ratio: Fraction = 0.99
+    auto_ratio: Annotated[float, STRICT, between(0.0, 1.0, lo_open=True)] = 0.99
     full_warm_up_rounds: NonNegInt = 0
     pt_reserved_cores_perc: Fraction = 0.5
     steps_per_epoch: Optional[PosInt] = None
@@ -209,16 +209,16 @@ class SchedulerSection(_Section):
         # that schedule's keys and not a union of all three.
         kind = data.get("type") if isinstance(data, dict) else None
         if isinstance(kind, str) and kind in _SCHEDULER_PARAMS:
-            params = data.get("params", {})
-            if params is not None and not isinstance(params, dict):
-                raise ValueError(f"@params must be an object, got {params!r}")
-            if isinstance(params, dict):
-                try:
-                    parsed = _SCHEDULER_PARAMS[data["type"]].model_validate(params)
-                except ValidationError as exc:
-                    raise ValueError("@params." + "; params.".join(validation_problems(exc))
-                                     ) from None
-                data = dict(data, params=parsed)
+            params = data.get("params")
+            if params is None:  # absent or null: the schedule's defaults, which may not suffice
+                params = {}
+            if not isinstance(params, dict):
+                raise ValueError(f"@params must be an object, got {params!r:.100}")
+            try:
+                parsed = _SCHEDULER_PARAMS[kind].model_validate(params)
+            except ValidationError as exc:
+                raise ValueError("@params." + "; params.".join(validation_problems(exc))) from None
+            data = dict(data, params=parsed)
         return data
 
 

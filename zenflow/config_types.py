@@ -18,10 +18,11 @@ def _finite(v) -> bool:
     return v == v and v not in (math.inf, -math.inf)
 
 
-def between(lo: float, hi: float):
+def between(lo: float, hi: float, *, lo_open: bool = False):
     def check(v):
-        if not (_finite(v) and lo <= v <= hi):
-            raise ValueError(f"must be between {lo:g} and {hi:g}, got {v!r}")
+        if not (_finite(v) and lo <= v <= hi) or (lo_open and v == lo):
+            excluded = f" ({lo:g} excluded)" if lo_open else ""
+            raise ValueError(f"must be between {lo:g} and {hi:g}{excluded}, got {v!r}")
         return v
     return AfterValidator(check)
 
