@@ -339,3 +339,22 @@ def test_dict_config_nested_too_deeply_or_cyclic():
     cyclic["self"] = cyclic
     with pytest.raises(ConfigError, match="nested more than 32 levels deep"):
         parse_config(with_(tensorboard=cyclic), world_size=1)
+
+
+def test_initialize_accepts_numpy_scalars_and_refuses_tensors_before_building(tmp_path):
+    from engine_toys import make_model
+    from zenflow.engine import initialize
+
+    cfg = {"train_batch_size": np.int64(8), "gradient_clipping": np.float32(1.0),
+           "optimizer": {"type": "AdamW", "params": {"lr": np.float64(1e-2)}}}
+    engine, optimizer, _, _ = initialize(model=make_model(), config=cfg)
+    assert optimizer.param_groups[0]["lr"] == 1e-2 and engine.train_batch_size() == 8
+    engine.save_checkpoint(tmp_path)  # the stored config is plain data: weights-only loadable
+    engine.load_checkpoint(tmp_path)
+    engine.close()
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = dict(cfg, optimizer={"type": "AdamW", "params": {"lr": torch.tensor(1e-2)}})
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr is a Tensor"):
+        initialize(model=model, config=bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
