@@ -16,7 +16,6 @@ it: a checkpoint holds tensors and plain data, and loading one never runs code.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -177,18 +176,20 @@ def _recover(save_dir: Path, tag: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _serialize(name: str, obj: Any) -> io.BytesIO:
-    """torch.save into memory, refusing anything a weights-only load would refuse."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(buf)
+def _save_object(path: Path, obj: Any) -> None:
+    """torch.save straight to the file (no second copy in memory), fsynced; refuses anything a
+    weights-only load would refuse (found by reading back only the file's pickle)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     if unsafe:
+        name = path.name
         raise CheckpointError(
             f"cannot save {name}: it holds {', '.join(sorted(set(unsafe)))}, which a "
             f"weights-only load refuses; checkpoints hold only tensors and plain Python data "
             f"(numbers, strings, lists, tuples, dicts), e.g. client_state={{'epoch': 3}}")
-    return buf
 
 
 def _write_file(path: Path, data) -> None:
@@ -213,8 +214,8 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
                      meta: Optional[dict] = None, *, update_latest: bool = True) -> Path:
     """Save each object with torch.save as `<name>` inside `<save_dir>/<tag>/`, atomically.
 
-    Every object is serialized (and checked to be weights-only loadable) before the disk is
-    touched. Then, holding the tag's lock: the files go into `.<tag>.tmp-*`, which is renamed
+    Holding the tag's lock: the files go into `.<tag>.tmp-*` (each checked to be weights-only
+    loadable; if one is not, nothing else changes), which is renamed
     `.<tag>.new-*` once complete; an existing `<tag>` is renamed `.<tag>.old-*`, the new one
     takes its name, `latest` is replaced, and the old one is deleted. An interruption at any
     point is undone or finished at once (or, after a crash, by the next save or load), so
@@ -223,7 +224,6 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
     tag = check_tag(tag)
     for name in objects:
         _check_file_name(name)
-    blobs = {name: _serialize(name, obj) for name, obj in objects.items()}
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / tag
@@ -234,8 +234,8 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
         try:
             os.mkdir(tmp)
             files = {}
-            for name, buf in blobs.items():
-                _write_file(tmp / name, buf.getbuffer())
+            for name, obj in objects.items():
+                _save_object(tmp / name, obj)
                 files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
             manifest = {"format": FORMAT, "tag": tag, "files": files, "meta": meta or {}}
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
