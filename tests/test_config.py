@@ -358,3 +358,13 @@ def test_initialize_accepts_numpy_scalars_and_refuses_tensors_before_building(tm
     with pytest.raises(ConfigError, match=r"optimizer.params.lr is a Tensor"):
         initialize(model=model, config=bad)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_huge_select_interval_means_never_reselect_and_is_accepted():
+    cfg = parse_config(with_(zero_optimization={"zenflow": {"select_interval": 10**6}}),
+                       world_size=1)
+    assert optimizer_kwargs(cfg)["select_interval"] == 10**6
+    with pytest.raises(ConfigError, match='select_interval must be "auto" or an integer '
+                                          '<= 1000000000, got 10000000000'):
+        parse_config(with_(zero_optimization={"zenflow": {"select_interval": 10**10}}),
+                     world_size=1)

@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from zenflow import _limits
 from zenflow.config_input import validation_problems
-from zenflow.config_types import (STRICT, AutoOrPosInt, Bool, Eps, Fraction, Iteration,
-                                  LearningRate, LossScale, NonNegFloat, NonNegInt, PosInt,
-                                  WeightDecay, between, bounded)
+from zenflow.config_types import (STRICT, AutoOrInterval, AutoOrSelectInterval, Bool, Eps,
+                                  Fraction, Iteration, LearningRate, LossScale, NonNegFloat,
+                                  NonNegInt, PosInt, WeightDecay, between, bounded)
 
 
 class _Section(BaseModel):
@@ -45,8 +45,8 @@ class ZenFlowSection(_Section):
 
     topk_ratio: Fraction = 0.1
     select_strategy: Literal["auto", "step", "epoch"] = "auto"
-    select_interval: AutoOrPosInt = "auto"
-    update_interval: AutoOrPosInt = "auto"
+    select_interval: AutoOrSelectInterval = "auto"
+    update_interval: AutoOrInterval = "auto"
     overlap_step: Bool = False
     offload: Bool = False
     auto_ratio: Annotated[float, STRICT, between(0.0, 1.0, lo_open=True)] = 0.99

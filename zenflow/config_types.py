@@ -55,13 +55,16 @@ WeightDecay = Annotated[float, STRICT, bounded(0.0, _limits.MAX_WEIGHT_DECAY)]
 LossScale = Annotated[float, STRICT, bounded(0.0, _limits.MAX_LOSS_SCALE)]
 
 
-def _auto_or_interval(v):
-    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool)
-                       and 0 < v <= _limits.MAX_INTERVAL):
-        return v
-    if isinstance(v, int) and not isinstance(v, bool) and v > _limits.MAX_INTERVAL:
-        raise ValueError(f'must be "auto" or an integer <= {_limits.MAX_INTERVAL}, got {v!r}')
-    raise ValueError(f'must be "auto" or a positive integer, got {v!r:.100}')
+def _auto_or_interval(high: int):
+    def check(v):
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 0 < v <= high):
+            return v
+        if isinstance(v, int) and not isinstance(v, bool) and v > high:
+            raise ValueError(f'must be "auto" or an integer <= {high}, got {v!r}')
+        raise ValueError(f'must be "auto" or a positive integer, got {v!r:.100}')
+    return PlainValidator(check)
 
 
-AutoOrPosInt = Annotated[Union[str, int], PlainValidator(_auto_or_interval)]
+AutoOrInterval = Annotated[Union[str, int], _auto_or_interval(_limits.INT_MAX["update_interval"])]
+AutoOrSelectInterval = Annotated[Union[str, int],
+                                 _auto_or_interval(_limits.INT_MAX["select_interval"])]
