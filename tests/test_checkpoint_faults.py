@@ -285,3 +285,21 @@ def test_bad_latest_is_a_checkpoint_error(tmp_path, content):
     (tmp_path / "latest").write_bytes(content)
     with pytest.raises(CheckpointError, match="must hold the name of a checkpoint directory"):
         read_checkpoint(tmp_path, None, ["x.pt"])
+
+
+def test_readers_share_the_tag_lock_and_a_saver_waits_for_them(tmp_path):
+    _save(tmp_path, 1)
+    saved = threading.Event()
+    with checkpoint._TagLock(tmp_path, "t", shared=True):
+        # Another reader (another rank loading the same checkpoint) is not held up...
+        reader = threading.Thread(target=lambda: _version(tmp_path))
+        reader.start()
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        # ...but a save of the tag waits until the reading is over.
+        saver = threading.Thread(target=lambda: (_save(tmp_path, 2), saved.set()))
+        saver.start()
+        assert not saved.wait(timeout=0.5)
+    saver.join(timeout=30)
+    assert saved.is_set() and _version(tmp_path) == 2
+    assert _listing(tmp_path) == ["latest", "t"]

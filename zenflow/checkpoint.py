@@ -81,20 +81,26 @@ def check_tag(tag: str) -> str:
 
 
 class _TagLock:
-    """Exclusive lock for saving one tag: `<save_dir>/.<tag>.lock`, removed on release.
+    """The lock of one tag, `<save_dir>/.<tag>.lock`: exclusive for a saver, shared for readers
+    (so that the ranks of a job load one checkpoint at once); the file is removed on release.
 
     With fcntl the lock dies with its holder, so a crashed saver never blocks the next one; the
-    file is unlinked while still held, and a waiter that wakes up on an unlinked file retries.
-    Without fcntl (Windows) the file itself is the lock (O_EXCL), and a stale one is reported.
+    file is unlinked while still held exclusively (the last reader out upgrades to do it), and a
+    waiter that wakes up on an unlinked file retries. Without fcntl (Windows) the file itself is
+    the saver's lock (O_EXCL), a stale one is reported, and readers do not lock.
     """
 
-    def __init__(self, save_dir: Path, tag: str, timeout: float = 600.0, optional: bool = False):
+    def __init__(self, save_dir: Path, tag: str, timeout: float = 600.0, optional: bool = False,
+                 shared: bool = False):
         self.path = save_dir / f".{tag}.lock"
         self.timeout = timeout
         self.optional = optional  # a reader in a read-only directory goes on without the lock
+        self.shared = shared
         self.fd: Optional[int] = None
 
     def __enter__(self):
+        if fcntl is None and self.shared:
+            return self
         if fcntl is not None:
             while True:
                 try:
@@ -103,7 +109,7 @@ class _TagLock:
                     if self.optional:
                         return self
                     raise
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
                 try:
                     same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
                 except FileNotFoundError:
@@ -132,7 +138,11 @@ class _TagLock:
         if self.fd is None:
             return
         try:
+            if self.shared:  # remove the file only if no one else holds or awaits it
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.unlink(self.path)
+        except BlockingIOError:
+            pass
         finally:
             os.close(self.fd)
             self.fd = None
@@ -373,10 +383,12 @@ def read_checkpoint(load_dir: str | os.PathLike, tag: Optional[str], names: list
     load_dir = Path(load_dir)
     tag = resolve_tag(load_dir, tag)
     path = load_dir / tag
-    # The save lock keeps a concurrent save of this tag from swapping the directory mid-read.
-    with _TagLock(load_dir, tag, optional=True) as lock:
-        if lock.fd is not None and load_dir.is_dir():
-            _recover(load_dir, tag)  # finish an overwrite that a crash interrupted
+    if not os.path.lexists(path) and load_dir.is_dir():
+        with _TagLock(load_dir, tag, optional=True) as lock:
+            if lock.fd is not None:
+                _recover(load_dir, tag)  # finish an overwrite that a crash interrupted
+    # A shared lock: a save of this tag cannot swap the directory mid-read; other readers can.
+    with _TagLock(load_dir, tag, optional=True, shared=True):
         manifest = verify_checkpoint(path)
         missing = [n for n in names if n not in manifest["files"]]
         if missing:
