@@ -3,8 +3,9 @@
 A config is validated completely before any work starts. Every problem is reported as a
 `key.path message, got value` line, e.g.
 `zero_optimization.zenflow.topk_ratio must be between 0 and 1, got 1.5`.
-Reading (`config_input`: files, dicts, encodings, duplicate keys) and the schema
-(`config_schema`: blocks, defaults, bounds) live in their own modules; the names are
+Reading (`config_input`: files, dicts, encodings, duplicate keys), the schema
+(`config_schema`: blocks and defaults) and its typed bounds (`config_types`, with the limits
+shared with the constructors in `_limits`) live in their own modules; the names are
 re-exported here.
 
 Keys that DeepSpeed accepts but that change nothing here (logging, communication tuning,
