@@ -148,8 +148,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._window = FixedWindow(self.update_interval)
         params = _checks.param_list(name, params)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        self.device = _checks.parameters(name, trainable)
+        self.device = _checks.parameters(name, [p for g in self.param_groups for p in g["params"]])
         self._build()
 
     def _make_schedule(self) -> selection.SelectionSchedule:

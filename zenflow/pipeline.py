@@ -77,9 +77,10 @@ class HostPipeline:
         self._queue.append((ticket, command, on_sent))
         self.flush(block=False)
 
-    def flush(self, block: bool) -> None:
-        """Send queued commands whose copies have finished (all of them, waiting, if block)."""
-        while self._queue and (block or self._queue[0][0].done()):
+    def flush(self, block: bool, until=None) -> None:
+        """Send queued commands whose copies have finished (all of them, waiting, if block; or
+        with `until`, waiting only as long as until() is false)."""
+        while self._queue and (block or self._queue[0][0].done()) and not (until and until()):
             ticket, command, on_sent = self._queue.popleft()
             self.timer.stall(ticket.wait())
             seq = self.runner.send(command)
@@ -182,7 +183,9 @@ class HostPipeline:
         if self.in_flight is None:
             return []
         flight, self.in_flight = self.in_flight, None
-        self.flush(block=True)
+        # Send the update if it is still queued, but not the commands after it: this step's
+        # accumulate may still be waiting for its copy, which install does not need.
+        self.flush(block=True, until=lambda: flight["seq"] is not None)
         self.timer.stall(self.runner.wait(flight["seq"]))
         start = time.perf_counter()
         slot, pairs, nbytes = flight["install_slot"], [], 0
