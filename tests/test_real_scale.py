@@ -311,3 +311,110 @@ def test_frozen_parameters_are_skipped_and_cost_no_host_memory():
         assert opt.stats()["host_bytes"] == pytest.approx(host_numel * (5 * 4 + 2 * 4))
     for p, q in zip(model[0].parameters(), frozen):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: zenflow.ZenFlowAdamW(p, lr=1e-2, weight_decay=0.0, topk_ratio=0.25,
+                                   update_interval=2, overlap_step=True),
+    lambda p: zenflow.OffloadAdamW(p, lr=1e-2, weight_decay=0.0),
+], ids=["zenflow", "offload"])
+def test_weights_loaded_into_the_model_survive_the_next_steps(make):
+    """model.load_state_dict after the optimizer exists (with a host update in flight): the
+    loaded weights are adopted, never overwritten by stale host masters (torch.optim.AdamW
+    keeps them too). At lr=0 they must come out of 5 steps unchanged."""
+    model = _mlp()
+    with make(model.parameters()) as opt:
+        for t in range(3):   # ends a window: an update is in flight
+            x, y = _mlp_batch(t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        loaded = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(loaded)
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+        for t in range(5):
+            x, y = _mlp_batch(10 + t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, loaded[name]), name
+        # and the optimizer's own masters follow them
+        state = opt.state_dict()["state"]
+        assert torch.equal(state[0]["host"]["master"], loaded["0.weight"])
+
+
+def test_a_worker_that_dies_idle_is_replaced_and_nothing_is_lost():
+    import signal
+    import time
+    model, reference = _mlp(), _mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **ZF) as opt, \
+            zenflow.ZenFlowAdamW(reference.parameters(), worker=False, **ZF) as ref:
+        for t in range(8):
+            if t == 4:
+                opt._pipeline.drain()          # idle: everything sent is done
+                os.kill(opt._runner.pid, signal.SIGKILL)
+                time.sleep(0.5)
+            for m, o in ((model, opt), (reference, ref)):
+                x, y = _mlp_batch(t)
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+        opt.synchronize()
+        ref.synchronize()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_the_worker_survives_sigterm_to_the_process_group():
+    import signal
+    import time
+    model = _mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **ZF) as opt:
+        x, y = _mlp_batch(0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        os.kill(opt._runner.pid, signal.SIGTERM)
+        os.kill(opt._runner.pid, signal.SIGINT)
+        time.sleep(0.3)
+        state = opt.state_dict()      # the usual preemption handler: save on SIGTERM
+        assert state["zenflow"]["step"] == 1
+        opt.step()                     # and it goes on
+        assert opt._runner.pid and _gone(opt._runner.pid) is False
+
+
+def test_a_worker_that_dies_mid_update_names_the_torn_state_and_rolls_back():
+    import signal
+    import threading
+    import time
+    model = _mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **ZF) as opt:
+        for t in range(3):
+            x, y = _mlp_batch(t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        saved_opt, saved_model = opt.state_dict(), copy.deepcopy(model.state_dict())
+        pid = opt._runner.pid
+        os.kill(pid, signal.SIGSTOP)        # it cannot finish what it is sent next ...
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()   # ... and then dies
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"SIGKILL.*\n.*half-written"):
+            for t in range(3, 9):
+                x, y = _mlp_batch(t)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert time.monotonic() - start < 6
+        with pytest.raises(RuntimeError, match="half-written"):
+            opt.state_dict()
+        model.load_state_dict(saved_model)
+        opt.load_state_dict(saved_opt)                 # the roll-back: a new worker starts
+        for t in range(3, 6):
+            x, y = _mlp_batch(t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.state_dict()["zenflow"]["step"] == 6

@@ -239,5 +239,8 @@ class InlineHostRunner:
     def check(self) -> None:
         """Raise if the runner can no longer run commands (never, in process)."""
 
+    def unfinished(self) -> list[tuple]:
+        return []
+
     def close(self) -> None:
         pass

@@ -203,6 +203,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
         self._step_seconds = 0.0     # moving average of the time between step() calls
         self._last_step_start = None
+        self._consecutive_skips = 0
+        self._versions = self._param_versions()
 
     @property
     def _runner(self):
@@ -218,6 +220,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
         self._pipeline.check()  # a dead worker fails this step, not only the next window end
+        self._adopt_outside_writes()
         grads = self._gradients()
         if not grads:
             return loss
@@ -229,9 +232,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             clip_coef = clip_coefficient(list(norms.values()), self.max_grad_norm,
                                          self._amp_grad_scale())
         if clip_coef is None:
-            self.skipped_steps += 1
-            self._timer.end(skipped=True)
+            self._skip()
             return loss
+        self._consecutive_skips = 0
 
         warming_up = self._step < self.full_warm_up_rounds
         if not warming_up and self._window_steps == 0:
@@ -267,6 +270,40 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                      f"{self.device} are required")
                 grads[p] = g
         return grads
+
+    def _skip(self) -> None:
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        n = self._consecutive_skips
+        if n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
+            log.warning("%s: skipped step %d: the gradients are not finite (%d consecutive "
+                        "skipped steps, %d in all)", self._NAME, self._step, n, self.skipped_steps)
+        self._timer.end(skipped=True)
+
+    def _param_versions(self) -> dict:
+        return {p: p._version for p in (*(m.param for m in self._host_params),
+                                        *(v.param for v in self._device_params))}
+
+    def _adopt_outside_writes(self) -> None:
+        """Weights changed outside the optimizer since it last wrote them (model.load_state_dict,
+        an in-place edit under no_grad: anything that bumps a tensor's version counter) become
+        the new master values, as if the optimizer had been built on them; the moments stay.
+        Our own writes go through .data and do not bump the counter."""
+        host = [m for m in self._host_params if m.param._version != self._versions[m.param]]
+        vectors = [v for v in self._device_params if v.param._version != self._versions[v.param]]
+        if not host and not vectors:
+            return
+        log.info("%s: adopting the new values of %d parameter(s) changed outside the optimizer",
+                 self._NAME, len(host) + len(vectors))
+        self._pipeline.adopt([m.index for m in host])
+        for m in host:
+            if self._selected and m.k > 0:
+                columns.gather_columns(columns.as_matrix(m.param.detach()), m.columns.index,
+                                       out=m.columns.master)
+        for v in vectors:
+            if v.state.master.data_ptr() != v.param.data_ptr():
+                v.state.master.copy_(v.param.detach())
+        self._versions = self._param_versions()
 
     def _amp_found_inf(self) -> bool:
         found_inf = getattr(self, "found_inf", None)     # set by GradScaler.step around step()
@@ -350,6 +387,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Wait for the in-flight host update and install it now (before evaluation or saving
         the final model). Training continues correctly afterwards; the update is just visible
         earlier than the overlap schedule would make it."""
+        self._adopt_outside_writes()
         self._install_in_flight()
 
     # ------------------------------------------------------------------ selection
@@ -479,11 +517,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Everything needed to continue exactly: host and device state, selection, counters and
         the partial window. Waits for in-flight host work first (without installing it)."""
         from zenflow.state import optimizer_state_dict
+        self._adopt_outside_writes()
         return optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict() from an optimizer over the same parameters.
         Everything is checked before anything changes: a failed load leaves this optimizer as
-        it was."""
+        it was. Load the model's weights first, then this (as frameworks do): weights loaded
+        afterwards count as changed outside the optimizer and become the master values."""
         from zenflow.state import load_optimizer_state_dict
         load_optimizer_state_dict(self, state_dict)
+        # The weights as they are now (usually just loaded from the same checkpoint) belong with
+        # this state; only later outside writes are adopted.
+        self._versions = self._param_versions()

@@ -18,8 +18,10 @@ the previous window reads the other.
 """
 from __future__ import annotations
 
-from collections import deque
+import logging
 import time
+from collections import deque
+from contextlib import contextmanager
 
 import torch
 
@@ -27,6 +29,8 @@ from zenflow.accelerator import DONE, Ticket, Transfers
 from zenflow.distributed import Partition
 from zenflow.host import FP32_KINDS, HostJob, HostLayout, HostState, InlineHostRunner
 from zenflow.telemetry import StepTimer
+
+log = logging.getLogger("zenflow")
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
@@ -52,12 +56,9 @@ class HostPipeline:
             self.host.fp32("master", i).copy_(host_view(p.detach())[r])
         self.transfers = Transfers(device)
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
-        if worker_cores is not None:
-            from zenflow.worker import WorkerHostRunner
-            self.runner = WorkerHostRunner(self.host, worker_cores)
-        else:
-            self.runner = InlineHostRunner(self.host)
-        self.host.arena.close_fd()  # the worker has its own descriptor now
+        self._worker_cores = worker_cores
+        self.runner = self._start_runner()
+        self.torn: list[int] = []   # parameters whose host state a dying worker left half-written
 
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
@@ -72,6 +73,47 @@ class HostPipeline:
         self._last_copy: Ticket = DONE
         self.in_flight: dict | None = None  # {"matrices", "seq", "install_slot"} of an update
 
+    # -- the worker -----------------------------------------------------------------------------
+    def _start_runner(self):
+        if self._worker_cores is None:
+            return InlineHostRunner(self.host)
+        from zenflow.worker import WorkerHostRunner
+        return WorkerHostRunner(self.host, self._worker_cores)
+
+    @contextmanager
+    def _worker_guard(self):
+        """A worker that died idle is replaced (no state is lost: it all lives in our mapping);
+        one that died mid-command leaves the parameters it was working on torn, and says so."""
+        from zenflow.worker import WorkerDied
+        try:
+            yield
+        except WorkerDied as exc:
+            unfinished = self.runner.unfinished()
+            self.runner.close()
+            if not unfinished:
+                log.warning("%s while idle; started a new worker (no host state was lost)", exc)
+                self.runner = self._start_runner()
+                # Everything the old worker was sent is done; its sequence numbers mean nothing
+                # to the new one (0 counts as done by any runner).
+                if self.in_flight is not None and self.in_flight["seq"] is not None:
+                    self.in_flight["seq"] = 0
+                self._staging_reader = [None] * self.layout.transfer_slots
+                return
+            self.torn = sorted({i for c in unfinished
+                                for i in (c[4] + c[5] if c[0] == "accumulate"
+                                          else [job.matrix for job in c[3]])})
+            raise RuntimeError(
+                f"{exc}\nIt died in the middle of host work on {len(self.torn)} parameter(s) "
+                f"(host indices {self.torn[:10]}{'...' if len(self.torn) > 10 else ''}), whose "
+                "host state may be half-written. Roll back with load_state_dict() from the last "
+                "checkpoint: that restores every host buffer and starts a new worker.") from exc
+
+    def _need_worker(self) -> None:
+        if self.torn:
+            raise RuntimeError(f"the host state of parameters {self.torn[:10]} was left "
+                               "half-written by a dead worker; load_state_dict() from the last "
+                               "checkpoint to roll back")
+
     # -- the command queue ----------------------------------------------------------------------
     def _enqueue(self, ticket: Ticket, command: tuple, on_sent=None) -> None:
         self._queue.append((ticket, command, on_sent))
@@ -81,20 +123,27 @@ class HostPipeline:
         """Send queued commands whose copies have finished (all of them, waiting, if block; or
         with `until`, waiting only as long as until() is false)."""
         while self._queue and (block or self._queue[0][0].done()) and not (until and until()):
-            ticket, command, on_sent = self._queue.popleft()
+            ticket, command, on_sent = self._queue[0]
             self.timer.stall(ticket.wait())
-            seq = self.runner.send(command)
-            if on_sent is not None:
-                on_sent(seq)
+            with self._worker_guard():
+                seq = self.runner.send(command)
+                self._queue.popleft()
+                if on_sent is not None:
+                    on_sent(seq)
 
     def drain(self) -> None:
         """Wait until the host has done everything sent to it (before reading host state)."""
+        self._need_worker()
         self.flush(block=True)
-        self.timer.stall(self.runner.wait())
+        with self._worker_guard():
+            self.timer.stall(self.runner.wait())
 
     def check(self) -> None:
-        """Raise if the worker died; send whatever became ready since the last step."""
-        self.runner.check()
+        """Raise if the worker died mid-work (replace it if it died idle); send whatever
+        became ready since the last step."""
+        self._need_worker()
+        with self._worker_guard():
+            self.runner.check()
         self.flush(block=False)
 
     # -- one step -------------------------------------------------------------------------------
@@ -107,7 +156,8 @@ class HostPipeline:
             self.flush(block=True)     # the previous accumulate of this slot is still queued
         reader = self._staging_reader[slot]
         if reader is not None:
-            waited = self.runner.wait(reader)
+            with self._worker_guard():
+                waited = self.runner.wait(reader)
             self.timer.stall(waited)
             self._staging_reader[slot] = None
         pairs, nbytes = [], 0
@@ -169,13 +219,25 @@ class HostPipeline:
         self._install_slot = (slot + 1) % self.layout.transfer_slots
         return True
 
+    def adopt(self, indices: list[int]) -> None:
+        """Take the parameters' current values as the host master values of `indices` (weights
+        changed outside the optimizer); an in-flight update of theirs is no longer installed."""
+        self.drain()
+        for i in indices:
+            self.host.fp32("master", i).copy_(host_view(self.params[i].detach())[self.rows[i]])
+        if self.in_flight is not None:
+            dropped = set(indices)
+            self.in_flight["matrices"] = [i for i in self.in_flight["matrices"] if i not in dropped]
+
     def ready(self) -> bool:
         """Whether no host update is in flight (never blocks)."""
         if self.in_flight is None:
             return True
         self.flush(block=False)
         seq = self.in_flight["seq"]
-        return seq is not None and self.runner.done(seq)
+        with self._worker_guard():
+            return seq is not None and self.runner.done(seq)
+        return False
 
     def install(self) -> list[int]:
         """Wait for the in-flight update and copy its new values into the parameters; returns the
@@ -186,7 +248,8 @@ class HostPipeline:
         # Send the update if it is still queued, but not the commands after it: this step's
         # accumulate may still be waiting for its copy, which install does not need.
         self.flush(block=True, until=lambda: flight["seq"] is not None)
-        self.timer.stall(self.runner.wait(flight["seq"]))
+        with self._worker_guard():
+            self.timer.stall(self.runner.wait(flight["seq"]))
         start = time.perf_counter()
         slot, pairs, nbytes = flight["install_slot"], [], 0
         for i in flight["matrices"]:
@@ -236,7 +299,14 @@ class HostPipeline:
                                  f"{tuple(s['master'].shape)}, expected {tuple(shape)}")
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what state_dict() returned (call validate() first)."""
+        """Restore what state_dict() returned (call validate() first). After a worker died
+        mid-work this is the roll-back: every host buffer is overwritten and a new worker
+        starts."""
+        if self.torn:
+            self.runner.close()
+            self.runner = self._start_runner()
+            self.torn = []
+            self._queue.clear()
         self.drain()
         self._queue.clear()
         self._staged = None
@@ -267,3 +337,4 @@ class HostPipeline:
     def close(self) -> None:
         self.runner.close()
         self.transfers.unpin()
+        self.host.arena.close_fd()

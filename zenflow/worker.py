@@ -323,6 +323,10 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code} (see its traceback above)"
 
 
+class WorkerDied(RuntimeError):
+    """The worker process is gone (killed, out of memory) or failed in a command."""
+
+
 # Runners not yet closed, held weakly so that an optimizer can still be garbage collected; one
 # atexit hook closes whatever is left when the interpreter exits.
 _live_runners: "weakref.WeakSet[WorkerHostRunner]" = weakref.WeakSet()
@@ -354,6 +358,7 @@ class WorkerHostRunner:
         self._done_through = 0        # every command with seq <= this is done
         self._finished: set[int] = set()
         self._update_seqs: set[int] = set()
+        self._unfinished: dict[int, tuple] = {}   # seq -> command, until its "done" arrives
         self._error: str | None = None
         self._closed = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -370,13 +375,17 @@ class WorkerHostRunner:
     # -- receiving
     def _fail(self, cause: str) -> None:
         self._error = f"ZenFlow host worker (pid {self.pid}) {cause}"
-        raise RuntimeError(self._error)
+        raise WorkerDied(self._error)
+
+    def unfinished(self) -> list[tuple]:
+        """Commands sent but not reported done (after a death: the work it was doing)."""
+        return list(self._unfinished.values())
 
     def _receive(self, timeout: float) -> bool:
         """Handle at most one message, waiting up to `timeout`; False when none came. Raises if
         the worker reported an error or is dead."""
         if self._error is not None:
-            raise RuntimeError(self._error)
+            raise WorkerDied(self._error)
         try:
             message = self._conn.recv() if self._conn.poll(timeout) else None
         except (EOFError, OSError):
@@ -394,6 +403,7 @@ class WorkerHostRunner:
                 self.updates.append((start, end))
                 del self.updates[:-10_000]
             self._finished.add(seq)
+            self._unfinished.pop(seq, None)
             while self._done_through + 1 in self._finished:
                 self._done_through += 1
                 self._finished.discard(self._done_through)
@@ -415,9 +425,11 @@ class WorkerHostRunner:
         self._seq += 1
         if command[0] == "update":
             self._update_seqs.add(self._seq)
+        self._unfinished[self._seq] = command
         try:
             self._conn.send((command[0], self._seq, *command[1:]))
         except (BrokenPipeError, OSError):
+            del self._unfinished[self._seq]   # never delivered: nothing of it was done
             self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
         return self._seq
 
@@ -426,13 +438,18 @@ class WorkerHostRunner:
         return seq <= self._done_through or seq in self._finished
 
     def wait(self, seq: int | None = None) -> float:
-        """Block until command `seq` (default: every command sent) is done; returns the seconds
-        spent blocked."""
-        seq = self._seq if seq is None else seq
-        if self.done(seq):
+        """Block until command `seq` is done, or with no seq until every command sent is done
+        (commands finish out of order: an update runs beside later accumulates); returns the
+        seconds spent blocked."""
+        def finished() -> bool:
+            if seq is None:
+                return self._done_through >= self._seq
+            return seq <= self._done_through or seq in self._finished
+        self.check()
+        if finished():
             return 0.0
         start = time.perf_counter()
-        while not (seq <= self._done_through or seq in self._finished):
+        while not finished():
             self._receive(_POLL_S)
         return time.perf_counter() - start
 
