@@ -101,7 +101,8 @@ class ZenFlowSection(_Section):
     update_interval: AutoOrPosInt = "auto"
     overlap_step: Bool = False
     offload: Bool = False
-    auto_ratio: Fraction = 0.99
+    # > 0 as well: ZenFlowAdamW refuses 0, and check-config must not pass what initialize refuses.
+    auto_ratio: Annotated[Fraction, AfterValidator(_positive)] = 0.99
     full_warm_up_rounds: NonNegInt = 0
     pt_reserved_cores_perc: Fraction = 0.5
     steps_per_epoch: Optional[PosInt] = None
@@ -451,7 +452,10 @@ def load_config_dict(config: Union[str, os.PathLike, dict]) -> dict:
 def parse_config(config: Union[str, os.PathLike, dict], world_size: Optional[int] = None
                  ) -> ZenFlowConfig:
     """Validate a DeepSpeed-style config (path or dict). Raises ConfigError naming each key."""
-    data = load_config_dict(config)
+    from zenflow.ds.config_compat import resolve_deepspeed_conventions
+    data, problems = resolve_deepspeed_conventions(load_config_dict(config))
+    if problems:
+        raise ConfigError(problems)
     if "world_size" in data:
         raise ConfigError(["world_size is not a known key (the world size comes from "
                            "torch.distributed or $WORLD_SIZE)"])
