@@ -58,7 +58,13 @@ def find_optimizers(obj: Any) -> list:
             return
         seen.add(id(item))
         if isinstance(item, classes):
-            found.append(item)
+            # Lightning's LightningOptimizer is a dynamic subclass of the optimizer it wraps
+            # (held in ._optimizer): report the real one.
+            inner = _attribute(item, "_optimizer")
+            if isinstance(inner, classes) and inner is not item:
+                visit(inner, depth + 1)
+            elif id(item) not in {id(f) for f in found}:
+                found.append(item)
             return
         if isinstance(item, (list, tuple)):
             for sub in item:
