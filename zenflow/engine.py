@@ -97,8 +97,9 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if ignored:
             log.info("config keys accepted but without effect here: %s", ", ".join(ignored))
         log.info("engine: %s", resolved_settings(config))
-        self._weight_sync = WeightSync(model, self.synchronize,
-                                       data_parallel=lambda: Partition.from_group().active)
+        self._weight_sync = WeightSync(
+            model, self.synchronize, data_parallel=lambda: Partition.from_group().active,
+            defers_updates=getattr(self.optimizer, "overlap_step", False) is True)
 
     # --- training -----------------------------------------------------------------------------
 

@@ -30,13 +30,17 @@ class WeightSync:
     """Hooks on `module` that call `synchronize()` before its weights are read."""
 
     def __init__(self, module: torch.nn.Module, synchronize: Callable[[], None],
-                 data_parallel: Callable[[], bool]):
+                 data_parallel: Callable[[], bool], defers_updates: bool):
+        """`defers_updates`: the optimizer can have an update in flight (ZenFlow with
+        overlap_step); without that there is nothing to install and no hook is registered."""
         self._synchronize = synchronize
         self._data_parallel = data_parallel
+        self.defers_updates = defers_updates
         self._paused = 0
         self._warned = False
         self._handles = [module.register_forward_pre_hook(self._before_forward),
-                         module.register_state_dict_pre_hook(self._before_state_dict)]
+                         module.register_state_dict_pre_hook(self._before_state_dict)
+                         ] if defers_updates else []
 
     def _maybe_sync(self, why: str) -> None:
         if self._paused:
@@ -44,9 +48,10 @@ class WeightSync:
         if self._data_parallel():
             if not self._warned:
                 self._warned = True
-                log.warning("%s under data parallel: the weights lack the host update still in "
-                            "flight; call engine.synchronize() on every rank first to install it",
-                            why)
+                log.warning("data parallel: %s uses weights that may lack the host update "
+                            "still in flight; call engine.synchronize() on every rank first to "
+                            "install it (done automatically only in a single process, since "
+                            "installing is collective)", why)
             return
         self._synchronize()
 
@@ -82,6 +87,8 @@ def synchronized_state(module: torch.nn.Module, optimizer, sync: Optional[Weight
                        ) -> tuple[dict, dict, dict]:
     """(synchronized weights, pending training weights, optimizer state), leaving the run as it was.
 
+    (Forward passes and state_dict() below run with `sync`'s hooks paused.)
+
     The optimizer state is taken first and still carries the pending update. Then the update is
     installed to read the synchronized weights, and the weights it changed are put back and the
     optimizer state reloaded, so the saving run continues exactly as if it had not saved.
@@ -91,11 +98,10 @@ def synchronized_state(module: torch.nn.Module, optimizer, sync: Optional[Weight
     paused = sync.paused() if sync is not None else contextlib.nullcontext()
     with paused:
         optimizer_state = optimizer.state_dict()
-        synchronize = getattr(optimizer, "synchronize", None)
-        if synchronize is None:
-            return _cpu_copy(module.state_dict()), {}, optimizer_state
+        if sync is None or not sync.defers_updates:  # nothing can be in flight
+            return module.state_dict(), {}, optimizer_state
         training = _cpu_copy(module.state_dict())
-        synchronize()
+        optimizer.synchronize()
         current = _cpu_copy(module.state_dict())
         pending = {k: training[k] for k in current if not torch.equal(current[k], training[k])}
         if pending:
