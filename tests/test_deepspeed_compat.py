@@ -29,7 +29,7 @@ ZENFLOW_CONFIG = {
                                       "overlap_step": True}}}
 
 
-def run_script(tmp_path, launcher: list[str], ranks: int) -> list[dict]:
+def run_script(tmp_path, launcher: list[str], ranks: int, init_distributed=True) -> list[dict]:
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps(ZENFLOW_CONFIG))
     out = tmp_path / "out"
@@ -37,6 +37,7 @@ def run_script(tmp_path, launcher: list[str], ranks: int) -> list[dict]:
         [str(TESTS.parent)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    env["SKIP_INIT_DISTRIBUTED"] = "0" if init_distributed else "1"
     run = subprocess.run(launcher + [str(SCRIPT), "--deepspeed", "--deepspeed_config", str(cfg),
                                      "--save_dir", str(tmp_path / "ckpt"), "--out", str(out)],
                          capture_output=True, text=True, timeout=300, env=env)
@@ -61,10 +62,13 @@ def test_getting_started_script_runs_on_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_getting_started_script_runs_under_torchrun_with_two_gloo_ranks(tmp_path):
+@pytest.mark.parametrize("init_distributed", [True, False],
+                         ids=["init_distributed", "initialize-sets-up-the-group"])
+def test_getting_started_script_runs_under_torchrun_with_two_gloo_ranks(tmp_path,
+                                                                        init_distributed):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", "2"]
-    results = run_script(tmp_path, launcher, ranks=2)
+    results = run_script(tmp_path, launcher, ranks=2, init_distributed=init_distributed)
     assert [len(r["losses"]) for r in results] == [16, 16]  # each rank gets half of the data
     weights = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for k in weights[0]:
