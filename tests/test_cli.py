@@ -167,3 +167,18 @@ def test_built_wheel_installs_into_a_fresh_venv_offline(tmp_path):
     assert check.returncode == 0, check.stderr[-3000:]
     cli = run(str(venv / "bin" / "zenflow"), "--version", cwd=str(tmp_path))
     assert cli.returncode == 0 and cli.stdout.strip() == f"zenflow {check.stdout.strip()}"
+
+    # Type-checks: mypy reads the installed package's annotations (py.typed), so a client's
+    # wrong annotation is caught; without the marker it would report missing stubs instead.
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy (the dev extra) is not installed")
+    client = tmp_path / "client.py"
+    client.write_text("import zenflow\n"
+                      "ok: str = zenflow.__version__\n"
+                      "engine_cls: type = zenflow.ZenFlowEngine\n"
+                      "wrong: int = zenflow.__version__\n")
+    typed = run(sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent",
+                "--python-executable", str(python), str(client), cwd=str(tmp_path))
+    assert "client.py:4: error: Incompatible types in assignment (expression has type " \
+           '"str", variable has type "int")' in typed.stdout, typed.stdout[-2000:]
+    assert "Found 1 error in 1 file" in typed.stdout, typed.stdout[-2000:]
