@@ -28,6 +28,7 @@ def _env():
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 
 
+@pytest.mark.slow
 def test_version_and_python_dash_m():
     run = subprocess.run([sys.executable, "-m", "zenflow", "--version"], capture_output=True,
                          text=True, timeout=120, env=_env())

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -79,33 +79,32 @@ class WeightSync:
         self._handles = []
 
 
-def _cpu_copy(state: dict) -> dict:
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
-def synchronized_state(module: torch.nn.Module, optimizer, sync: Optional[WeightSync]
+def synchronized_state(module: torch.nn.Module, optimizer, sync: WeightSync
                        ) -> tuple[dict, dict, dict]:
     """(synchronized weights, pending training weights, optimizer state), leaving the run as it was.
-
-    (Forward passes and state_dict() below run with `sync`'s hooks paused.)
 
     The optimizer state is taken first and still carries the pending update. Then the update is
     installed to read the synchronized weights, and the weights it changed are put back and the
     optimizer state reloaded, so the saving run continues exactly as if it had not saved.
     `pending` holds, for the tensors the update changes, the values training uses until the update
-    lands; loading them together with the optimizer state resumes exactly.
+    lands; loading them together with the optimizer state resumes exactly. The cost, at save time
+    only: one host copy of the model, plus one of each tensor the update changes.
     """
-    paused = sync.paused() if sync is not None else contextlib.nullcontext()
-    with paused:
+    with sync.paused():  # this function's own state_dict() calls must not synchronize
         optimizer_state = optimizer.state_dict()
-        if sync is None or not sync.defers_updates:  # nothing can be in flight
+        if not sync.defers_updates:  # nothing can be in flight
             return module.state_dict(), {}, optimizer_state
-        training = _cpu_copy(module.state_dict())
+        training = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
         optimizer.synchronize()
-        current = _cpu_copy(module.state_dict())
-        pending = {k: training[k] for k in current if not torch.equal(current[k], training[k])}
+        live = module.state_dict()
+        current, pending = {}, {}
+        for k, value in live.items():
+            if torch.equal(value, training[k].to(value.device)):
+                current[k] = training[k]
+            else:
+                current[k] = value.detach().to("cpu", copy=True)
+                pending[k] = training[k]
         if pending:
-            live = module.state_dict()
             with torch.no_grad():
                 for k, value in pending.items():
                     live[k].copy_(value)
