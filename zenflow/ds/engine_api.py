@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -11,8 +10,6 @@ from typing import Callable, Optional, Union
 import torch
 
 from zenflow import comm
-
-log = logging.getLogger("zenflow.engine")
 
 
 def frozen_parameter_names(module: torch.nn.Module) -> set[str]:
