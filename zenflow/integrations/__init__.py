@@ -1,9 +1,11 @@
 """ZenFlow inside training frameworks: current weights at evaluation and saving, and the optimizer
 behind the frameworks' wrappers.
 
-    # Hugging Face Trainer
+    # Hugging Face Trainer (TrainingArguments(optim=...) only knows HF's own optimizers; pass
+    # the class, and the Trainer builds it with its usual no-weight-decay groups)
     from zenflow.integrations import ZenFlowTrainerCallback
-    trainer = Trainer(..., optimizers=(opt, sched), callbacks=[ZenFlowTrainerCallback()])
+    trainer = Trainer(..., optimizer_cls_and_kwargs=(zenflow.ZenFlowAdamW, {"lr": 2e-5}),
+                      callbacks=[ZenFlowTrainerCallback()])
 
     # PyTorch Lightning
     from zenflow.integrations import ZenFlowLightningCallback
