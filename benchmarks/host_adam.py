@@ -19,7 +19,7 @@ import torch
 
 
 from zenflow.bench.harness import machine_info
-from zenflow.host import HostJob, HostState
+from zenflow.host import HostJob, HostLayout, HostState
 
 
 def main() -> None:
@@ -34,14 +34,17 @@ def main() -> None:
     cols = args.params // rows
     n = rows * cols
 
-    # zenflow host: one window of 4 summed gradients, mean taken inside the fused kernel.
-    host = HostState.allocate([torch.randn(rows, cols)], num_slots=1)
+    # zenflow host: one window of 4 summed gradients, mean taken inside the fused kernel (the
+    # update also writes the new values to the install buffer, as it does in training).
+    host = HostState.allocate(HostLayout.build([(rows, cols, torch.float32)], sum_slots=1))
+    host.fp32("master", 0).normal_()
+    host.fp32("grad_sum0", 0).normal_()
     step = [0]
 
     def zenflow_host():
-        host.matrices[0].grad_sums[0].normal_() if step[0] == 0 else None
         step[0] += 1
-        host.update([HostJob(0, step[0], 4, 1e-4, 0.9, 0.999, 1e-8, 0.01)], slot=0, clear=False)
+        host.update([HostJob(0, step[0], 4, 1e-4, 0.9, 0.999, 1e-8, 0.01)], sum_slot=0,
+                    install_slot=0)
 
     param = torch.nn.Parameter(torch.randn(rows, cols))
     param.grad = torch.randn(rows, cols)

@@ -81,8 +81,8 @@ def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_di
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
             state = opt.state_dict()
-            result["host_rows"] = [s["host_master"].shape[0] for s in state["state"].values()
-                                   if s["kind"] == "matrix"]
+            result["host_rows"] = [s["host"]["master"].shape[0] for s in state["state"].values()
+                                   if s["kind"] == "host"]
             result["host_bytes"] = opt.stats()["host_bytes"]
             result["weights"] = {k.removeprefix("module."): v.clone()
                                  for k, v in model.state_dict().items()}

@@ -2,15 +2,18 @@
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from engine_toys import SEED_ZERO_BLOCK
 from zenflow.cli import main as cli_main
-from zenflow.config import (ConfigError, ZenFlowSection, optimizer_kwargs, parse_config,
-                            resolved_settings)
+from zenflow.config import (ConfigError, ZenFlowSection, load_config_dict, optimizer_kwargs,
+                            parse_config, resolved_settings)
 
 BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
@@ -94,10 +97,10 @@ def test_unimplemented_zenflow_offload_is_shown_as_ignored():
 
 def test_scheduler_params_get_defaults():
     cfg = parse_config(with_(scheduler={"type": "WarmupCosineLR",
-                                        "params": {"total_num_steps": 100}}), world_size=1)
+                                        "params": {"total_num_steps": 2000}}), world_size=1)
     name, params = resolved_settings(cfg)["scheduler"]
     assert name == "WarmupCosineLR"
-    assert params == {"total_num_steps": 100, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+    assert params == {"total_num_steps": 2000, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
                       "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1}
 
 
@@ -119,6 +122,8 @@ MALFORMED = [
      "zero_optimization.zenflow.full_warm_up_rounds", "must be >= 0"),
     (with_(zero_optimization={"zenflow": {"auto_ratio": 2}}),
      "zero_optimization.zenflow.auto_ratio", "between 0 and 1"),
+    (with_(zero_optimization={"zenflow": {"auto_ratio": 0.0}}),
+     "zero_optimization.zenflow.auto_ratio", "between 0 and 1 (0 excluded), got 0.0"),
     (with_(zero_optimization={"zenflow": {"pt_reserved_cores_perc": -0.5}}),
      "zero_optimization.zenflow.pt_reserved_cores_perc", "between 0 and 1"),
     (with_(zero_optimization={"zenflow": {"topk": 0.1}}),
@@ -156,6 +161,41 @@ MALFORMED = [
     (with_(gradient_clipping=-1.0), "gradient_clipping", "must be >= 0"),
     (with_(bogus_key=1), "bogus_key", "is not a known key"),
     (with_(zero_optimization="stage2"), "zero_optimization", "must be an object"),
+    # finite and sane bounds
+    (with_(optimizer={"type": "AdamW", "params": {"lr": 1e30}}), "optimizer.params.lr",
+     "must be <= 10, got 1e+30"),
+    (with_(optimizer={"type": "AdamW", "params": {"lr": float("inf")}}), "optimizer.params.lr",
+     "must be <= 10, got inf"),
+    (with_(optimizer={"type": "AdamW", "params": {"eps": 1e308}}), "optimizer.params.eps",
+     "must be <= 1, got 1e+308"),
+    (with_(optimizer={"type": "AdamW", "params": {"weight_decay": 1e30}}),
+     "optimizer.params.weight_decay", "must be <= 10, got 1e+30"),
+    (with_(zero_optimization={"zenflow": {"update_interval": 10**30}}),
+     "zero_optimization.zenflow.update_interval", '"auto" or an integer <= 100000, got 1000'),
+    (with_(zero_optimization={"zenflow": {"select_interval": 1e30}}),
+     "zero_optimization.zenflow.select_interval", '"auto" or a positive integer, got 1e+30'),
+    (with_(zero_optimization={"zenflow": {"full_warm_up_rounds": 10**30}}),
+     "zero_optimization.zenflow.full_warm_up_rounds", "must be <= 1e+09"),
+    (with_(train_batch_size=10**30), "train_batch_size", "must be <= 1e+09"),
+    (with_(fp16={"enabled": True, "loss_scale": 1e30}), "fp16.loss_scale", "must be <= 1.8"),
+    (with_(scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.01,
+                                                      "warmup_max_lr": 0.001}}),
+     "scheduler.params.warmup_min_lr", "must be <= warmup_max_lr (0.001), got 0.01"),
+    (with_(scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.01}}),
+     "scheduler.params.warmup_min_lr", "defaults to optimizer.params.lr (0.001), got 0.01"),
+    (with_(scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 5,
+                                                           "warmup_num_steps": 10}}),
+     "scheduler.params.total_num_steps", "must be >= warmup_num_steps (10), got 5"),
+    (with_(scheduler={"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}),
+     "scheduler.params.total_num_steps", "(1000, its default), got 100"),
+    (with_(scheduler={"type": "WarmupLR", "params": {"last_batch_iteration": -5}}),
+     "scheduler.params.last_batch_iteration", "must be >= -1"),
+    (with_(scheduler={"type": ["WarmupLR"]}), "scheduler.type", "got ['WarmupLR']"),
+    (with_(scheduler={"type": "WarmupDecayLR", "params": None}),
+     "scheduler.params.total_num_steps", "is required"),
+    (with_(scheduler={"type": "WarmupCosineLR"}), "scheduler.params.total_num_steps",
+     "is required"),
+    (with_(scheduler={"type": {"name": "WarmupLR"}}), "scheduler.type", "must be one of"),
 ]
 
 
@@ -208,3 +248,123 @@ def test_check_config_json_output(tmp_path, capsys):
     assert out["optimizer"] == "torch.optim.AdamW"
     assert out["loss_scaling"]["initial_scale"] == 256.0
     assert out["precision"].startswith("fp16")
+
+
+# (file content, phrase): files that are not UTF-8 JSON objects. None of them may traceback.
+BAD_FILES = [
+    ('{"train_batch_size": 8, "seed": "caf\u00e9"}'.encode("latin-1"),
+     "is not UTF-8 text: byte 0xe9 at offset 36"),
+    (json.dumps(BASE).encode("utf-16"), "is UTF-16 or UTF-32 text; save it as UTF-8"),
+    (json.dumps(BASE).encode("utf-16-le"), "is UTF-16 or UTF-32 text"),
+    (bytes(range(256)) * 4, "is not UTF-8 text"),
+    (b"\x00\x01\x02\x03", "is not valid JSON"),
+    (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests objects and lists 100001 levels"),
+    (b"[" * 100_000, "nests objects and lists 100000 levels deep; at most 32"),
+    (b'{"train_batch_size": ' + b"9" * 5000 + b"}", "is not valid JSON"),
+    (b'{"train_batch_size": 8, "train_batch_size": 16}',
+     "train_batch_size appears more than once in the same JSON object"),
+    (b'{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1, "lr": 2}}}',
+     "optimizer.params.lr appears more than once"),
+    (b"[1, 2]", "must hold a JSON object, got a list"),
+    (b"", "is not valid JSON"),
+    (b'{"train_batch_size": 8, "seed": "[[[[{{{{"}', None),  # brackets in strings do not nest
+]
+
+
+@pytest.mark.parametrize("content, phrase", BAD_FILES)
+def test_check_config_reports_bad_files_without_a_traceback(content, phrase, tmp_path, capsys):
+    file = tmp_path / "c.json"
+    file.write_bytes(content)
+    if phrase is None:
+        assert cli_main(["check-config", str(file)]) == 0
+        return
+    assert cli_main(["check-config", str(file)]) == 1
+    err = capsys.readouterr().err
+    assert phrase in err and "Traceback" not in err, err
+    with pytest.raises(ConfigError, match=re.escape(phrase)):
+        parse_config(str(file), world_size=1)
+
+
+def test_check_config_refuses_a_directory_and_bad_world_size(tmp_path, capsys, monkeypatch):
+    assert cli_main(["check-config", str(tmp_path)]) == 1
+    assert "is not a regular file" in capsys.readouterr().err
+    file = tmp_path / "c.json"
+    file.write_text(json.dumps(BASE))
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    assert cli_main(["check-config", str(file)]) == 1
+    assert "$WORLD_SIZE must be a positive integer, got 'two'" in capsys.readouterr().err
+
+
+def test_dict_config_accepts_numpy_scalars_as_numbers():
+    cfg = {"train_batch_size": np.int64(8),
+           "optimizer": {"type": "AdamW", "params": {"lr": np.float32(0.5),
+                                                     "betas": (np.float64(0.9), 0.99)}},
+           "zero_optimization": {"stage": np.int32(2),
+                                 "zenflow": {"overlap_step": np.bool_(True),
+                                             "update_interval": np.uint8(4)}}}
+    raw = load_config_dict(cfg)
+    json.dumps(raw)  # plain data: serializable, and storable in a weights-only checkpoint
+    assert type(raw["train_batch_size"]) is int and type(raw["optimizer"]["params"]["lr"]) is float
+    assert raw["optimizer"]["params"]["betas"] == [0.9, 0.99]
+    parsed = parse_config(cfg, world_size=1)
+    kw = optimizer_kwargs(parsed)
+    assert kw["lr"] == 0.5 and kw["overlap_step"] is True and kw["update_interval"] == 4
+    assert parsed.train_batch_size == 8 and parsed.zero_optimization.stage == 2
+
+
+@pytest.mark.parametrize("value, path, phrase", [
+    (torch.tensor(1e-3), "optimizer.params.lr", "is a Tensor (tensor(0.0010)); config values "
+                                                "must be plain numbers"),
+    (np.array([1e-3]), "optimizer.params.lr", "is a numpy.ndarray"),
+    (object(), "optimizer.params.lr", "is a builtins.object"),
+    (1 + 2j, "optimizer.params.lr", "is a builtins.complex"),
+    ({1: 2}, "optimizer.params.lr", "has the key 1 of type int; config keys must be strings"),
+])
+def test_dict_config_refuses_tensors_and_objects(value, path, phrase):
+    cfg = with_(optimizer={"type": "AdamW", "params": {"lr": value}})
+    with pytest.raises(ConfigError) as err:
+        parse_config(cfg, world_size=1)
+    assert err.value.problems[0].startswith(path + " ") and phrase in err.value.problems[0]
+
+
+def test_dict_config_nested_too_deeply_or_cyclic():
+    deep = leaf = {}
+    for _ in range(100):
+        leaf["a"] = {}
+        leaf = leaf["a"]
+    with pytest.raises(ConfigError, match=r"^invalid config:\n  wandb(\.a)+ is nested more than "
+                                          r"32 levels deep"):
+        parse_config(with_(wandb=deep), world_size=1)
+    cyclic = {"x": 1}
+    cyclic["self"] = cyclic
+    with pytest.raises(ConfigError, match="nested more than 32 levels deep"):
+        parse_config(with_(tensorboard=cyclic), world_size=1)
+
+
+def test_initialize_accepts_numpy_scalars_and_refuses_tensors_before_building(tmp_path):
+    from engine_toys import make_model
+    from zenflow.engine import initialize
+
+    cfg = {"train_batch_size": np.int64(8), "gradient_clipping": np.float32(1.0),
+           "optimizer": {"type": "AdamW", "params": {"lr": np.float64(1e-2)}}}
+    engine, optimizer, _, _ = initialize(model=make_model(), config=cfg)
+    assert optimizer.param_groups[0]["lr"] == 1e-2 and engine.train_batch_size() == 8
+    engine.save_checkpoint(tmp_path)  # the stored config is plain data: weights-only loadable
+    engine.load_checkpoint(tmp_path)
+    engine.close()
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = dict(cfg, optimizer={"type": "AdamW", "params": {"lr": torch.tensor(1e-2)}})
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr is a Tensor"):
+        initialize(model=model, config=bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_huge_select_interval_means_never_reselect_and_is_accepted():
+    cfg = parse_config(with_(zero_optimization={"zenflow": {"select_interval": 10**6}}),
+                       world_size=1)
+    assert optimizer_kwargs(cfg)["select_interval"] == 10**6
+    with pytest.raises(ConfigError, match='select_interval must be "auto" or an integer '
+                                          '<= 1000000000, got 10000000000'):
+        parse_config(with_(zero_optimization={"zenflow": {"select_interval": 10**10}}),
+                     world_size=1)

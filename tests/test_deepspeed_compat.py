@@ -265,7 +265,8 @@ def test_zero_optimization_true_is_stage_1_and_auto_values():
     assert any(p.startswith('optimizer.params.lr is "auto"') for p in problems)
     assert any(p.startswith('optimizer.params.betas is "auto"') for p in problems)
     assert not any("zero_optimization" in p for p in problems)  # auto is fine there
-    with pytest.raises(ConfigError, match="zero_optimization.zenflow.auto_ratio must be > 0"):
+    with pytest.raises(ConfigError, match=r"zero_optimization.zenflow.auto_ratio must be "
+                                          r"between 0 and 1 \(0 excluded\)"):
         parse_config(dict(base, train_batch_size=8,
                           zero_optimization={"zenflow": {"auto_ratio": 0.0}}), world_size=1)
     with pytest.raises(ConfigError, match="dist_backend must be one of nccl, gloo"):

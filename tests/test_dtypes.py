@@ -10,8 +10,8 @@ SHAPES = [(8, 10), (6, 4, 2), (10,)]
 
 def full_master(entry):
     """The fp32 master of a matrix, assembled from the host's and the device's columns."""
-    full = entry["host_master"].clone()
-    full[:, entry["device_index"]] = entry["device_master"].cpu()
+    full = entry["host"]["master"].clone()
+    full[:, entry["device"]["index"]] = entry["device"]["master"].cpu()
     return full
 
 
@@ -37,11 +37,11 @@ def test_low_precision_params_keep_fp32_masters(dtype, overlap):
         entry = state["state"][i]
         assert p.dtype == dtype
         if p.ndim >= 2:
-            assert entry["host_master"].dtype == torch.float32
-            assert entry["device_master"].dtype == torch.float32
-            assert entry["device_exp_avg_sq"].dtype == torch.float32
-            assert isinstance(entry["device_step"], int) and entry["device_step"] == 300  # starts at the host count (1)
-            assert isinstance(entry["host_step"], int)
+            assert entry["host"]["master"].dtype == torch.float32
+            assert entry["device"]["master"].dtype == torch.float32
+            assert entry["device"]["exp_avg_sq"].dtype == torch.float32
+            assert isinstance(entry["device"]["step"], int) and entry["device"]["step"] == 300  # starts at the host count (1)
+            assert isinstance(entry["host"]["host_step"], int)
             master = full_master(entry)
         else:
             assert entry["master"].dtype == torch.float32

@@ -34,6 +34,24 @@ BAD_ARGUMENTS = [
     (dict(max_grad_norm=0.0), ValueError, "max_grad_norm must be > 0"),
     (dict(importance="l3"), ValueError, "importance must be one of 'l2', 'l1'"),
     (dict(pt_reserved_cores_perc=2.0), ValueError, "pt_reserved_cores_perc must be between"),
+    # finite and sane: inf and absurd magnitudes are refused, naming the bound
+    (dict(lr=float("inf")), ValueError, r"lr must be <= 10.0, got inf"),
+    (dict(lr=1e30), ValueError, r"lr must be <= 10.0, got 1e\+30"),
+    (dict(eps=float("inf")), ValueError, r"eps must be <= 1.0, got inf"),
+    (dict(eps=1e308), ValueError, r"eps must be <= 1.0"),
+    (dict(weight_decay=1e30), ValueError, r"weight_decay must be <= 10.0, got 1e\+30"),
+    (dict(weight_decay=float("-inf")), ValueError, r"weight_decay must be >= 0"),
+    (dict(betas=(float("-inf"), 0.9)), ValueError, r"betas\[0\] must be >= 0"),
+    (dict(update_interval=10**30), ValueError, r"update_interval must be <= 100000, got 10{30}"),
+    (dict(select_interval=10**10), ValueError,
+     r"select_interval must be <= 1000000000, got 10000000000"),
+    (dict(full_warm_up_rounds=10**30), ValueError, r"full_warm_up_rounds must be <= 1000000000"),
+    (dict(update_interval="auto", auto_update_bounds=(1, 10**30)), ValueError,
+     r"auto_update_bounds\[1\] must be <= 100000"),
+    (dict(auto_ratio=float("inf")), ValueError, r"auto_ratio must be <= 1.0, got inf"),
+    (dict(max_grad_norm=float("inf")), ValueError, r"max_grad_norm must be finite, got inf"),
+    (dict(lr=torch.tensor(0.1)), TypeError, r"lr must be a number, got tensor\(0.1"),
+    (dict(select_strategy=["step"]), ValueError, r"select_strategy must be one of .* got \['step'\]"),
 ]
 
 
@@ -55,11 +73,25 @@ def test_bad_group_hyperparameters_are_named():
 
 
 @pytest.mark.parametrize("cls", [zenflow.ZenFlowAdamW, zenflow.OffloadAdamW])
-def test_bad_parameters_are_named(cls):
+def test_frozen_parameters_are_accepted_and_left_alone(cls):
+    # As torch.optim does: a parameter that does not require grad is accepted and never changes.
     model = fresh()
     model[0].weight.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"params\[0\] .* does not require grad"):
-        cls(model.parameters())
+    frozen = model[0].weight.detach().clone()
+    opt = cls(model.parameters(), lr=1e-2, **({"worker": False, "topk_ratio": 0.3}
+                                              if cls is zenflow.ZenFlowAdamW else {}))
+    for t in range(4):
+        opt.zero_grad()
+        MODELS["mlp"][1](model, t).backward()
+        opt.step()
+    assert torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[2].weight, fresh()[2].weight)  # the others did train
+    opt.close()
+
+
+@pytest.mark.parametrize("cls", [zenflow.ZenFlowAdamW, zenflow.OffloadAdamW])
+def test_bad_parameters_are_named(cls):
+    model = fresh()
     with pytest.raises(ValueError, match="params is empty"):
         cls([])
     with pytest.raises(TypeError, match="dtype torch.int64"):
@@ -67,6 +99,36 @@ def test_bad_parameters_are_named(cls):
     meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
     with pytest.raises(ValueError, match="all params must be on one device"):
         cls([torch.nn.Parameter(torch.zeros(3)), meta])
+    with pytest.raises(ValueError, match=r"params\[1\] \(shape \(0, 4\)\) has no elements"):
+        cls([torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(0, 4))])
+    with pytest.raises(ValueError, match=r"param group 1 has no 'params' key.*got keys \['lr'\]"):
+        cls([{"params": model[0].parameters()}, {"lr": 0.1}])
+    with pytest.raises(TypeError, match=r"param group 0 'params'\[1\] must be a torch.Tensor, "
+                                        r"got str"):
+        cls([{"params": [model[0].weight, "bias"]}])
+    with pytest.raises(TypeError, match="params mixes param groups .* and Parameter"):
+        cls([{"params": model[0].parameters()}, model[2].weight])
+    with pytest.raises(TypeError, match="got a dict; pass one group as"):
+        cls({"params": model[0].parameters()})
+    with pytest.raises(TypeError, match="params must be an iterable .* got int"):
+        cls(3)
+    with pytest.raises(ValueError, match=r"params\[1\] .* is not a leaf tensor"):
+        cls([model[0].weight, model[0].weight * 2])
+    with pytest.raises(ValueError, match=r"params\[2\] .* is the same tensor as params\[0\]"):
+        cls([model[0].weight, model[0].bias, model[0].weight])
+    with pytest.raises(ValueError, match="every param group has an empty 'params' list"):
+        cls([{"params": []}])
+
+
+@pytest.mark.parametrize("cls", [zenflow.ZenFlowAdamW, zenflow.OffloadAdamW])
+def test_bad_group_bounds_are_named(cls):
+    model = fresh()
+    with pytest.raises(ValueError, match=r"lr must be <= 10.0, got inf"):
+        cls([{"params": model[0].parameters(), "lr": float("inf")},
+             {"params": model[2].parameters()}])
+    with pytest.raises(ValueError, match=r"weight_decay must be <= 10.0, got 1e\+30"):
+        cls([{"params": model[0].parameters()},
+             {"params": model[2].parameters(), "weight_decay": 1e30}])
 
 
 def test_offload_rejects_bad_hyperparameters():
@@ -80,17 +142,24 @@ def snapshot(model, opt):
     return copy.deepcopy(model.state_dict()), opt.state_dict()
 
 
+def assert_same_entries(after: dict, before: dict, where=()) -> None:
+    """Every tensor equal and every other value equal, through nested dicts."""
+    assert after.keys() == before.keys(), where
+    for key, value in before.items():
+        if isinstance(value, dict):
+            assert_same_entries(after[key], value, (*where, key))
+        elif torch.is_tensor(value):
+            assert torch.equal(after[key], value), (*where, key)
+        else:
+            assert after[key] == value, (*where, key)
+
+
 def assert_unchanged(before, model, opt):
     model_before, opt_before = before
     for name, value in model.state_dict().items():
         assert torch.equal(value, model_before[name]), name
     after = opt.state_dict()
-    for index, entry in opt_before["state"].items():
-        for key, value in entry.items():
-            if torch.is_tensor(value):
-                assert torch.equal(after["state"][index][key], value), (index, key)
-            else:
-                assert after["state"][index][key] == value, (index, key)
+    assert_same_entries(after["state"], opt_before["state"])
     skipped_key = "zenflow" if "zenflow" in after else "offload"
     changed = {k for k in after[skipped_key] if after[skipped_key][k] != opt_before[skipped_key][k]}
     assert changed == {"skipped_steps"}

@@ -19,7 +19,7 @@ import torch
 import zenflow
 from zenflow.reference import ReferenceZenFlow
 from zenflow.worker import WorkerHostRunner, split_cores
-from zenflow.host import HostJob, HostState
+from zenflow.host import HostJob, HostLayout, HostState
 
 
 def _model(seed: int, bias: bool = True) -> torch.nn.Module:
@@ -120,7 +120,7 @@ def test_state_dict_round_trip_in_overlap_mode_is_bit_exact():
         for g in grads[:7]:   # stops mid-window with an update in flight
             _set_grads(model, g)
             opt.step()
-        assert opt._in_flight is not None
+        assert opt._pipeline.in_flight is not None
         saved_opt = copy.deepcopy(opt.state_dict())
         saved_model = copy.deepcopy(model.state_dict())
 
@@ -140,15 +140,15 @@ def test_worker_reports_readiness_and_update_time_to_the_auto_window():
     long an update takes: both must come from the real worker."""
     model = _model(0)
     opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)
-    runner = opt._runner
-    assert runner.ready() and runner.last_update_seconds == 0.0
+    runner, pipeline = opt._runner, opt._pipeline
+    assert pipeline.ready() and runner.last_update_seconds == 0.0
     for g in _grads(model, 3, 0):
         _set_grads(model, g)
         opt.step()
     deadline = time.monotonic() + 5
-    while not runner.ready() and time.monotonic() < deadline:
+    while not pipeline.ready() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert runner.ready()
+    assert pipeline.ready()
     assert runner.last_update_seconds > 0.0
     opt.close()
 
@@ -257,12 +257,12 @@ def test_killed_worker_fails_the_next_step_quickly():
 
 
 def test_worker_exception_is_reported_with_its_traceback():
-    host = HostState.allocate([torch.zeros(3, 4)], num_slots=1, shared=True)
-    runner = WorkerHostRunner(host, cores=None, start_method="spawn")
+    host = HostState.allocate(HostLayout.build([(3, 4, torch.float32)], sum_slots=1))
+    runner = WorkerHostRunner(host, cores=None)
     try:
-        runner.submit([HostJob(0, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0)], slot=0)
+        runner.send(("update", 0, 0, [HostJob(0, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0)]))
         assert runner.wait() >= 0.0
-        runner.submit([HostJob(7, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0)], slot=0)  # no matrix 7
+        runner.send(("update", 0, 0, [HostJob(7, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0)]))  # none
         with pytest.raises(RuntimeError, match="IndexError"):
             runner.wait()
         with pytest.raises(RuntimeError):   # and it stays failed

@@ -1,95 +1,124 @@
-"""The one place that knows about CUDA streams, events and pinned memory.
+"""The one place that knows about CUDA streams, events and page-locked memory.
 
-On a CUDA device, gradients go to the host on a side stream that starts after the kernels that
-produced them (an event recorded on the current stream), into page-locked staging buffers, so the
-copy of one matrix overlaps the host-side accumulation of the previous one; installed weights go
-back on a side stream that the current stream waits for with an event, so compute queued after
-step() is ordered after the install without blocking the Python thread. Host buffers that the
-worker shares are page-locked in place (cudaHostRegister) rather than reallocated, because
-memory from `pin_memory=True` cannot be shared with another process.
+Every copy between the device and the host goes through `Transfers`, which returns a `Ticket`
+instead of waiting:
 
-On CPU-only torch (or a CPU "device") every function here is the plain copy: no streams, no
-pinning (`pin_memory=True` and `torch.cuda.Stream()` raise there).
+- to_host: the copies run on a side stream that first waits for the kernels that produced the
+  sources (an event recorded on the device's current stream), into page-locked host buffers.
+  The Python thread returns at once; the ticket says when the bytes have landed, and the pipeline
+  only tells the worker to read them after that. `fence` makes the current stream wait for the
+  copies at the end of step(), so nothing queued after step() (an in-place zero_grad, the next
+  backward accumulating into the same gradient) can overwrite a source before it is read.
+- to_device: the copies run on a second side stream after everything queued so far on the
+  current stream (the destinations are free), and the current stream waits for them with an
+  event: compute queued after step() is ordered after the install, and the Python thread never
+  blocks. The ticket says when the host sources may be overwritten.
+
+The device is always passed explicitly (never the implicit current device), so a rank that
+trains on cuda:3 never opens a context on cuda:0. On a CPU "device" (CPU-only torch, or the
+tests) every copy is the plain synchronous copy and every ticket is already done: the same code
+path, minus the asynchrony.
 """
 from __future__ import annotations
 
-from typing import Iterator
+import time
 
 import torch
-
-from zenflow import columns
 
 
 def uses_cuda(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-def pin_in_place(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Page-lock existing host tensors (shared memory included) for fast async copies. Returns
-    the tensors it registered, for `unpin`. A no-op without CUDA."""
-    if not torch.cuda.is_available():
-        return []
-    cudart = torch.cuda.cudart()
-    pinned = []
-    for t in tensors:
-        if t.device.type == "cpu" and not t.is_pinned() and t.numel():
-            if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0:
-                pinned.append(t)
-    return pinned
+class Ticket:
+    """Completion of a batch of queued copies."""
+
+    def __init__(self, event=None):
+        self._event = event   # a torch.cuda.Event, or None when the copies were synchronous
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> float:
+        """Block until done; returns the seconds spent blocked."""
+        if self.done():
+            return 0.0
+        start = time.perf_counter()
+        self._event.synchronize()
+        return time.perf_counter() - start
 
 
-def unpin(tensors: list[torch.Tensor]) -> None:
-    if tensors and torch.cuda.is_available():
-        cudart = torch.cuda.cudart()
-        for t in tensors:
-            cudart.cudaHostUnregister(t.data_ptr())
+DONE = Ticket()
 
 
 class Transfers:
-    """Device<->host copies for one optimizer; CUDA specifics stay inside."""
+    """Device<->host copies for one optimizer on one device."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = uses_cuda(device)
-        self._staging: dict[int, torch.Tensor] = {}
+        self._pinned: list[int] = []
         if self.cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
 
-    def to_host(self, tensors: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-        """Yields each tensor's host copy, in order, each one ready when yielded. On CUDA all
-        copies are queued at once so later copies overlap the caller's work on earlier ones."""
-        if not self.cuda:
-            for t in tensors:
-                yield t.cpu()
-            return
-        produced = torch.cuda.current_stream().record_event()
-        self._d2h.wait_event(produced)
-        done = []
-        with torch.cuda.stream(self._d2h):
-            for i, t in enumerate(tensors):  # callers pass the same matrices in the same order
-                buf = self._staging.get(i)
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    self._staging[i] = buf
-                buf.copy_(t, non_blocking=True)
-                t.record_stream(self._d2h)
-                done.append((buf, self._d2h.record_event()))
-        for buf, event in done:
-            event.synchronize()
-            yield buf
+    def _current(self):
+        return torch.cuda.current_stream(self.device)
 
-    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """dst.copy_(src) for each (device dst, host src). On CUDA the copies run on a side stream
-        and the current stream waits for them; the host sources are free again on return (the
-        worker may overwrite them next)."""
+    def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
+        """host_dst.copy_(device_src) for each pair, asynchronously on CUDA."""
         if not self.cuda:
             for dst, src in pairs:
-                columns.copy_(dst, src)
-            return
-        self._h2d.wait_stream(torch.cuda.current_stream())  # dst is not in use by earlier work
+                dst.copy_(src)
+            return DONE
+        current = self._current()
+        self._d2h.wait_stream(current)          # the sources are complete
+        with torch.cuda.stream(self._d2h):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self._d2h)    # the allocator keeps a freed source alive
+        return Ticket(self._d2h.record_event())
+
+    def fence(self, ticket: Ticket) -> None:
+        """Order the current stream's later work after `ticket`'s copies, without blocking the
+        Python thread: called at the end of step(), so that nothing queued afterwards (an
+        in-place zero_grad, the next backward accumulating into a gradient) can overwrite a
+        source before the copy has read it, while the step's own device work overlaps it."""
+        if ticket._event is not None:
+            self._current().wait_event(ticket._event)
+
+    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
+        """device_dst.copy_(host_src) for each pair; the current stream waits for it, the Python
+        thread does not."""
+        if not self.cuda:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return DONE
+        current = self._current()
+        self._h2d.wait_stream(current)          # earlier work on the destinations is done
         with torch.cuda.stream(self._h2d):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+                dst.record_stream(self._h2d)
         installed = self._h2d.record_event()
-        torch.cuda.current_stream().wait_event(installed)
-        installed.synchronize()
+        current.wait_event(installed)
+        return Ticket(installed)
+
+    def pin(self, tensors: list[torch.Tensor]) -> None:
+        """Page-lock host buffers in place (cudaHostRegister: they live in shared memory, which
+        pin_memory=True cannot allocate). Only buffers that copies touch are worth it."""
+        if not self.cuda:
+            return
+        cudart = torch.cuda.cudart()
+        for t in tensors:
+            if t.numel() and not t.is_pinned():
+                nbytes = t.numel() * t.element_size()
+                if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0:
+                    self._pinned.append(t.data_ptr())
+
+    def unpin(self) -> None:
+        if self._pinned:
+            cudart = torch.cuda.cudart()
+            for ptr in self._pinned:
+                cudart.cudaHostUnregister(ptr)
+            self._pinned = []

@@ -1,29 +1,43 @@
 """Atomic checkpoint directories with a manifest of file sizes and SHA-256 checksums.
 
 A checkpoint is `<save_dir>/<tag>/` holding some files and `manifest.json`. It is written into a
-hidden temporary directory next to it, every file is fsynced, the manifest is written last, and
-only then is the directory renamed to its tag (a rename is atomic on one file system). The
+hidden staging directory next to it, every file is fsynced, the manifest is written last, and
+only then does it take the tag's name (a rename is atomic on one file system); a tag being
+overwritten is first renamed away and deleted only after the new one holds its name. The
 `latest` file, which names the newest tag as in DeepSpeed, is replaced atomically afterwards.
-So a crash at any point leaves either the previous checkpoint or the complete new one; and a
-directory that was damaged later (truncated copy, missing file) fails verification on load.
+Saves of one tag hold a lock, so concurrent savers take turns. A crash at any point leaves
+either the previous checkpoint or the complete new one (an interrupted overwrite is finished
+or undone by the next save or load of that tag), and a directory that was damaged later
+(truncated copy, missing file) fails verification on load.
+
+Every file is read with torch.load(weights_only=True) and written only if such a load accepts
+it: a checkpoint holds tensors and plain data, and loading one never runs code.
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
+import pickle
+import re
 import shutil
-import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "zenflow-checkpoint/1"
+_STAGED = re.compile(r"^\.(?P<tag>.+)\.(?P<kind>tmp|new|old)-[0-9a-f]{32}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(RuntimeError):
@@ -49,6 +63,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _check_file_name(name) -> str:
+    if not isinstance(name, str) or not name or name in (".", "..", MANIFEST) \
+            or "/" in name or os.sep in name or name.startswith("."):
+        raise ValueError(f"a checkpoint file name must be a plain file name (no '/', not "
+                         f"starting with '.', not {MANIFEST!r}), got {name!r}")
+    return name
+
+
 def check_tag(tag: str) -> str:
     tag = str(tag)
     if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or os.sep in tag \
@@ -58,52 +80,197 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+class _TagLock:
+    """The lock of one tag, `<save_dir>/.<tag>.lock`: exclusive for a saver, shared for readers
+    (so that the ranks of a job load one checkpoint at once); the file is removed on release.
+
+    With fcntl the lock dies with its holder, so a crashed saver never blocks the next one; the
+    file is unlinked while still held exclusively (the last reader out upgrades to do it), and a
+    waiter that wakes up on an unlinked file retries. Without fcntl (Windows) the file itself is
+    the saver's lock (O_EXCL), a stale one is reported, and readers do not lock.
+    """
+
+    def __init__(self, save_dir: Path, tag: str, timeout: float = 600.0, optional: bool = False,
+                 shared: bool = False):
+        self.path = save_dir / f".{tag}.lock"
+        self.timeout = timeout
+        self.optional = optional  # a reader in a read-only directory goes on without the lock
+        self.shared = shared
+        self.fd: Optional[int] = None
+
+    def __enter__(self):
+        if fcntl is None and self.shared:
+            return self
+        if fcntl is not None:
+            while True:
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                except OSError:
+                    if self.optional:
+                        return self
+                    raise
+                fcntl.flock(fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
+                try:
+                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    self.fd = fd
+                    return self
+                os.close(fd)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                return self
+            except PermissionError:
+                if self.optional:
+                    return self
+                raise
+            except FileExistsError:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"another save of this tag holds {str(self.path)!r} since more than "
+                        f"{self.timeout:g} s; if no other process is saving, delete that file")
+                time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        if self.fd is None:
+            return
+        try:
+            if self.shared:  # remove the file only if no one else holds or awaits it
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(self.path)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _fault_point(stage: str) -> None:
+    """Test seam: tests replace this to crash or interrupt a save at each stage."""
+
+
+def _leftovers(save_dir: Path, tag: str) -> dict[str, list[Path]]:
+    """This tag's staging directories by kind: 'tmp' (partial), 'new' (complete, not yet
+    committed) and 'old' (the replaced version, being deleted); newest first."""
+    out: dict[str, list[Path]] = {"tmp": [], "new": [], "old": []}
+    for entry in save_dir.iterdir():
+        m = _STAGED.match(entry.name)
+        if m and m.group("tag") == tag:
+            out[m.group("kind")].append(entry)
+    for paths in out.values():
+        paths.sort(key=lambda q: q.stat().st_mtime_ns if q.exists() else 0, reverse=True)
+    return out
+
+
+def _recover(save_dir: Path, tag: str) -> None:
+    """Finish or undo an interrupted save of `tag` (the caller holds the tag's lock).
+
+    If the tag directory is missing, the newest complete new version takes its name (roll
+    forward), else the retired old one gets it back (roll back). Then every staging directory
+    of the tag is deleted.
+    """
+    final = save_dir / tag
+    found = _leftovers(save_dir, tag)
+    if not os.path.lexists(final):
+        for candidate in found["new"] + found["old"]:
+            if (candidate / MANIFEST).is_file():
+                os.rename(candidate, final)
+                _fsync_dir(save_dir)
+                break
+    for paths in found.values():
+        for path in paths:
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _save_object(path: Path, obj: Any) -> None:
+    """torch.save straight to the file (no second copy in memory), fsynced; refuses anything a
+    weights-only load would refuse (found by reading back only the file's pickle)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    if unsafe:
+        name = path.name
+        raise CheckpointError(
+            f"cannot save {name}: it holds {', '.join(sorted(set(unsafe)))}, which a "
+            f"weights-only load refuses; checkpoints hold only tensors and plain Python data "
+            f"(numbers, strings, lists, tuples, dicts), e.g. client_state={{'epoch': 3}}")
+
+
+def _write_file(path: Path, data) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    tmp = save_dir / f".{LATEST}.tmp-{uuid.uuid4().hex}"
+    try:
+        _write_file(tmp, tag.encode())
+        os.replace(tmp, save_dir / LATEST)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(save_dir)
+
+
 def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, Any],
-                     meta: Optional[dict] = None, *, update_latest: bool = True,
-                     _before_rename: Optional[Callable[[Path], None]] = None) -> Path:
-    """Save each object with torch.save as `<name>` inside `<save_dir>/<tag>/`, atomically."""
+                     meta: Optional[dict] = None, *, update_latest: bool = True) -> Path:
+    """Save each object with torch.save as `<name>` inside `<save_dir>/<tag>/`, atomically.
+
+    Holding the tag's lock: the files go into `.<tag>.tmp-*` (each checked to be weights-only
+    loadable; if one is not, nothing else changes), which is renamed
+    `.<tag>.new-*` once complete; an existing `<tag>` is renamed `.<tag>.old-*`, the new one
+    takes its name, `latest` is replaced, and the old one is deleted. An interruption at any
+    point is undone or finished at once (or, after a crash, by the next save or load), so
+    `<tag>`, and the tag that `latest` names, is always a complete checkpoint.
+    """
     tag = check_tag(tag)
+    for name in objects:
+        _check_file_name(name)
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / tag
-    tmp = Path(tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir))
-    try:
-        files = {}
-        for name, obj in objects.items():
-            path = tmp / name
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            with open(path, "wb") as f:
-                f.write(buf.getbuffer())
-                f.flush()
-                os.fsync(f.fileno())
-            files[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-        manifest = {"format": FORMAT, "tag": tag, "files": files, "meta": meta or {}}
-        with open(tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if _before_rename is not None:  # test hook: simulate a crash before the commit point
-            _before_rename(tmp)
-        old = None
-        if final.exists():
-            old = save_dir / f".{tag}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync_dir(save_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if update_latest:
-        latest_tmp = save_dir / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-        latest_tmp.write_text(tag)
-        with open(latest_tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(latest_tmp, save_dir / LATEST)
-        _fsync_dir(save_dir)
+    with _TagLock(save_dir, tag):
+        _recover(save_dir, tag)
+        ident = uuid.uuid4().hex
+        tmp = save_dir / f".{tag}.tmp-{ident}"
+        try:
+            os.mkdir(tmp)
+            files = {}
+            for name, obj in objects.items():
+                _save_object(tmp / name, obj)
+                files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            manifest = {"format": FORMAT, "tag": tag, "files": files, "meta": meta or {}}
+            _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            _fault_point("written")
+            staged = save_dir / f".{tag}.new-{ident}"
+            os.rename(tmp, staged)
+            _fsync_dir(save_dir)
+            _fault_point("staged")
+            old = None
+            if os.path.lexists(final):
+                old = save_dir / f".{tag}.old-{ident}"
+                os.rename(final, old)
+                _fault_point("retired")
+            os.rename(staged, final)
+            _fsync_dir(save_dir)
+            _fault_point("committed")
+            if update_latest:
+                _write_latest(save_dir, tag)
+                _fault_point("latest")
+            if old is not None:
+                shutil.rmtree(old)
+        except BaseException:
+            _recover(save_dir, tag)
+            raise
     return final
 
 
@@ -115,7 +282,51 @@ def resolve_tag(load_dir: str | os.PathLike, tag: Optional[str]) -> str:
     if not latest.is_file():
         raise CheckpointError(f"no checkpoint to load: {str(latest)!r} does not exist "
                               f"(pass tag= to load a specific checkpoint)")
-    return check_tag(latest.read_text().strip())
+    try:
+        return check_tag(latest.read_bytes().decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{str(latest)!r} must hold the name of a checkpoint directory, "
+                              f"got {latest.read_bytes()[:80]!r}") from None
+
+
+def _bad_manifest(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {str(path)!r} has an unreadable {MANIFEST}: {problem}; "
+                           f"refusing to load it")
+
+
+def _manifest(path: Path) -> dict:
+    """Read and check the structure of `<path>/manifest.json`."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
+        raise _bad_manifest(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") \
+            from None
+    if not isinstance(manifest, dict):
+        raise _bad_manifest(path, f"it must hold a JSON object, got {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT:
+        raise _bad_manifest(path, f"format must be {FORMAT!r}, got {manifest.get('format')!r}")
+    files, meta = manifest.get("files"), manifest.get("meta", {})
+    if not isinstance(files, dict):
+        raise _bad_manifest(path, f"files must be an object mapping file names to their size and "
+                                  f"sha256, got {type(files).__name__}")
+    if not isinstance(meta, dict):
+        raise _bad_manifest(path, f"meta must be an object, got {type(meta).__name__}")
+    for name, entry in files.items():
+        try:
+            _check_file_name(name)
+        except ValueError as exc:
+            raise _bad_manifest(path, str(exc)) from None
+        if not isinstance(entry, dict):
+            raise _bad_manifest(path, f"files[{name!r}] must be an object with size and sha256, "
+                                      f"got {entry!r:.80}")
+        size, digest = entry.get("size"), entry.get("sha256")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise _bad_manifest(path, f"files[{name!r}].size must be a byte count (an integer "
+                                      f">= 0), got {size!r:.80}")
+        if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise _bad_manifest(path, f"files[{name!r}].sha256 must be 64 hex digits, got "
+                                      f"{digest!r:.80}")
+    return dict(manifest, meta=meta)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict:
@@ -123,19 +334,12 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    if not (path / MANIFEST).is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST} "
                               f"(the save was interrupted or the directory was not written by "
                               f"zenflow); refusing to load it")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"unknown format {manifest.get('format')!r}")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r} has an unreadable {MANIFEST}: {exc}")
-    for name, expected in files.items():
+    manifest = _manifest(path)
+    for name, expected in manifest["files"].items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
@@ -149,18 +353,45 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     return manifest
 
 
+def load_object(path: str | os.PathLike, map_location=None) -> Any:
+    """torch.load with weights_only=True: tensors and plain data only, never code.
+
+    Anything else (a pickled callable, a foreign class) is refused with a CheckpointError
+    before a single object of the file is built.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"unsupported (GLOBAL [^ ]+|[^\n]*)", str(exc), re.IGNORECASE)
+        what = found.group(0) if found else str(exc).splitlines()[0]
+        raise CheckpointError(f"{str(path)!r} holds something other than tensors and plain data "
+                              f"({what}); zenflow loads checkpoints with weights_only=True and "
+                              f"never runs code from them; refusing to load it") from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{str(path)!r} is not a readable torch.save file: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                              ) from None
+
+
 def read_checkpoint(load_dir: str | os.PathLike, tag: Optional[str], names: list[str],
                     map_location=None) -> tuple[Path, dict, dict[str, Any]]:
-    """Verify `<load_dir>/<tag>` (tag from `latest` when None) and torch.load the named files.
+    """Verify `<load_dir>/<tag>` (tag from `latest` when None) and load the named files.
 
-    The files are unpickled (they hold RNG states and optimizer internals), so, as with
-    torch.load, only load checkpoints you trust; the checksums catch damage, not tampering.
+    Every file is read with weights_only=True (see load_object); the checksums catch damage,
+    the weights-only loader refuses anything that could run code.
     """
-    path = Path(load_dir) / resolve_tag(load_dir, tag)
-    manifest = verify_checkpoint(path)
-    missing = [n for n in names if n not in manifest["files"]]
-    if missing:
-        raise CheckpointError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}")
-    objects = {n: torch.load(path / n, map_location=map_location, weights_only=False)
-               for n in names}
+    load_dir = Path(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    path = load_dir / tag
+    if not os.path.lexists(path) and load_dir.is_dir():
+        with _TagLock(load_dir, tag, optional=True) as lock:
+            if lock.fd is not None:
+                _recover(load_dir, tag)  # finish an overwrite that a crash interrupted
+    # A shared lock: a save of this tag cannot swap the directory mid-read; other readers can.
+    with _TagLock(load_dir, tag, optional=True, shared=True):
+        manifest = verify_checkpoint(path)
+        missing = [n for n in names if n not in manifest["files"]]
+        if missing:
+            raise CheckpointError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}")
+        objects = {n: load_object(path / n, map_location=map_location) for n in names}
     return path, manifest, objects

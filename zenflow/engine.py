@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from zenflow.checkpoint import check_tag, read_checkpoint, write_checkpoint
+from zenflow.checkpoint import check_tag, load_object, read_checkpoint, write_checkpoint
 from zenflow.distributed import Partition
 from zenflow.config import ZenFlowConfig, load_config_dict, parse_config, resolved_settings
 from zenflow.loss_scaler import LossScaler
@@ -303,7 +303,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if mine not in manifest["files"]:
             raise ValueError(f"checkpoint {str(path)!r} has no {mine}")
         # read_checkpoint verified every file of the manifest, this one included.
-        share = torch.load(path / mine, map_location="cpu", weights_only=False)
+        share = load_object(path / mine, map_location="cpu")
         state = objs["engine_states.pt"]
         if partition.active:
             objs["optimizer_states.pt"] = share["optimizer"]
@@ -340,17 +340,26 @@ def _grad_norm(params: list[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _rng_state() -> dict:
+    """Every RNG's state as tensors and plain data, so that a weights-only load reads it."""
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    version, mt, gauss_next = random.getstate()
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "numpy": np.random.get_state(), "python": random.getstate()}
+            "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": pos,
+                      "has_gauss": has_gauss, "cached_gaussian": cached},
+            "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64),
+                       "gauss_next": gauss_next}}
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"].tolist()), p["gauss_next"]))
 
 
 def initialize(model: torch.nn.Module = None, model_parameters: Optional[Iterable] = None,

@@ -1,42 +1,49 @@
-"""The asynchronous host worker: a separate process that runs the host AdamW while training goes on.
+"""The host worker: a separate process that sums gradients and runs the host AdamW.
 
-One worker per optimizer. It is never forked from the training process (so it is safe beside CUDA
-and threads): it is forked from multiprocessing's fork server, a clean process spawned once with
-torch imported, or spawned from scratch with start_method="spawn". It
-receives the `HostState` once (its tensors are in shared memory, so both processes see the same
-buffers), pins itself to the cores the training process does not keep, and then serves a pipe:
+Starting it. The training process never forks itself (unsafe beside CUDA and threads) and never
+asks Python to re-import its main script (multiprocessing's spawn and forkserver do, which breaks
+scripts without an `if __name__ == "__main__":` guard, `python - < script.py` and notebooks).
+Instead the first optimizer that needs a worker starts one small server, a fresh interpreter that imports torch once and never touches CUDA. Each worker
+is forked from that server in milliseconds and handed two file descriptors: the optimizer's host
+memory (see zenflow/arena.py) and its end of a command socket.
 
-    parent -> worker   ("update", slot, jobs)   run HostState.update(jobs, slot)
-                       ("close",)               exit
-    worker -> parent   ("ready",)               started, before the first command
-                       ("done", start, end)     perf_counter() bounds of the update it ran
-                       ("error", text)          the update raised; the traceback as text
+The protocol, in order on one socket:
 
-The worker exits on "close", on end-of-file (the parent's end of the pipe closed) and when the
-training process no longer exists (it died while something else holds the pipe open). It ignores
-SIGINT, so Ctrl-C in a terminal interrupts only the training process, which then closes the worker
-itself (close(), garbage collection or atexit). The parent never blocks without a timeout: every
-wait polls the pipe briefly and checks that the process is still alive, so a dead worker turns into
-a RuntimeError that names the cause instead of a hang.
+    parent -> worker   ("accumulate", seq, staging_slot, sum_slot, scale, added, fresh)
+                       ("update", seq, sum_slot, install_slot, jobs)
+                       ("close",)
+    worker -> parent   ("ready",)
+                       ("done", seq, start, end)       perf_counter() bounds of the work
+                       ("error", seq, traceback_text)
+
+Accumulates run as they arrive; an update runs on a second thread so the sums of the next window
+keep flowing in while it works (they go to the other sum slot). The worker ignores SIGINT and
+SIGTERM: the training process owns shutdown, so a scheduler's SIGTERM to the whole process group
+does not take the host state away before the training process's handler has saved it. It exits
+on "close", when its socket reaches end-of-file (the training process closed it or died) and
+when the training process no longer exists. The parent never blocks without a timeout: every wait
+polls briefly and checks the worker, so a dead worker becomes a RuntimeError naming the cause.
 """
 from __future__ import annotations
 
 import atexit
 import math
 import os
+import pickle
+import queue
 import signal
+import socket
+import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
-
-import torch
-import torch.multiprocessing as mp
-
-from zenflow.host import HostJob, HostState
+from multiprocessing.connection import Connection
 
 _POLL_S = 0.05          # how long one wait slice blocks before checking the process
 _CLOSE_TIMEOUT_S = 5.0  # how long close() waits for a clean exit before killing
+_MESSAGE_BYTES = 1 << 16
 
 
 # ---------------------------------------------------------------------------- core selection
@@ -82,10 +89,7 @@ def split_cores(reserved_perc: float, cpus: list[int] | None = None) -> tuple[li
     return training, worker
 
 
-# ---------------------------------------------------------------------------- the worker process
 def _alive(pid: int) -> bool:
-    """Whether process `pid` exists. (With forkserver the worker's parent is the fork server, not
-    the training process, so the parent pid alone says nothing.)"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -95,64 +99,228 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _worker_main(conn, host: HostState, cores: list[int] | None, parent_pid: int) -> None:
-    _serve(conn, host, cores, parent_pid)
-    # Nothing is left to flush or save: skip the interpreter's teardown of torch (about a second
-    # here) so that close() returns quickly. The kernel drops the shared mappings.
+# ---------------------------------------------------------------------------- the worker process
+def _ignore_shutdown_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _worker_main(conn_fd: int, arena_fd: int, init: dict) -> None:
+    """Body of a forked worker; never returns."""
+    code = 0
+    try:
+        _serve(Connection(conn_fd), arena_fd, init)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # Nothing is left to flush or save: skip the interpreter's teardown of torch.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
-def _serve(conn, host: HostState, cores: list[int] | None, parent_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
+    import torch
+    from zenflow.host import HostState
+
+    cores = init["cores"]
     if cores:
         try:
             os.sched_setaffinity(0, cores)
         except (AttributeError, OSError):
             pass  # affinity is an optimisation; a platform without it still works
         torch.set_num_threads(len(cores))
-    conn.send(("ready",))
-    while True:
-        try:
-            if not conn.poll(1.0):
-                if not _alive(parent_pid):
-                    return   # the training process died; nobody will read our results
-                continue
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message[0] == "close":
-            return
-        _, slot, jobs = message
+    host = HostState.attach(init["layout"], init["regions"], init["size"], arena_fd)
+    os.close(arena_fd)  # the mapping stays
+    send_lock = threading.Lock()
+
+    def reply(message) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def run(seq: int, work) -> None:
         start = time.perf_counter()
         try:
-            host.update(jobs, slot)
-            reply = ("done", start, time.perf_counter())
+            work()
+            message = ("done", seq, start, time.perf_counter())
         except BaseException:  # report anything; the parent decides what is fatal
-            reply = ("error", traceback.format_exc())
+            message = ("error", seq, traceback.format_exc())
         try:
-            conn.send(reply)
+            reply(message)
         except (BrokenPipeError, OSError):
+            pass
+
+    updates: queue.Queue = queue.Queue()
+
+    def update_loop() -> None:
+        while (message := updates.get()) is not None:
+            _, seq, sum_slot, install_slot, jobs = message
+            run(seq, lambda: host.update(jobs, sum_slot, install_slot))
+
+    updater = threading.Thread(target=update_loop, name="zenflow-host-update", daemon=True)
+    updater.start()
+    reply(("ready",))
+    parent = init["parent_pid"]
+    try:
+        while True:
+            try:
+                if not conn.poll(1.0):
+                    if not _alive(parent):
+                        return   # the training process died; nobody will read our results
+                    continue
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message[0] == "close":
+                return
+            if message[0] == "update":
+                updates.put(message)
+                continue
+            _, seq, staging_slot, sum_slot, scale, added, fresh = message
+            # The parent never accumulates into the sum slot an update is reading (it alternates
+            # slots with overlap and waits for the update without), so no lock is needed here.
+            run(seq, lambda: host.accumulate(staging_slot, sum_slot, scale, added, fresh))
+    finally:
+        updates.put(None)
+        updater.join()
+
+
+# ---------------------------------------------------------------------------- the fork server
+def _server_main(control_fd: int) -> None:
+    """The server process (started by _ForkServer): fork one worker per request on the control socket; report
+    each worker's exit status; exit when the training process closes the socket (or dies)."""
+    _ignore_shutdown_signals()
+    import torch  # noqa: F401  (imported once here, so every forked worker starts warm)
+    import zenflow.host  # noqa: F401
+
+    control = socket.socket(fileno=control_fd)
+    children: set[int] = set()
+    while True:
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                try:
+                    control.send(pickle.dumps(("exited", pid, code)))
+                except OSError:
+                    pass
+        control.settimeout(0.05 if children else 1.0)
+        try:
+            data, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, 2)
+        except socket.timeout:
+            continue
+        except OSError:
             return
+        if not data:
+            return  # the training process is gone; its workers see end-of-file themselves
+        token, init = pickle.loads(data)
+        conn_fd, arena_fd = fds
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            _worker_main(conn_fd, arena_fd, init)
+        os.close(conn_fd)
+        os.close(arena_fd)
+        children.add(pid)
+        control.send(pickle.dumps(("started", token, pid)))
+
+
+class _ForkServer:
+    """The training process's handle on its fork server (one per process, started lazily)."""
+
+    _instance: "_ForkServer | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the server and workers never use CUDA
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from zenflow.worker import _server_main; "
+             "_server_main(int(sys.argv[1]))", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self.socket = ours
+        self.pid = os.getpid()
+        self._exits: dict[int, int] = {}
+        self._started: dict[int, int] = {}
+        self._token = 0
+
+    @classmethod
+    def get(cls) -> "_ForkServer":
+        with cls._lock:
+            server = cls._instance
+            if server is None or server.pid != os.getpid() or server.process.poll() is not None:
+                server = cls._instance = cls()
+            return server
+
+    def _read(self, timeout: float) -> bool:
+        self.socket.settimeout(timeout)
+        try:
+            data = self.socket.recv(_MESSAGE_BYTES)
+        except socket.timeout:
+            return False
+        if not data:
+            raise RuntimeError(f"the ZenFlow worker server (pid {self.process.pid}) exited with "
+                               f"code {self.process.poll()}")
+        message = pickle.loads(data)
+        if message[0] == "started":
+            self._started[message[1]] = message[2]
+        else:
+            self._exits[message[1]] = message[2]
+        return True
+
+    def fork(self, conn_fd: int, arena_fd: int, init: dict) -> int:
+        with self._lock:
+            self._token += 1
+            token = self._token
+            socket.send_fds(self.socket, [pickle.dumps((token, init))], [conn_fd, arena_fd])
+            deadline = time.monotonic() + 120.0   # the server may still be importing torch
+            while token not in self._started:
+                if self.process.poll() is not None:
+                    raise RuntimeError("the ZenFlow worker server exited with code "
+                                       f"{self.process.returncode} before starting a worker "
+                                       "(see its output above)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the ZenFlow worker server did not start a worker in 120 s")
+                self._read(_POLL_S)
+            return self._started.pop(token)
+
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        """The worker's exit code (negative: killed by that signal), once the server reaped it."""
+        with self._lock:
+            deadline = time.monotonic() + timeout
+            while pid not in self._exits and time.monotonic() < deadline:
+                try:
+                    self._read(_POLL_S)
+                except RuntimeError:
+                    return None
+            return self._exits.get(pid)
+
+
+@atexit.register
+def _stop_fork_server() -> None:
+    server = _ForkServer._instance
+    if server is not None and server.pid == os.getpid():
+        server.socket.close()
+        try:
+            server.process.wait(_CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
 
 
 # ---------------------------------------------------------------------------- the parent's side
-def _describe_exit(exitcode: int | None, started: bool) -> str:
-    if exitcode is None:
-        return "is unresponsive"
-    if exitcode < 0:
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is gone (its exit status is unknown)"
+    if code < 0:
         try:
-            name = signal.Signals(-exitcode).name
+            name = signal.Signals(-code).name
         except ValueError:
-            name = str(-exitcode)
-        hint = " (the out-of-memory killer sends SIGKILL)" if -exitcode == signal.SIGKILL else ""
+            name = str(-code)
+        hint = " (the out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
         return f"was killed by signal {name}{hint}"
-    if not started:
-        return (f"exited with code {exitcode} while starting; spawn re-imports the main script in "
-                "the worker, so a training script needs an `if __name__ == \"__main__\":` guard "
-                "(see the worker's traceback above)")
-    return f"exited with code {exitcode}"
+    return f"exited with code {code} (see its traceback above)"
 
 
 # Runners not yet closed, held weakly so that an optimizer can still be garbage collected; one
@@ -170,41 +338,38 @@ def _close_live_runners() -> None:
 
 
 class WorkerHostRunner:
-    """Runs host updates in a worker process; same methods as `InlineHostRunner`.
+    """Runs host commands in a worker process; same methods as `InlineHostRunner`.
 
-    submit() hands a window to the worker and returns at once; wait() blocks until it is done and
-    returns the seconds spent blocked. At most one update is in flight.
-
-    start_method "forkserver" (default) forks each worker from a clean server process that was
-    spawned once with torch imported: as safe beside CUDA as "spawn" (the server never touches
-    CUDA or starts threads), but a worker starts in milliseconds instead of re-importing torch
-    (seconds). "spawn" starts every worker from scratch.
+    send() hands a command to the worker and returns its sequence number at once; wait(seq)
+    blocks until that command (and everything before it) is done and returns the seconds spent
+    blocked.
     """
 
-    def __init__(self, host: HostState, cores: list[int] | None = None,
-                 start_method: str = "forkserver"):
-        self.host = host
+    def __init__(self, host, cores: list[int] | None = None):
+        from zenflow.host import HostState
+        assert isinstance(host, HostState)
         self.busy_seconds = 0.0
-        self.updates: list[tuple[float, float]] = []  # (start, end) perf_counter of each update
-        self._pending = False
+        self.updates: list[tuple[float, float]] = []  # (start, end) of each update, last 10k
+        self._seq = 0
+        self._done_through = 0        # every command with seq <= this is done
+        self._finished: set[int] = set()
+        self._update_seqs: set[int] = set()
         self._error: str | None = None
         self._closed = False
-        self._ready = False
-        ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            ctx.set_forkserver_preload(["torch", "zenflow.worker"])
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, name="zenflow-host-worker",
-                                   args=(child_conn, host, cores, os.getpid()), daemon=True)
-        self.process.start()
-        child_conn.close()  # so that the worker's death shows up here as end-of-file
-        self.pid = self.process.pid
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        init = {"layout": host.layout, "regions": host.arena.regions, "size": host.arena.size,
+                "cores": cores, "parent_pid": os.getpid()}
+        self._server = _ForkServer.get()
+        try:
+            self.pid = self._server.fork(theirs.fileno(), host.arena.fd, init)
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
         _live_runners.add(self)
 
     # -- receiving
     def _fail(self, cause: str) -> None:
         self._error = f"ZenFlow host worker (pid {self.pid}) {cause}"
-        self._pending = False
         raise RuntimeError(self._error)
 
     def _receive(self, timeout: float) -> bool:
@@ -213,30 +378,27 @@ class WorkerHostRunner:
         if self._error is not None:
             raise RuntimeError(self._error)
         try:
-            if self._conn.poll(timeout):
-                message = self._conn.recv()
-            else:
-                message = None
+            message = self._conn.recv() if self._conn.poll(timeout) else None
         except (EOFError, OSError):
-            message = None
-            self.process.join(1.0)
-            self._fail(_describe_exit(self.process.exitcode, self._ready))
+            self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
         if message is None:
-            if not self.process.is_alive():
-                if self._conn.poll(0):       # it answered before it died
-                    return self._receive(0)
-                self._fail(_describe_exit(self.process.exitcode, self._ready))
+            if not _alive(self.pid):
+                self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
             return False
         kind = message[0]
-        if kind == "ready":
-            self._ready = True
-        elif kind == "done":
-            self._pending = False
-            start, end = message[1], message[2]
+        if kind == "done":
+            seq, start, end = message[1:]
             self.busy_seconds += end - start
-            self.updates.append((start, end))
+            if seq in self._update_seqs:
+                self._update_seqs.discard(seq)
+                self.updates.append((start, end))
+                del self.updates[:-10_000]
+            self._finished.add(seq)
+            while self._done_through + 1 in self._finished:
+                self._done_through += 1
+                self._finished.discard(self._done_through)
         elif kind == "error":
-            self._fail(f"failed in the host update:\n{message[1]}")
+            self._fail(f"failed in a host command:\n{message[2]}")
         return True
 
     def check(self) -> None:
@@ -247,63 +409,63 @@ class WorkerHostRunner:
             pass
 
     # -- the runner interface
-    def ready(self) -> bool:
-        """Whether no update is in flight (never blocks; raises if the worker died)."""
+    def send(self, command: tuple) -> int:
+        """Queue ("accumulate", ...) or ("update", ...) without its seq; returns the seq."""
         self.check()
-        return not self._pending
+        self._seq += 1
+        if command[0] == "update":
+            self._update_seqs.add(self._seq)
+        try:
+            self._conn.send((command[0], self._seq, *command[1:]))
+        except (BrokenPipeError, OSError):
+            self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
+        return self._seq
+
+    def done(self, seq: int) -> bool:
+        self.check()
+        return seq <= self._done_through or seq in self._finished
+
+    def wait(self, seq: int | None = None) -> float:
+        """Block until command `seq` (default: every command sent) is done; returns the seconds
+        spent blocked."""
+        seq = self._seq if seq is None else seq
+        if self.done(seq):
+            return 0.0
+        start = time.perf_counter()
+        while not (seq <= self._done_through or seq in self._finished):
+            self._receive(_POLL_S)
+        return time.perf_counter() - start
 
     @property
     def last_update_seconds(self) -> float:
         """How long the worker took for the last host update (0 before the first)."""
         return self.updates[-1][1] - self.updates[-1][0] if self.updates else 0.0
 
-    def submit(self, jobs: list[HostJob], slot: int) -> None:
-        self.check()
-        if self._pending:
-            raise RuntimeError("ZenFlow host worker: submit() while an update is in flight")
-        try:
-            self._conn.send(("update", slot, list(jobs)))
-        except (BrokenPipeError, OSError):
-            self.process.join(1.0)
-            self._fail(_describe_exit(self.process.exitcode, self._ready))
-        self._pending = True
-
-    def wait(self) -> float:
-        """Block until the submitted update is done; returns the seconds spent blocked."""
-        if not self._pending:
-            if not self._closed:
-                self.check()
-            return 0.0
-        start = time.perf_counter()
-        while self._pending:
-            self._receive(_POLL_S)
-        return time.perf_counter() - start
-
     def close(self) -> None:
-        """Stop the worker (asking first, then killing) and drop the shared buffers. Idempotent."""
+        """Stop the worker (asking first, then killing). Idempotent."""
         if self._closed:
             return
         self._closed = True
         _live_runners.discard(self)
-        process = self.process
-        if process.is_alive():
-            if self._ready or self._conn.poll(0):
-                try:
-                    self._conn.send(("close",))
-                except (BrokenPipeError, OSError):
-                    pass
-                process.join(_CLOSE_TIMEOUT_S)
-            if process.is_alive():   # still importing torch, or stuck: no need to be polite
-                process.kill()
-                process.join(_CLOSE_TIMEOUT_S)
-        else:
-            process.join(0)
+        try:
+            self._conn.send(("close",))
+        except (BrokenPipeError, OSError):
+            pass
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        while _alive(self.pid) and time.monotonic() < deadline:
+            if self._server.exit_code(self.pid, _POLL_S) is not None:
+                break
+        if self._server.exit_code(self.pid, 0.0) is None and _alive(self.pid):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._server.exit_code(self.pid, _CLOSE_TIMEOUT_S)
         self._conn.close()
-        self._pending = False
-
 
     def __del__(self):
         try:
             self.close()
         except Exception:
             pass
+

@@ -17,6 +17,11 @@ PRESETS: dict[str, dict] = {
     # Optimizer-bound on a 2-core CPU: ~92M parameters, wide layers, only 32 tokens per step.
     "cpu-small": dict(device="cpu", dtype="float32", n_layer=6, n_embd=1024, n_head=16,
                       vocab_size=8192, seq_len=32, batch_size=1, warmup=4, steps=8, rounds=2),
+    # Llama-2-7B's layout (32 layers of q, k, v, o, gate, up, down: 226 matrices) at width 896:
+    # ~316M parameters, which every system fits in 24 GiB of host memory.
+    "cpu-llama": dict(device="cpu", dtype="float32", arch="llama", n_layer=32, n_embd=896,
+                      n_head=14, ffn=2304, vocab_size=8192, seq_len=32, batch_size=1, warmup=4,
+                      steps=8, rounds=2),
     # ~1.0B and ~3.0B parameters in bf16 for one GPU.
     "gpu-1b": dict(device="cuda", dtype="bfloat16", n_layer=18, n_embd=2048, n_head=16,
                    vocab_size=32000, seq_len=512, batch_size=4, warmup=8, steps=16, rounds=2),
@@ -120,6 +125,7 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
         raise ValueError(f"--systems: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
                          f"choose from {', '.join(SYSTEMS)}")
     model = {k: base[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len")}
+    model.update({k: base[k] for k in ("arch", "ffn") if k in base})
     GPTConfig(**model)  # validates sizes before any child starts
     spec = {
         "preset": args.preset, "device": base["device"], "dtype": base["dtype"], "model": model,

@@ -1,8 +1,11 @@
-"""A small GPT-style causal language model and a synthetic token stream for benchmarking.
+"""A small causal language model, GPT- or Llama-shaped, and a synthetic token stream for benchmarks.
 
-The model is deliberately plain (nanoGPT-like): token and position embeddings, pre-norm
-transformer blocks, a final LayerNorm and an *untied* output head, so every weight is its own
-parameter and no system has to special-case shared tensors.
+The model is deliberately plain (nanoGPT-like): token embeddings, pre-norm transformer blocks,
+a final norm and an *untied* output head, so every weight is its own parameter and no system has
+to special-case shared tensors. `arch="gpt"` is GPT-2's block (fused qkv, GELU MLP, LayerNorm,
+biases, learned positions); `arch="llama"` is Llama's parameter layout (separate q, k, v, o,
+SwiGLU gate/up/down, RMSNorm, no biases: seven matrices per layer, so 32 layers give Llama-2-7B's
+226 matrices at any width).
 """
 from __future__ import annotations
 
@@ -21,8 +24,14 @@ class GPTConfig:
     n_head: int = 16
     vocab_size: int = 8192
     seq_len: int = 32
+    arch: str = "gpt"
+    ffn: int = 0          # llama: hidden width of the SwiGLU MLP (0: 8/3 n_embd, rounded to 64)
 
     def __post_init__(self) -> None:
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"GPTConfig.arch must be 'gpt' or 'llama', got {self.arch!r}")
+        if not isinstance(self.ffn, int) or self.ffn < 0:
+            raise ValueError(f"GPTConfig.ffn must be a non-negative integer, got {self.ffn!r}")
         for name in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -31,9 +40,18 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by "
                              f"n_head ({self.n_head})")
 
+    @property
+    def hidden(self) -> int:
+        return self.ffn or 64 * max(1, round(8 * self.n_embd / 3 / 64))
+
+    def num_matrices(self) -> int:
+        return self.n_layer * (7 if self.arch == "llama" else 4) + (2 if self.arch == "llama" else 3)
+
     def num_params(self) -> int:
         """Parameter count without building the model (matches GPT.num_params)."""
         d, v, s, L = self.n_embd, self.vocab_size, self.seq_len, self.n_layer
+        if self.arch == "llama":
+            return 2 * v * d + L * (4 * d * d + 3 * d * self.hidden + 2 * d) + d
         per_block = 2 * (2 * d)                    # two LayerNorms
         per_block += 3 * d * d + 3 * d             # qkv
         per_block += d * d + d                     # attention output
@@ -68,13 +86,41 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        d = cfg.n_embd
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (f(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)
+        self.up = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)
+        self.down = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        llama = cfg.arch == "llama"
+        norm = nn.RMSNorm if llama else nn.LayerNorm
+        self.ln1 = norm(cfg.n_embd)
+        self.attn = LlamaAttention(cfg) if llama else CausalSelfAttention(cfg)
+        self.ln2 = norm(cfg.n_embd)
+        self.mlp = SwiGLU(cfg) if llama else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -86,9 +132,10 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        # Llama has no learned positions (it rotates q and k; a benchmark need not).
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.n_embd) if cfg.arch == "gpt" else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.ln_f = nn.RMSNorm(cfg.n_embd) if cfg.arch == "llama" else nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied on purpose
         self._init_weights()
 
@@ -97,7 +144,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.ndim >= 2:
                 std = 0.02
-                if name.endswith(("proj.weight", "down.weight")):
+                if name.endswith(("proj.weight", "down.weight", ".o.weight")):
                     std /= math.sqrt(2 * self.cfg.n_layer)
                 nn.init.normal_(p, mean=0.0, std=std)
             elif name.endswith("bias"):
@@ -111,14 +158,15 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class TokenStream:

@@ -1,0 +1,313 @@
+"""Real scale: Llama-shaped models, scripts as users write them, gradients as users change them.
+
+The model here has Llama-2-7B's layer count (32 layers of q, k, v, o, gate, up, down, plus the
+embedding and the head: 226 matrices) at a narrow width, so it runs in seconds.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zenflow
+from zenflow import arena
+from zenflow.bench.model import GPT, GPTConfig, TokenStream
+
+LLAMA = GPTConfig(arch="llama", n_layer=32, n_embd=32, n_head=4, vocab_size=64, seq_len=8)
+
+
+def llama(seed: int = 0, dtype=torch.float32) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(LLAMA).to(dtype)
+
+
+def batch(step: int, size: int = 4):
+    return TokenStream(LLAMA.vocab_size, LLAMA.seq_len, size, active=16).batch(step)
+
+
+def train(model, opt, steps: int, micro_batches: int = 1) -> list[float]:
+    losses = []
+    for t in range(steps):
+        x, y = batch(t, 4 * micro_batches)
+        for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            loss = model(xm, ym) / micro_batches
+            loss.backward()
+        losses.append(float(loss.detach()) * micro_batches)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_model_has_llama_2_7b_matrix_count():
+    assert sum(p.ndim >= 2 for p in llama().parameters()) == 226 == LLAMA.num_matrices()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: zenflow.OffloadAdamW(p, lr=1e-3, worker=True),
+    lambda p: zenflow.ZenFlowAdamW(p, lr=1e-3, topk_ratio=0.0, update_interval=1,
+                                   overlap_step=False),
+], ids=["offload-worker", "zenflow-topk0"])
+def test_llama_shaped_model_through_the_worker_equals_adamw(make):
+    model, reference = llama(), llama()
+    fds = open_fds()
+    opt = make(model.parameters())
+    assert open_fds() - fds <= 16, "the optimizer's descriptors must not grow with the model"
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    try:
+        train(model, opt, 4)
+        train(reference, adamw, 4)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        stats = opt.stats()
+        assert stats["host_bytes_per_param"] <= 40
+    finally:
+        opt.close()
+
+
+def test_llama_shaped_model_trains_with_zenflow_defaults():
+    model = llama()
+    fds = open_fds()
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=3e-3) as opt:
+        assert open_fds() - fds <= 16
+        losses = train(model, opt, 24)
+        opt.synchronize()
+        stats = opt.stats()
+    assert losses[-1] < losses[0] - 0.3
+    assert stats["windows"] >= 5 and stats["skipped_steps"] == 0
+    matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+    # every matrix's gradient rows (fp32 here) went to the host each step; nothing else did
+    assert stats["d2h_bytes_per_step"] == pytest.approx(4 * matrices)
+
+
+def test_bf16_gradients_cross_in_bf16():
+    model = llama(dtype=torch.bfloat16)
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, update_interval=2) as opt:
+        train(model, opt, 4)
+        stats = opt.stats()
+    matrices = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+    assert stats["d2h_bytes_per_step"] == pytest.approx(2 * matrices)
+    # two windows ended; with overlap the first is installed (in bf16), the second in flight
+    assert stats["windows"] == 2 and stats["h2d_bytes_total"] == 2 * matrices
+    # fp32 master + two moments + two sums, and one bf16 staging and install buffer
+    assert stats["host_bytes_per_param"] == pytest.approx(5 * 4 + 2 * 2)
+
+
+_FD_LIMITED = textwrap.dedent("""
+    import resource, torch, zenflow
+    from zenflow.bench.model import GPT, GPTConfig, TokenStream
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    model = GPT(GPTConfig(arch="llama", n_layer=32, n_embd=32, n_head=4, vocab_size=64, seq_len=8))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, update_interval=2)
+    for step in range(4):
+        tokens = torch.randint(0, 64, (2, 9))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    print("trained")
+""")
+
+
+def test_works_under_ulimit_256():
+    result = subprocess.run([sys.executable, "-c", _FD_LIMITED], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "trained" in result.stdout
+
+
+# The README's quick start as a user saves it: no __main__ guard, no close().
+_SCRIPT = textwrap.dedent("""
+    import os, torch, zenflow
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=2e-3, weight_decay=0.01,
+                               topk_ratio=0.1, update_interval=4, overlap_step=True)
+    for step in range(12):
+        loss = model(torch.randn(8, 16)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    from zenflow.worker import _ForkServer
+    print("pids", opt._runner.pid, _ForkServer.get().process.pid, flush=True)
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow   # each case starts two interpreters that import torch
+@pytest.mark.parametrize("how", ["file", "stdin", "dash-c"])
+def test_a_script_without_a_main_guard_trains_and_leaves_nothing(tmp_path, how):
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    if how == "file":
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    elif how == "stdin":
+        run = subprocess.run([sys.executable, "-"], input=_SCRIPT, capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    else:
+        run = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    worker, server = (int(x) for x in run.stdout.split("pids")[1].split())
+    import time
+    deadline = time.monotonic() + 5
+    while not (_gone(worker) and _gone(server)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(worker) and _gone(server)
+    shm_after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {f for f in shm_after - shm_before if str(worker) in f or str(server) in f}
+
+
+def _mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24),
+                               torch.nn.Tanh(), torch.nn.Linear(24, 5)).to(dtype)
+
+
+def _mlp_batch(step, dtype=torch.float32, size=16):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(size, 12, generator=g).to(dtype), torch.randn(size, 5, generator=g).to(dtype)
+
+
+ZF = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, overlap_step=True, select_strategy="step",
+          select_interval=6)
+
+
+def test_user_clipping_before_step_equals_max_grad_norm():
+    inside, outside = _mlp(), _mlp()
+    with zenflow.ZenFlowAdamW(inside.parameters(), max_grad_norm=0.5, **ZF) as a, \
+            zenflow.ZenFlowAdamW(outside.parameters(), **ZF) as b:
+        for t in range(14):
+            x, y = _mlp_batch(t)
+            torch.nn.functional.mse_loss(inside(x), y).mul(20).backward()
+            a.step()
+            a.zero_grad()
+            torch.nn.functional.mse_loss(outside(x), y).mul(20).backward()
+            torch.nn.utils.clip_grad_norm_(outside.parameters(), 0.5)
+            b.step()
+            b.zero_grad()
+        a.synchronize()
+        b.synchronize()
+    for p, q in zip(inside.parameters(), outside.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_micro_batch_accumulation_equals_one_big_batch():
+    big, micro = _mlp(), _mlp()
+    with zenflow.ZenFlowAdamW(big.parameters(), **ZF) as a, \
+            zenflow.ZenFlowAdamW(micro.parameters(), **ZF) as b:
+        for t in range(12):
+            x, y = _mlp_batch(t, size=16)
+            torch.nn.functional.mse_loss(big(x), y).backward()
+            a.step()
+            a.zero_grad()
+            for xm, ym in zip(x.chunk(4), y.chunk(4)):
+                (torch.nn.functional.mse_loss(micro(xm), ym) / 4).backward()
+            b.step()
+            b.zero_grad()
+        a.synchronize()
+        b.synchronize()
+    for p, q in zip(big.parameters(), micro.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_scaler_with_fp16_parameters():
+    """GradScaler hands fp16 gradients to step() still scaled (it refuses to unscale fp16 itself):
+    the step must unscale them (bit-identical to an unscaled run, the scale being a power of two),
+    and a step whose gradients overflowed must change nothing."""
+    scaled, plain = _mlp(dtype=torch.float16), _mlp(dtype=torch.float16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    with zenflow.ZenFlowAdamW(scaled.parameters(), **ZF) as a, \
+            zenflow.ZenFlowAdamW(plain.parameters(), **ZF) as b:
+        for t in range(9):
+            x, y = _mlp_batch(t, torch.float16)
+            scaler.scale(torch.nn.functional.mse_loss(scaled(x), y)).backward()
+            scaler.step(a)
+            scaler.update()
+            a.zero_grad()
+            torch.nn.functional.mse_loss(plain(x), y).backward()
+            b.step()
+            b.zero_grad()
+        steps_before = a.stats()["steps"]
+        x, y = _mlp_batch(99, torch.float16)
+        scaler.scale(torch.nn.functional.mse_loss(scaled(x), y) * 1e30).backward()  # overflows
+        scaler.step(a)
+        scaler.update()
+        a.zero_grad()
+        assert a.stats()["steps"] == steps_before and a.stats()["skipped_steps"] == 1
+        a.synchronize()
+        b.synchronize()
+    for p, q in zip(scaled.parameters(), plain.parameters()):
+        assert p.dtype == torch.float16
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_grad_scaler_unscale_then_user_clipping():
+    """The usual fp32 recipe: unscale_ in place, clip_grad_norm_, then scaler.step."""
+    scaled, plain = _mlp(), _mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    with zenflow.ZenFlowAdamW(scaled.parameters(), **ZF) as a, \
+            zenflow.ZenFlowAdamW(plain.parameters(), max_grad_norm=0.3, **ZF) as b:
+        for t in range(9):
+            x, y = _mlp_batch(t)
+            scaler.scale(torch.nn.functional.mse_loss(scaled(x), y)).backward()
+            scaler.unscale_(a)
+            torch.nn.utils.clip_grad_norm_(scaled.parameters(), 0.3)
+            scaler.step(a)
+            scaler.update()
+            a.zero_grad()
+            torch.nn.functional.mse_loss(plain(x), y).backward()
+            b.step()
+            b.zero_grad()
+        a.synchronize()
+        b.synchronize()
+    for p, q in zip(scaled.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_host_too_small_fails_at_construction_with_the_numbers(monkeypatch):
+    model = llama()
+    before = copy.deepcopy(model.state_dict())
+    monkeypatch.setattr(arena, "available_host_bytes", lambda: 1 << 20)   # 1 MiB free
+    children = set(os.listdir(f"/proc/{os.getpid()}/task"))
+    with pytest.raises(arena.HostMemoryError, match=r"needs 0\.\d+ GiB .* only 0\.00 GiB") as err:
+        zenflow.ZenFlowAdamW(model.parameters())
+    message = str(err.value)
+    assert "topk_ratio does not help" in message and "--memory" in message
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])
+    assert set(os.listdir(f"/proc/{os.getpid()}/task")) == children
+
+
+def test_frozen_parameters_are_skipped_and_cost_no_host_memory():
+    model = _mlp()
+    model[0].requires_grad_(False)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    with zenflow.ZenFlowAdamW(model.parameters(), **ZF) as opt:
+        for t in range(5):
+            x, y = _mlp_batch(t)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        host_numel = sum(p.numel() for p in model.parameters() if p.ndim >= 2 and p.requires_grad)
+        assert opt.stats()["host_bytes"] == pytest.approx(host_numel * (5 * 4 + 2 * 4))
+    for p, q in zip(model[0].parameters(), frozen):
+        assert torch.equal(p, q)

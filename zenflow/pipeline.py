@@ -1,0 +1,269 @@
+"""The host side of one optimizer step: staging, accumulation, window end, install.
+
+    stage(grads)        copy this step's gradient rows of host-owned matrices to a staging buffer
+                        (on CUDA: queued on a side stream; the Python thread does not wait)
+    accumulate(scale)   tell the host to add that buffer, times `scale`, to the window's sums
+    end_window(jobs)    tell the host to run AdamW on the window's mean gradient
+    install()           wait for that update and copy the new values to the parameters
+
+The training thread does no host arithmetic: the worker (or, with worker=False, the inline
+runner) does the adds and the AdamW. Commands go out in order through a small queue in which
+each command may wait for a copy to finish (a `Ticket`): the worker is told to read a staging
+buffer only once its bytes have landed, and to overwrite an install buffer only once the device
+has read it. One staging and one install buffer are enough (`HostLayout.transfer_slots`): the
+worker adds a step's gradients during the next forward and backward, and an install is copied
+long before the next update is due; a slow host shows up as stall in stats(), never as a race.
+With overlap, two gradient-sum slots alternate: one window fills one while the host's update of
+the previous window reads the other.
+"""
+from __future__ import annotations
+
+from collections import deque
+import time
+
+import torch
+
+from zenflow.accelerator import DONE, Ticket, Transfers
+from zenflow.distributed import Partition
+from zenflow.host import FP32_KINDS, HostJob, HostLayout, HostState, InlineHostRunner
+from zenflow.telemetry import StepTimer
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """The [rows, cols] view the host keeps of a parameter or gradient (vectors: one row)."""
+    return t.reshape(t.shape[0], -1) if t.ndim >= 2 else t.reshape(1, -1)
+
+
+class HostPipeline:
+    """Host state of a list of parameters (each viewed [rows, cols]) and its data path."""
+
+    def __init__(self, params: list[torch.Tensor], partition: Partition, device: torch.device,
+                 overlap: bool, worker_cores: list[int] | None, timer: StepTimer,
+                 owner: str, available_bytes: int | None = None):
+        self.params = params
+        self.partition = partition
+        self.rows = [partition.rows(host_view(p).shape[0]) for p in params]
+        self.timer = timer
+        shapes = [(len(range(host_view(p).shape[0])[r]), host_view(p).shape[1], p.dtype)
+                  for p, r in zip(params, self.rows)]
+        self.layout = HostLayout.build(shapes, sum_slots=2 if overlap else 1)
+        self.host = HostState.allocate(self.layout, owner, available_bytes)
+        for i, (p, r) in enumerate(zip(params, self.rows)):
+            self.host.fp32("master", i).copy_(host_view(p.detach())[r])
+        self.transfers = Transfers(device)
+        self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
+        if worker_cores is not None:
+            from zenflow.worker import WorkerHostRunner
+            self.runner = WorkerHostRunner(self.host, worker_cores)
+        else:
+            self.runner = InlineHostRunner(self.host)
+        self.host.arena.close_fd()  # the worker has its own descriptor now
+
+        self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
+        self.num_grads = [0] * len(params)   # gradients summed in the current window
+        self._sum_slot = 0
+        self._staging_slot = 0
+        self._install_slot = 0
+        slots = self.layout.transfer_slots
+        self._staging_reader: list[int | None] = [None] * slots  # seq of the accumulate reading it
+        self._install_reader: list[Ticket] = [DONE] * slots      # the copy reading it to the device
+        self._queue: deque = deque()     # (ticket, command, slot to mark) not yet sent
+        self._staged: tuple[int, list[int], Ticket] | None = None
+        self._last_copy: Ticket = DONE
+        self.in_flight: dict | None = None  # {"matrices", "seq", "install_slot"} of an update
+
+    # -- the command queue ----------------------------------------------------------------------
+    def _enqueue(self, ticket: Ticket, command: tuple, on_sent=None) -> None:
+        self._queue.append((ticket, command, on_sent))
+        self.flush(block=False)
+
+    def flush(self, block: bool, until=None) -> None:
+        """Send queued commands whose copies have finished (all of them, waiting, if block; or
+        with `until`, waiting only as long as until() is false)."""
+        while self._queue and (block or self._queue[0][0].done()) and not (until and until()):
+            ticket, command, on_sent = self._queue.popleft()
+            self.timer.stall(ticket.wait())
+            seq = self.runner.send(command)
+            if on_sent is not None:
+                on_sent(seq)
+
+    def drain(self) -> None:
+        """Wait until the host has done everything sent to it (before reading host state)."""
+        self.flush(block=True)
+        self.timer.stall(self.runner.wait())
+
+    def check(self) -> None:
+        """Raise if the worker died; send whatever became ready since the last step."""
+        self.runner.check()
+        self.flush(block=False)
+
+    # -- one step -------------------------------------------------------------------------------
+    def stage(self, grads: dict[int, torch.Tensor]) -> None:
+        """Start copying this step's gradient rows of parameters `grads` (index -> gradient)."""
+        start = time.perf_counter()
+        waited = 0.0
+        slot = self._staging_slot
+        if any(command[:2] == ("accumulate", slot) for _, command, _ in self._queue):
+            self.flush(block=True)     # the previous accumulate of this slot is still queued
+        reader = self._staging_reader[slot]
+        if reader is not None:
+            waited = self.runner.wait(reader)
+            self.timer.stall(waited)
+            self._staging_reader[slot] = None
+        pairs, nbytes = [], 0
+        for i, grad in grads.items():
+            src = host_view(grad)[self.rows[i]]
+            pairs.append((self.host.typed("staging", slot, i), src))
+            nbytes += src.numel() * src.element_size()
+        ticket = self.transfers.to_host(pairs)
+        self._staged = (slot, list(grads), ticket)
+        self._last_copy = ticket
+        self.timer.moved(d2h=nbytes)
+        self.timer.offload(time.perf_counter() - start - waited)
+
+    def discard(self) -> None:
+        """Forget the staged gradients (a skipped step); their buffer is reused next time."""
+        self._staged = None
+
+    def accumulate(self, scale: float) -> None:
+        """Have the host add the staged gradients, times `scale`, to this window's sums."""
+        if self._staged is None:
+            return
+        slot, matrices, ticket = self._staged
+        self._staged = None
+        if not matrices:
+            return
+        fresh = [i for i in matrices if self.num_grads[i] == 0]
+        added = [i for i in matrices if self.num_grads[i] > 0]
+        for i in matrices:
+            self.num_grads[i] += 1
+
+        def sent(seq: int, slot=slot) -> None:
+            self._staging_reader[slot] = seq
+        self._enqueue(ticket, ("accumulate", slot, self._sum_slot, float(scale), added, fresh),
+                      sent)
+        self._staging_slot = (slot + 1) % self.layout.transfer_slots
+
+    def end_window(self, hyper: list[tuple]) -> bool:
+        """Hand the window's sums to the host: AdamW with `hyper[i]` = (lr, beta1, beta2, eps,
+        weight_decay) for every parameter that got a gradient. Returns whether any did. The
+        caller installs the previous window's update first (install()), per the overlap rule."""
+        assert self.in_flight is None, "install() the previous window first"
+        jobs = []
+        for i, n in enumerate(self.num_grads):
+            if n:
+                self.host_step[i] += 1
+                jobs.append(HostJob(i, self.host_step[i], n, *hyper[i]))
+                self.num_grads[i] = 0
+        if not jobs:
+            return False
+        slot = self._install_slot
+        flight = {"matrices": [j.matrix for j in jobs], "seq": None, "install_slot": slot}
+
+        def sent(seq: int) -> None:
+            flight["seq"] = seq
+        self._enqueue(self._install_reader[slot],
+                      ("update", self._sum_slot, slot, jobs), sent)
+        self.in_flight = flight
+        self._sum_slot = (self._sum_slot + 1) % self.layout.sum_slots
+        self._install_slot = (slot + 1) % self.layout.transfer_slots
+        return True
+
+    def ready(self) -> bool:
+        """Whether no host update is in flight (never blocks)."""
+        if self.in_flight is None:
+            return True
+        self.flush(block=False)
+        seq = self.in_flight["seq"]
+        return seq is not None and self.runner.done(seq)
+
+    def install(self) -> list[int]:
+        """Wait for the in-flight update and copy its new values into the parameters; returns the
+        indices installed (the caller writes its own newer columns over them)."""
+        if self.in_flight is None:
+            return []
+        flight, self.in_flight = self.in_flight, None
+        # Send the update if it is still queued, but not the commands after it: this step's
+        # accumulate may still be waiting for its copy, which install does not need.
+        self.flush(block=True, until=lambda: flight["seq"] is not None)
+        self.timer.stall(self.runner.wait(flight["seq"]))
+        start = time.perf_counter()
+        slot, pairs, nbytes = flight["install_slot"], [], 0
+        for i in flight["matrices"]:
+            param = host_view(self.params[i].data)
+            values = self.host.typed("install", slot, i)
+            if self.partition.active:  # every rank's rows; only the parameter's dtype travels
+                values = self.partition.gather_rows(values, param.shape[0],
+                                                    "installing host-updated rows")
+            pairs.append((param, values))
+            nbytes += param.numel() * param.element_size()
+        self._install_reader[slot] = self.transfers.to_device(pairs)
+        self.timer.moved(h2d=nbytes)
+        self.timer.offload(time.perf_counter() - start)
+        return flight["matrices"]
+
+    def fence(self) -> None:
+        """End of step(): later device work may not overwrite this step's gradient sources."""
+        self.transfers.fence(self._last_copy)
+        self._last_copy = DONE
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Host values, moments and the filling sums, per parameter; counters; the in-flight set.
+        Drains first, so the snapshot is consistent (the in-flight update is done, not installed)."""
+        self.drain()
+        per_param = []
+        for i in range(len(self.params)):
+            grad_sum = self.host.fp32(f"grad_sum{self._sum_slot}", i)
+            per_param.append({
+                **{kind: self.host.fp32(kind, i).clone() for kind in FP32_KINDS},
+                # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
+                "grad_sum": grad_sum.clone() if self.num_grads[i] else torch.zeros_like(grad_sum),
+                "host_step": self.host_step[i], "num_grads": self.num_grads[i]})
+        in_flight = None if self.in_flight is None else list(self.in_flight["matrices"])
+        return {"params": per_param, "in_flight": in_flight}
+
+    def validate(self, state: dict, owner: str) -> None:
+        saved = state["params"]
+        if len(saved) != len(self.params):
+            raise ValueError(f"{owner}: load_state_dict: saved host state has {len(saved)} "
+                             f"parameters, this optimizer has {len(self.params)}")
+        for i, s in enumerate(saved):
+            shape = self.host.fp32("master", i).shape
+            if tuple(s["master"].shape) != tuple(shape):
+                raise ValueError(f"{owner}: load_state_dict: saved host state of the parameter "
+                                 f"of shape {tuple(self.params[i].shape)} has shape "
+                                 f"{tuple(s['master'].shape)}, expected {tuple(shape)}")
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned (call validate() first)."""
+        self.drain()
+        self._queue.clear()
+        self._staged = None
+        self._sum_slot = self._staging_slot = self._install_slot = 0
+        self._staging_reader = [None] * self.layout.transfer_slots
+        self._install_reader = [DONE] * self.layout.transfer_slots
+        for i, s in enumerate(state["params"]):
+            for kind in FP32_KINDS:
+                self.host.fp32(kind, i).copy_(s[kind])
+            self.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
+            self.host_step[i], self.num_grads[i] = s["host_step"], s["num_grads"]
+        self.in_flight = None
+        if state["in_flight"] is not None:
+            # The update is done; its install buffer is rebuilt from the values it produced.
+            for i in state["in_flight"]:
+                self.host.typed("install", 0, i).copy_(self.host.fp32("master", i))
+            self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0}
+            self._install_slot = 1 % self.layout.transfer_slots
+
+    # -- size and lifecycle -----------------------------------------------------------------------
+    def nbytes(self) -> int:
+        return self.host.nbytes()
+
+    def pinned_bytes(self) -> int:
+        return sum(self.host.arena.views[n].numel() * self.host.arena.views[n].element_size()
+                   for n in self.layout.dma_regions()) if self.transfers.cuda else 0
+
+    def close(self) -> None:
+        self.runner.close()
+        self.transfers.unpin()
