@@ -34,7 +34,7 @@ from zenflow.config import ZenFlowConfig, load_config_dict, parse_config, resolv
 from zenflow.loss_scaler import LossScaler
 from zenflow import comm
 from zenflow.ds.args import config_from_arguments
-from zenflow.ds.engine_api import DeepSpeedEngineAPI, frozen_parameter_names
+from zenflow.ds.engine_api import DeepSpeedEngineAPI, frozen_parameter_names, grad_norm
 from zenflow.engine_build import EngineConstruction, core_optimizers
 from zenflow.fp32_masters import FP32Masters, trainable_param_groups
 from zenflow.weight_sync import WeightSync, synchronized_state
@@ -174,7 +174,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         clip = self.config.gradient_clipping
         if self._masters is not None:
             self._masters.load_grads(inv_scale)
-            self._global_grad_norm = _grad_norm(self._masters.masters)
+            self._global_grad_norm = grad_norm(self._masters.masters)
             if self._engine_clips:
                 torch.nn.utils.clip_grad_norm_(self._masters.masters, clip)
             self.optimizer.step()
@@ -184,7 +184,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                 for p in self._params:
                     if p.grad is not None:
                         p.grad.mul_(inv_scale)
-            self._global_grad_norm = _grad_norm(self._params)
+            self._global_grad_norm = grad_norm(self._params)
             if self._engine_clips:
                 torch.nn.utils.clip_grad_norm_(self._params, clip)
             self.optimizer.step()
@@ -331,12 +331,6 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                 setattr(self, key, state[key])
             _set_rng_state(state["rng"])
         return str(path), state["client_state"]
-
-
-def _grad_norm(params: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The global L2 norm of the gradients, left on the device (read only when asked for)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
 def _rng_state() -> dict:

@@ -16,6 +16,12 @@ def frozen_parameter_names(module: torch.nn.Module) -> set[str]:
     return {name for name, p in module.named_parameters() if not p.requires_grad}
 
 
+def grad_norm(params: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The global L2 norm of the gradients, left on the device (read only when asked for)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
 class DeepSpeedEngineAPI:
     # --- ranks (read from torch.distributed, or 0 of 1 in a lone process) ---------------------
 
