@@ -38,6 +38,7 @@ def run_script(tmp_path, launcher: list[str], ranks: int, init_distributed=True)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env["SKIP_INIT_DISTRIBUTED"] = "0" if init_distributed else "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU: two ranks must not need two GPUs
     run = subprocess.run(launcher + [str(SCRIPT), "--deepspeed", "--deepspeed_config", str(cfg),
                                      "--save_dir", str(tmp_path / "ckpt"), "--out", str(out)],
                          capture_output=True, text=True, timeout=300, env=env)
