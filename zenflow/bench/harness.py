@@ -44,6 +44,9 @@ def machine_info(device: str) -> dict[str, Any]:
         "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
         "load_average_1m": os.getloadavg()[0],  # other jobs sharing the machine
+        # glibc's malloc settings change every system's step time (freed gradient memory handed
+        # back to the OS is page-faulted in again next step): every child runs with these.
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
     }
     try:
         with open("/proc/meminfo") as f:
