@@ -93,9 +93,10 @@ def profile_step(system, steps: int) -> dict:
     stats = pstats.Stats(profiler)
     parts = {}
     for (file, _, func), (_, _, _, cumulative, _) in stats.stats.items():
-        if "zenflow" in file and func in ("step", "_accumulate", "_device_update", "_end_window",
-                                          "_install_in_flight", "_maybe_select", "wait",
-                                          "clip_coefficient", "_gradients"):
+        if "zenflow" in file and func in ("step", "stage", "accumulate", "_device_update",
+                                          "_end_window", "_install_in_flight", "install",
+                                          "_maybe_select", "wait", "clip_coefficient",
+                                          "gradient_norms", "_gradients", "fence"):
             parts[func] = parts.get(func, 0.0) + cumulative / steps
     return parts
 

@@ -138,7 +138,11 @@ class Arena:
 
     @classmethod
     def _mapped(cls, regions: list[Region], size: int, fd: int) -> "Arena":
-        memory = mmap.mmap(fd, max(size, _ALIGN))
+        # Fault every page in now (in each process that maps it): otherwise the first touches
+        # of a few GB, page by page, land in the first window's host update and in the first
+        # steps' copies (measured: 1.1 s instead of 0.1 s for 92M parameters' first update).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        memory = mmap.mmap(fd, max(size, _ALIGN), flags=flags)
         data = torch.frombuffer(memory, dtype=torch.uint8)
         views = {r.name: data[r.offset:r.offset + r.nbytes].view(r.dtype) for r in regions}
         return cls(regions, size, fd, views, memory)
