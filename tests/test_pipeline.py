@@ -81,6 +81,7 @@ def test_late_copies_give_the_reference_result(seed, worker):
     opt = zenflow.ZenFlowAdamW(fast.parameters(), select_strategy="step", select_interval=4,
                                worker=worker, **settings)
     late = LateCopies(opt.device)
+    opt._pipeline.transfers.close()
     opt._pipeline.transfers = late
     ref = ReferenceZenFlow(list(slow.parameters()), select_interval=4, **settings)
     try:
@@ -105,6 +106,7 @@ def test_install_does_not_wait_for_this_steps_copy():
     opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=2,
                                overlap_step=True, worker=False)
     late = LateCopies(opt.device)
+    opt._pipeline.transfers.close()
     opt._pipeline.transfers = late
 
     def no_fence(ticket):   # let copies stay in flight across steps, as a busy GPU would
@@ -136,3 +138,20 @@ def test_waiting_for_everything_waits_for_an_update_that_finishes_last():
             assert runner.unfinished() == []
     finally:
         runner.close()
+
+
+def test_the_cpu_copy_thread_lands_copies_in_order_and_fence_waits_for_them():
+    transfers = Transfers(torch.device("cpu"), copy_cores=[0])
+    try:
+        sources = [torch.randn(1000, 1000) for _ in range(3)]
+        targets = [torch.zeros(1000, 1000) for _ in range(3)]
+        tickets = [transfers.to_host([(t, s)]) for t, s in zip(targets, sources)]
+        transfers.fence(tickets[-1])             # later tickets land after earlier ones
+        assert all(t.done() for t in tickets)
+        for t, s in zip(targets, sources):
+            assert torch.equal(t, s)
+        bad = transfers.to_host([(torch.zeros(2), torch.zeros(3))])   # shapes do not match
+        with pytest.raises(RuntimeError, match="device-to-host copy failed"):
+            bad.wait()
+    finally:
+        transfers.close()

@@ -16,11 +16,16 @@ instead of waiting:
 
 The device is always passed explicitly (never the implicit current device), so a rank that
 trains on cuda:3 never opens a context on cuda:0. On a CPU "device" (CPU-only torch, or the
-tests) every copy is the plain synchronous copy and every ticket is already done: the same code
-path, minus the asynchrony.
+tests) a copy thread plays the GPU's copy engine for to_host: it runs on the worker's cores
+beside the training thread's device update, its tickets really complete later, and `fence`
+waits for it (the training thread is the CPU's only "stream"). Without worker cores, and for
+to_device, copies are plain and synchronous and their tickets already done.
 """
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import time
 
 import torch
@@ -51,22 +56,80 @@ class Ticket:
 DONE = Ticket()
 
 
+class _ThreadTicket(Ticket):
+    def __init__(self):
+        super().__init__()
+        self.landed = threading.Event()
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self.landed.is_set()
+
+    def wait(self) -> float:
+        start = time.perf_counter()
+        self.landed.wait()
+        if self.error is not None:
+            raise RuntimeError(f"a device-to-host copy failed: {self.error!r}") from self.error
+        return time.perf_counter() - start
+
+
+class _CopyThread:
+    """The CPU's stand-in for a copy engine: copies queued pairs in order on its own thread,
+    pinned to `cores` (the worker's), and completes a ticket per batch."""
+
+    def __init__(self, cores: list[int]):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(cores,), daemon=True,
+                                        name="zenflow-copy")
+        self._thread.start()
+
+    def _run(self, cores: list[int]) -> None:
+        try:
+            os.sched_setaffinity(threading.get_native_id(), cores)
+        except (AttributeError, OSError):
+            pass  # an optimisation only
+        while (job := self._jobs.get()) is not None:
+            pairs, ticket = job
+            try:
+                for dst, src in pairs:
+                    dst.copy_(src)
+            except BaseException as exc:   # handed to whoever waits for the ticket
+                ticket.error = exc
+            finally:
+                ticket.landed.set()
+
+    def submit(self, pairs) -> Ticket:
+        ticket = _ThreadTicket()
+        self._jobs.put((pairs, ticket))
+        return ticket
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
 class Transfers:
     """Device<->host copies for one optimizer on one device."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, copy_cores: list[int] | None = None):
         self.device = device
         self.cuda = uses_cuda(device)
         self._pinned: list[int] = []
+        self._copier = None
         if self.cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
+        elif copy_cores:
+            self._copier = _CopyThread(copy_cores)
 
     def _current(self):
         return torch.cuda.current_stream(self.device)
 
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
-        """host_dst.copy_(device_src) for each pair, asynchronously on CUDA."""
+        """host_dst.copy_(device_src) for each pair, asynchronously on CUDA (and on the CPU's copy
+        thread); the sources must not change until fence() (the caller's step keeps them)."""
+        if self._copier is not None:
+            return self._copier.submit(pairs)
         if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src)
@@ -84,8 +147,11 @@ class Transfers:
         Python thread: called at the end of step(), so that nothing queued afterwards (an
         in-place zero_grad, the next backward accumulating into a gradient) can overwrite a
         source before the copy has read it, while the step's own device work overlaps it."""
-        if ticket._event is not None:
-            self._current().wait_event(ticket._event)
+        if self.cuda:
+            if ticket._event is not None:
+                self._current().wait_event(ticket._event)
+        else:
+            ticket.wait()
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         """device_dst.copy_(host_src) for each pair; the current stream waits for it, the Python
@@ -115,6 +181,12 @@ class Transfers:
                 nbytes = t.numel() * t.element_size()
                 if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0:
                     self._pinned.append(t.data_ptr())
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
+        self.unpin()
 
     def unpin(self) -> None:
         if self._pinned:

@@ -54,7 +54,7 @@ class HostPipeline:
         self.host = HostState.allocate(self.layout, owner, available_bytes)
         for i, (p, r) in enumerate(zip(params, self.rows)):
             self.host.fp32("master", i).copy_(host_view(p.detach())[r])
-        self.transfers = Transfers(device)
+        self.transfers = Transfers(device, copy_cores=worker_cores)
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
         self._worker_cores = worker_cores
         self.runner = self._start_runner()
@@ -266,9 +266,13 @@ class HostPipeline:
         return flight["matrices"]
 
     def fence(self) -> None:
-        """End of step(): later device work may not overwrite this step's gradient sources."""
+        """End of step(): later device work may not overwrite this step's gradient sources. (On
+        the CPU this waits for the copy thread: the part of the copy the step did not hide.)"""
+        start = time.perf_counter()
         self.transfers.fence(self._last_copy)
         self._last_copy = DONE
+        self.flush(block=False)   # the copy has landed: the worker may start adding it now
+        self.timer.offload(time.perf_counter() - start)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -336,5 +340,5 @@ class HostPipeline:
 
     def close(self) -> None:
         self.runner.close()
-        self.transfers.unpin()
+        self.transfers.close()
         self.host.arena.close_fd()
