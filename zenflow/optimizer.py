@@ -520,6 +520,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._adopt_outside_writes()
         return optimizer_state_dict(self)
 
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError if load_state_dict(state_dict) would fail; changes nothing."""
+        from zenflow.state import validate
+        validate(self, state_dict)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict() from an optimizer over the same parameters.
         Everything is checked before anything changes: a failed load leaves this optimizer as
