@@ -230,3 +230,31 @@ def test_checkpoint_of_another_optimizer_is_refused_unless_weights_only(tmp_path
                                                  engine.module.state_dict().values()))
     assert off.global_steps == 0
     off.close()
+
+
+def test_a_failed_load_changes_no_tensor(tmp_path):
+    """Checked before anything is copied: an optimizer state that does not fit (another
+    topk_ratio) and weights of another shape each leave the model exactly as it was."""
+    import copy as _copy
+    saver, *_ = initialize(model=toys.make_model(seed=0), config=toys.config("zenflow"))
+    toys.train(saver, range(3))
+    saver.save_checkpoint(tmp_path / "ckpt")
+    saver.close()
+
+    cfg = toys.config("zenflow")
+    cfg["zero_optimization"]["zenflow"]["topk_ratio"] = 0.5
+    other, *_ = initialize(model=toys.make_model(seed=7), config=cfg)
+    before = _copy.deepcopy(other.module.state_dict())
+    with pytest.raises(ValueError, match="topk_ratio"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(v, before[k]) for k, v in other.module.state_dict().items())
+    assert other.global_steps == 0
+    other.close()
+
+    wider = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(2)])
+    narrow, *_ = initialize(model=wider, config=toys.config("adamw"))
+    before = _copy.deepcopy(narrow.module.state_dict())
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        narrow.load_checkpoint(tmp_path / "ckpt", load_module_only=True)
+    assert all(torch.equal(v, before[k]) for k, v in narrow.module.state_dict().items())
+    narrow.close()

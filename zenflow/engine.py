@@ -315,6 +315,12 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                              f"{state['optimizer_class']}, this engine runs "
                              f"{type(self.optimizer).__name__}; pass load_module_only=True to "
                              f"load only the weights")
+        # All or nothing: everything is checked against the model and optimizer first.
+        if custom_load_fn is None:
+            self._check_module_state(objs["model_states.pt"], state, load_module_strict)
+        check_optimizer = getattr(self.optimizer, "check_state_dict", None)
+        if not load_module_only and load_optimizer_states and check_optimizer is not None:
+            check_optimizer(objs["optimizer_states.pt"])
         self._load_module_state(objs["model_states.pt"], state, load_module_strict, custom_load_fn,
                                 with_pending=not load_module_only and load_optimizer_states)
         if not load_module_only:

@@ -393,21 +393,23 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ selection
     def _maybe_select(self, grads) -> None:
         if not self._selected:
-            self._select(grads, first=True)
+            todo = [m for m in self._host_params if m.k > 0]
+            self._select(todo, self._importances(grads, todo), first=True)
             return
-        if not any(0 < m.k < m.num_columns for m in self._host_params):
-            return  # no column can move
-        if not self._schedule.wants_check(self._step):
+        movable = [m for m in self._host_params if 0 < m.k < m.num_columns]
+        if not movable or not self._schedule.wants_check(self._step):
             return
+        # One pass over the gradients serves both the drift check and the new selection.
+        importances = self._importances(grads, movable)
         retained = None
         if self._schedule.every_steps is None:
-            retained = self._retained_fraction(grads)
+            retained = self._retained_fraction(movable, importances)
         if self._schedule.due(retained):
             log.debug("step %d: reselect (%s)", self._step,
                       f"retained importance {retained:.3f} < {self.reselect_threshold}"
                       if retained is not None else f"{self._schedule.every_steps} steps passed")
             self._install_in_flight()  # state can only move once the host is drained
-            self._select(grads, first=False)
+            self._select(movable, importances, first=False)
         elif retained is not None:
             log.debug("step %d: keep selection (retained importance %.3f); next check in %d "
                       "window(s)", self._step, retained, self._schedule.check_gap)
@@ -432,18 +434,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         out = list(flat.to(self.device).split([m.num_columns for m in todo]))
         return [t.sqrt() for t in out] if self.importance == "l2" else out
 
-    def _retained_fraction(self, grads) -> float:
+    def _retained_fraction(self, todo: list[_HostParam], importances) -> float:
         held = best = 0.0
-        todo = [m for m in self._host_params if 0 < m.k < m.num_columns]
-        for m, importance in zip(todo, self._importances(grads, todo)):
+        for m, importance in zip(todo, importances):
             h, b = selection.retained_mass(importance, m.columns.index, m.k)
             held, best = held + h, best + b
         return 1.0 if best == 0.0 else held / best
 
-    def _select(self, grads, first: bool) -> None:
+    def _select(self, todo: list[_HostParam], importances, first: bool) -> None:
         self._pipeline.drain()
-        todo = [m for m in self._host_params if m.k > 0]
-        for m, importance in zip(todo, self._importances(grads, todo)):
+        for m, importance in zip(todo, importances):
             new_index = selection.top_columns(importance, m.k)
             host = {kind: self._pipeline.host.fp32(kind, m.index)
                     for kind in ("master", "exp_avg", "exp_avg_sq")}
@@ -451,7 +451,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if first:
                 handoff.take_from_host(m.columns, host, new_index, host_step, m.param.shape[0],
                                        self._partition)
-            elif m.k < m.num_columns:
+            else:
                 betas = tuple(float(b) for b in m.group["betas"])
                 handoff.move_columns(m.columns, host, new_index, host_step, betas,
                                      self._pipeline.rows[m.index], m.param.shape[0],
@@ -519,6 +519,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         from zenflow.state import optimizer_state_dict
         self._adopt_outside_writes()
         return optimizer_state_dict(self)
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError if load_state_dict(state_dict) would fail; changes nothing."""
+        from zenflow.state import validate
+        validate(self, state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict() from an optimizer over the same parameters.

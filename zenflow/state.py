@@ -71,7 +71,7 @@ def _check_shape(opt, param, saved: torch.Tensor, expected: torch.Tensor, what: 
                    f"expected {tuple(expected.shape)}")
 
 
-def _validate(opt, state_dict: dict) -> dict:
+def validate(opt, state_dict: dict) -> dict:
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("zenflow"), dict):
         _fail(opt, "got a state dict without the 'zenflow' section; it was not saved by "
                    "ZenFlowAdamW or OffloadAdamW")
@@ -113,7 +113,7 @@ def _validate(opt, state_dict: dict) -> dict:
 
 
 def load_optimizer_state_dict(opt, state_dict: dict) -> None:
-    saved = _validate(opt, state_dict)
+    saved = validate(opt, state_dict)
     index_of = _index_of(opt)
     states = state_dict["state"]
     opt._pipeline.load_state_dict({"params": [states[index_of[m.param]]["host"]

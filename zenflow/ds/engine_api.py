@@ -170,6 +170,26 @@ class DeepSpeedEngineAPI:
         frozen = frozen_parameter_names(self.module)
         return {k: v for k, v in state.items() if k not in frozen}
 
+    def _check_module_state(self, module_state: dict, engine_state: dict, strict: bool) -> None:
+        """Raise before anything is loaded when the checkpoint's weights cannot all be loaded
+        (torch's load_state_dict copies what matches before it reports what does not)."""
+        own = self.module.state_dict()
+        wrong = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(own[k].shape)}"
+                 for k, v in module_state.items()
+                 if k in own and hasattr(v, "shape") and tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            raise ValueError("load_checkpoint: the checkpoint's weights do not fit the model "
+                             f"(nothing was loaded): {'; '.join(wrong[:5])}")
+        if strict:
+            excluded = set(engine_state.get("excluded_frozen", []))
+            missing = sorted(set(own) - set(module_state) - excluded)
+            unexpected = sorted(set(module_state) - set(own))
+            if missing or unexpected:
+                raise ValueError(f"load_checkpoint: the checkpoint does not match the model "
+                                 f"(nothing was loaded): missing {missing[:5]}, unexpected "
+                                 f"{unexpected[:5]} (pass load_module_strict=False to load what "
+                                 "matches)")
+
     def _load_module_state(self, module_state: dict, engine_state: dict, strict: bool,
                            custom_load_fn: Optional[Callable], with_pending: bool) -> None:
         """The checkpoint's synchronized weights; with the optimizer state also loaded, the
