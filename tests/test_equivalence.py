@@ -1,4 +1,4 @@
-"""DESIGN.md section 2's equivalences against torch.optim.AdamW, on real models and data."""
+"""docs/semantics.md's equivalences against torch.optim.AdamW, on real models and data."""
 import copy
 
 import pytest

@@ -1,4 +1,4 @@
-"""The slow, obviously-correct ZenFlow of DESIGN.md section 2, kept as the tests' oracle.
+"""The slow, obviously-correct ZenFlow of docs/semantics.md, kept as the tests' oracle.
 
 It shares no code with the fast optimizer. Every matrix keeps full-size fp32 tensors (master
 value, moments, gradient sum) and a boolean mask of the columns the device owns; every update is
