@@ -418,3 +418,75 @@ def test_a_worker_that_dies_mid_update_names_the_torn_state_and_rolls_back():
             opt.step()
             opt.zero_grad()
         assert opt.state_dict()["zenflow"]["step"] == 6
+
+
+_PREEMPTED = textwrap.dedent("""
+    import os, signal, sys, time, torch, zenflow
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 5))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=3)
+    step = 0
+
+    def save_and_exit(signum, frame):   # the usual preemption handler
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                   sys.argv[1])
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, save_and_exit)
+    while True:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if step == 7:
+            print("ready", flush=True)
+            time.sleep(60)
+""")
+
+
+@pytest.mark.slow   # a training subprocess
+def test_sigterm_to_the_process_group_saves_a_checkpoint_that_resumes_exactly(tmp_path):
+    import signal
+    path = tmp_path / "preempted.pt"
+    child = subprocess.Popen([sys.executable, "-c", _PREEMPTED, str(path)], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.killpg(child.pid, signal.SIGTERM)      # the scheduler signals the whole job
+        assert child.wait(timeout=60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    saved = torch.load(path, weights_only=True)
+    assert saved["step"] == 7
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
+
+    def fresh():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(),
+                                   torch.nn.Linear(24, 5))
+
+    settings = dict(lr=1e-2, topk_ratio=0.25, update_interval=3)
+    straight, resumed = fresh(), fresh()
+    with zenflow.ZenFlowAdamW(straight.parameters(), **settings) as a, \
+            zenflow.ZenFlowAdamW(resumed.parameters(), **settings) as b:
+        resumed.load_state_dict(saved["model"])
+        b.load_state_dict(saved["opt"])
+        for step in range(12):
+            x, y = batch(step)
+            torch.nn.functional.mse_loss(straight(x), y).backward()
+            a.step()
+            a.zero_grad()
+            if step >= 7:
+                torch.nn.functional.mse_loss(resumed(x), y).backward()
+                b.step()
+                b.zero_grad()
+        a.synchronize()
+        b.synchronize()
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
