@@ -490,3 +490,17 @@ def test_sigterm_to_the_process_group_saves_a_checkpoint_that_resumes_exactly(tm
         b.synchronize()
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_optimizers_dropped_without_close_leak_no_descriptor():
+    import gc
+    model = _mlp()
+    ZenFlow = zenflow.ZenFlowAdamW
+    ZenFlow(model.parameters(), worker=True).close()   # the fork server is up
+    gc.collect()
+    fds = open_fds()
+    for _ in range(20):
+        opt = ZenFlow(model.parameters(), worker=True)
+        del opt
+        gc.collect()
+    assert open_fds() <= fds + 1

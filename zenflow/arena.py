@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -145,12 +146,15 @@ class Arena:
         memory = mmap.mmap(fd, max(size, _ALIGN), flags=flags)
         data = torch.frombuffer(memory, dtype=torch.uint8)
         views = {r.name: data[r.offset:r.offset + r.nbytes].view(r.dtype) for r in regions}
-        return cls(regions, size, fd, views, memory)
+        arena = cls(regions, size, fd, views, memory)
+        # An optimizer dropped without close() must not leak its descriptor.
+        arena._close = weakref.finalize(arena, os.close, fd)
+        return arena
 
     def close_fd(self) -> None:
-        """Drop the descriptor once every process that needs it has its own (the mapping stays)."""
+        """Drop the descriptor (the mapping stays); idempotent."""
         if self.fd is not None:
-            os.close(self.fd)
+            self._close()
             self.fd = None
 
     def region(self, name: str) -> Region:
