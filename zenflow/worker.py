@@ -127,7 +127,7 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
             pass  # affinity is an optimisation; a platform without it still works
         torch.set_num_threads(len(cores))
     host = HostState.attach(init["layout"], init["regions"], init["size"], arena_fd)
-    os.close(arena_fd)  # the mapping stays
+    host.arena.close_fd()  # the mapping stays
     send_lock = threading.Lock()
 
     def reply(message) -> None:
