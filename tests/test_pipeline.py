@@ -155,3 +155,59 @@ def test_the_cpu_copy_thread_lands_copies_in_order_and_fence_waits_for_them():
             bad.wait()
     finally:
         transfers.close()
+
+
+class OutlivingCopies(LateCopies):
+    """The CUDA configuration: copies still in flight when step() returns (fence only orders later
+    device work), landing some time during the next forward and backward."""
+
+    copies_outlive_step = True
+
+    def __init__(self, device, copy_cores=None):
+        super().__init__(device)
+        self.pending = []
+
+    def to_host(self, pairs):
+        ticket = super().to_host(pairs)
+        self.pending.append(ticket)
+        return ticket
+
+    def fence(self, ticket):
+        pass
+
+    def land_pending(self):
+        for ticket in self.pending:
+            ticket.land()
+        self.pending = []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_copies_landing_after_the_step_use_two_staging_buffers_and_match_the_reference(
+        seed, monkeypatch):
+    import zenflow.pipeline
+    made = []
+    monkeypatch.setattr(zenflow.pipeline, "Transfers",
+                        lambda device, copy_cores=None: made.append(OutlivingCopies(device))
+                        or made[-1])
+    rng = random.Random(100 + seed)
+    settings = dict(lr=rng.choice([1e-2, 3e-3]), topk_ratio=rng.choice([0.0, 0.25, 0.5]),
+                    update_interval=rng.choice([1, 2, 3]), overlap_step=rng.choice([False, True]),
+                    full_warm_up_rounds=rng.choice([0, 2]), max_grad_norm=rng.choice([None, 4.0]))
+    fast, slow = _model(seed), _model(seed)
+    opt = zenflow.ZenFlowAdamW(fast.parameters(), select_strategy="step", select_interval=4,
+                               **settings)
+    late = made[0]
+    assert opt._pipeline.layout.staging_slots == 2
+    ref = ReferenceZenFlow(list(slow.parameters()), select_interval=4, **settings)
+    try:
+        for t, grads in enumerate(_grads(fast, 12, seed)):
+            late.land_pending()          # the copies finish during this forward and backward
+            for p, g in zip(fast.parameters(), grads):
+                p.grad = g.clone()
+            opt.step()
+            ref.step(grads, reselect=(t, "reselect") in opt.decisions)
+            for p, q in zip(fast.parameters(), slow.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+    finally:
+        opt.close()
+    assert late.log["copies"] == 12

@@ -122,6 +122,12 @@ class Transfers:
         elif copy_cores:
             self._copier = _CopyThread(copy_cores)
 
+    @property
+    def copies_outlive_step(self) -> bool:
+        """Whether a device-to-host copy may still be in flight when step() returns (CUDA: the
+        compute stream waits for it, the Python thread does not)."""
+        return self.cuda
+
     def _current(self):
         return torch.cuda.current_stream(self.device)
 

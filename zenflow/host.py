@@ -69,10 +69,12 @@ class HostLayout:
     matrices: tuple[HostMatrix, ...]        # in the order the optimizer numbers them
     groups: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, fp32 offset, numel), contiguous
     sum_slots: int
-    transfer_slots: int = 1
+    staging_slots: int = 1
+    install_slots: int = 1
 
     @classmethod
-    def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int) -> "HostLayout":
+    def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
+              staging_slots: int = 1) -> "HostLayout":
         """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
         order = sorted(range(len(shapes)), key=lambda i: (_dtype_name(shapes[i][2]), i))
         placed: dict[int, HostMatrix] = {}
@@ -86,7 +88,7 @@ class HostLayout:
             group[2] += rows * cols
             offset += rows * cols
         return cls(tuple(placed[i] for i in range(len(shapes))),
-                   tuple(tuple(g) for g in groups), sum_slots)
+                   tuple(tuple(g) for g in groups), sum_slots, staging_slots)
 
     @property
     def numel(self) -> int:
@@ -96,15 +98,16 @@ class HostLayout:
         fp32 = [*FP32_KINDS, *(f"grad_sum{s}" for s in range(self.sum_slots))]
         out = [(name, torch.float32, self.numel) for name in fp32]
         for dtype, _, numel in self.groups:
-            for kind in ("staging", "install"):
-                for s in range(self.transfer_slots):
+            for kind, slots in (("staging", self.staging_slots), ("install", self.install_slots)):
+                for s in range(slots):
                     out.append((f"{kind}{s}_{_dtype_name(dtype)}", dtype, numel))
         return out
 
     def dma_regions(self) -> list[str]:
         """The buffers that device copies read or write: the only ones worth page-locking."""
         return [f"{kind}{s}_{_dtype_name(d)}" for d, _, _ in self.groups
-                for kind in ("staging", "install") for s in range(self.transfer_slots)]
+                for kind, slots in (("staging", self.staging_slots),
+                                    ("install", self.install_slots)) for s in range(slots)]
 
 
 class HostState:

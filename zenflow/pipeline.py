@@ -10,9 +10,12 @@ The training thread does no host arithmetic: the worker (or, with worker=False, 
 runner) does the adds and the AdamW. Commands go out in order through a small queue in which
 each command may wait for a copy to finish (a `Ticket`): the worker is told to read a staging
 buffer only once its bytes have landed, and to overwrite an install buffer only once the device
-has read it. One staging and one install buffer are enough (`HostLayout.transfer_slots`): the
-worker adds a step's gradients during the next forward and backward, and an install is copied
-long before the next update is due; a slow host shows up as stall in stats(), never as a race.
+has read it. Where copies land within the step (the CPU), one staging buffer is enough: the
+worker adds a step's gradients during the next forward and backward. Where they land later (CUDA:
+the step returns with the copy in flight, and the worker hears of it at the next step), two
+staging buffers alternate, so the worker has a whole step to add one before it is reused. One
+install buffer is enough: it is copied long before the next update is due. A slow host shows up
+as stall in stats(), never as a race.
 With overlap, two gradient-sum slots alternate: one window fills one while the host's update of
 the previous window reads the other.
 """
@@ -50,11 +53,12 @@ class HostPipeline:
         self.timer = timer
         shapes = [(len(range(host_view(p).shape[0])[r]), host_view(p).shape[1], p.dtype)
                   for p, r in zip(params, self.rows)]
-        self.layout = HostLayout.build(shapes, sum_slots=2 if overlap else 1)
+        self.transfers = Transfers(device, copy_cores=worker_cores)
+        self.layout = HostLayout.build(shapes, sum_slots=2 if overlap else 1,
+                                       staging_slots=2 if self.transfers.copies_outlive_step else 1)
         self.host = HostState.allocate(self.layout, owner, available_bytes)
         for i, (p, r) in enumerate(zip(params, self.rows)):
             self.host.fp32("master", i).copy_(host_view(p.detach())[r])
-        self.transfers = Transfers(device, copy_cores=worker_cores)
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
         self._worker_cores = worker_cores
         self.runner = self._start_runner()
@@ -65,9 +69,9 @@ class HostPipeline:
         self._sum_slot = 0
         self._staging_slot = 0
         self._install_slot = 0
-        slots = self.layout.transfer_slots
-        self._staging_reader: list[int | None] = [None] * slots  # seq of the accumulate reading it
-        self._install_reader: list[Ticket] = [DONE] * slots      # the copy reading it to the device
+        # seq of the accumulate reading each staging buffer; the copy reading each install buffer
+        self._staging_reader: list[int | None] = [None] * self.layout.staging_slots
+        self._install_reader: list[Ticket] = [DONE] * self.layout.install_slots
         self._queue: deque = deque()     # (ticket, command, slot to mark) not yet sent
         self._staged: tuple[int, list[int], Ticket] | None = None
         self._last_copy: Ticket = DONE
@@ -97,7 +101,7 @@ class HostPipeline:
                 # to the new one (0 counts as done by any runner).
                 if self.in_flight is not None and self.in_flight["seq"] is not None:
                     self.in_flight["seq"] = 0
-                self._staging_reader = [None] * self.layout.transfer_slots
+                self._staging_reader = [None] * self.layout.staging_slots
                 return
             self.torn = sorted({i for c in unfinished
                                 for i in (c[4] + c[5] if c[0] == "accumulate"
@@ -192,7 +196,7 @@ class HostPipeline:
             self._staging_reader[slot] = seq
         self._enqueue(ticket, ("accumulate", slot, self._sum_slot, float(scale), added, fresh),
                       sent)
-        self._staging_slot = (slot + 1) % self.layout.transfer_slots
+        self._staging_slot = (slot + 1) % self.layout.staging_slots
 
     def end_window(self, hyper: list[tuple]) -> bool:
         """Hand the window's sums to the host: AdamW with `hyper[i]` = (lr, beta1, beta2, eps,
@@ -216,7 +220,7 @@ class HostPipeline:
                       ("update", self._sum_slot, slot, jobs), sent)
         self.in_flight = flight
         self._sum_slot = (self._sum_slot + 1) % self.layout.sum_slots
-        self._install_slot = (slot + 1) % self.layout.transfer_slots
+        self._install_slot = (slot + 1) % self.layout.install_slots
         return True
 
     def adopt(self, indices: list[int]) -> None:
@@ -315,8 +319,8 @@ class HostPipeline:
         self._queue.clear()
         self._staged = None
         self._sum_slot = self._staging_slot = self._install_slot = 0
-        self._staging_reader = [None] * self.layout.transfer_slots
-        self._install_reader = [DONE] * self.layout.transfer_slots
+        self._staging_reader = [None] * self.layout.staging_slots
+        self._install_reader = [DONE] * self.layout.install_slots
         for i, s in enumerate(state["params"]):
             for kind in FP32_KINDS:
                 self.host.fp32(kind, i).copy_(s[kind])
@@ -328,7 +332,7 @@ class HostPipeline:
             for i in state["in_flight"]:
                 self.host.typed("install", 0, i).copy_(self.host.fp32("master", i))
             self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0}
-            self._install_slot = 1 % self.layout.transfer_slots
+            self._install_slot = 1 % self.layout.install_slots
 
     # -- size and lifecycle -----------------------------------------------------------------------
     def nbytes(self) -> int:
