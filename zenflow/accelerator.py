@@ -115,12 +115,11 @@ class Transfers:
         self.device = device
         self.cuda = uses_cuda(device)
         self._pinned: list[int] = []
-        self._copier = None
+        self._copy_cores = None if self.cuda else copy_cores
+        self._copier = None       # the CPU copy thread, started at the first copy
         if self.cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
-        elif copy_cores:
-            self._copier = _CopyThread(copy_cores)
 
     @property
     def copies_outlive_step(self) -> bool:
@@ -134,7 +133,9 @@ class Transfers:
     def to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         """host_dst.copy_(device_src) for each pair, asynchronously on CUDA (and on the CPU's copy
         thread); the sources must not change until fence() (the caller's step keeps them)."""
-        if self._copier is not None:
+        if self._copy_cores:
+            if self._copier is None:
+                self._copier = _CopyThread(self._copy_cores)
             return self._copier.submit(pairs)
         if not self.cuda:
             for dst, src in pairs:
@@ -189,6 +190,7 @@ class Transfers:
                     self._pinned.append(t.data_ptr())
 
     def close(self) -> None:
+        self._copy_cores = None
         if self._copier is not None:
             self._copier.close()
             self._copier = None
