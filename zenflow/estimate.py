@@ -42,6 +42,9 @@ def _figures(measured: dict | None, target: str) -> tuple[dict, dict]:
     values, sources = {}, {}
     measured = measured or {}
     for key, (value, what) in ASSUMED.items():
+        if key == ("d2h_bytes_per_s" if target == "cpu" else "memcpy_bytes_per_s") or \
+                (key == "h2d_bytes_per_s" and target == "cpu"):
+            continue
         got = measured.get(key)
         if key == "device_adamw_params_per_s" and target == "cpu" and got is None:
             value = 1.0e9
@@ -120,13 +123,15 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     C = fig["host_accumulate_params_per_s"] / world
     G = fig["device_adamw_params_per_s"]
     cpu = target == "cpu"
-    Bd = fig["memcpy_bytes_per_s"] if cpu else fig["d2h_bytes_per_s"]
-    Bh = fig["memcpy_bytes_per_s"] if cpu else fig["h2d_bytes_per_s"]
+    Bd, Bh = ((fig["memcpy_bytes_per_s"],) * 2 if cpu else
+              (fig["d2h_bytes_per_s"], fig["h2d_bytes_per_s"]))
     zen_host_params = sum(share(r) * c for r, c in deferred)
     off_host_params = off_d2h // item
     t = {"accumulate_s": zen_host_params / C, "adamw_s": zen_host_params / A,
          "d2h_s": zen_d2h / Bd, "h2d_s": zen_h2d_window / Bh,
-         "device_update_s": (sum(r * k for r, _, k in mats) + P_vec) / G,
+         # AdamW on the selected columns and vectors, plus one read of every gradient (the global
+         # norm) at the device's memory bandwidth, as implied by its AdamW (28 B per parameter)
+         "device_update_s": (sum(r * k for r, _, k in mats) + P_vec) / G + P * item / (28 * G),
          "offload_host_s": off_host_params / C + off_host_params / A,
          "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
     times = _step_times(t, U, overlap, cpu, fwd_bwd_s)
@@ -161,7 +166,8 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "offload": "fwd_bwd + d2h(all grads) + host accumulate + host AdamW + h2d(all weights)",
         "zenflow": ("max(T_dev, pipe, accumulate + host_adamw/U) + h2d_window/U" if overlap else
                     "max(T_dev, pipe) + (pipe + host_adamw + h2d_window)/U"),
-        "T_dev": "fwd_bwd + device update" + (" + d2h (memcpy)" if cpu else ""),
+        "T_dev": "fwd_bwd + device update (selected columns + vectors + one gradient-norm "
+                 "pass)" + (" + d2h (memcpy)" if cpu else ""),
         "pipe": "accumulate" if cpu else "d2h + accumulate (one staging buffer)",
     }
     out = {"formulas": formulas}
@@ -209,8 +215,9 @@ def format_report(r: dict) -> str:
            f"vectors), {m['dtype']}; {m['source']}",
            f"Settings: {s['gpus']} GPU(s), topk_ratio {s['topk_ratio']}, update_interval "
            f"{s['update_interval']}, overlap_step {s['overlap_step']}, device {s['target']}", "",
-           f"Per GPU ({g['gpu_memory_bytes'] / GIB:.1f} GiB)" + " " * 14 +
-           "AdamW   AdamW fp32 master  OffloadAdamW  ZenFlowAdamW"]
+           f"{'Per GPU (' + format(g['gpu_memory_bytes'] / GIB, '.1f') + ' GiB)':<30}" +
+           "".join(f"{h:>16}" for h in ("AdamW", "AdamW fp32 mstr", "OffloadAdamW",
+                                         "ZenFlowAdamW"))]
     rows = [("weights", [g["weights_bytes"]] * 4), ("gradients", [g["grads_bytes"]] * 4),
             ("optimizer state on GPU", [g["state_bytes"][c] for c in cols]),
             ("reserved (context, slack)", [g["reserve_bytes"]] * 4),
@@ -218,16 +225,17 @@ def format_report(r: dict) -> str:
     for name, vals in rows:
         out.append(f"  {name:<28}" + "".join(f"{_gib(v):>16}" for v in vals))
     out.append(f"  {'fits':<28}" + "".join(f"{'yes' if g['fits'][c] else 'NO':>16}" for c in cols))
-    out += ["", f"Per host ({s['gpus']} GPU(s))" + " " * 22 + "OffloadAdamW  ZenFlowAdamW"]
+    out += ["", f"{'Per host (' + str(s['gpus']) + ' GPU(s))':<32}{'OffloadAdamW':>16}"
+            f"{'ZenFlowAdamW':>16}"]
     for name, key in (("host memory (state)", "host_bytes"), ("reserved (page-rounded)",
                                                                 "arena_bytes"),
                       ("page-locked (staging+install)", "pinned_bytes")):
         out.append(f"  {name:<30}{_gib(h['offload'][key]):>16}{_gib(h['zenflow'][key]):>16}")
     out.append(f"  {'fits in available RAM':<30}{'yes' if h['fits']['offload'] else 'NO':>16}"
                f"{'yes' if h['fits']['zenflow'] else 'NO':>16}   "
-               f"(available now {h['available_host_bytes'] / GIB:.1f} GiB; /dev/shm not used)")
+               f"(available {h['available_host_bytes'] / GIB:.1f} GiB; /dev/shm not used)")
     z, o = b["zenflow"], b["offload"]
-    out += ["", "Bus per GPU                      OffloadAdamW  ZenFlowAdamW",
+    out += ["", f"{'Bus per GPU':<32}{'OffloadAdamW':>16}{'ZenFlowAdamW':>16}",
             f"  {'device->host per step':<30}{_gib(o['d2h_bytes_per_step']):>16}"
             f"{_gib(z['d2h_bytes_per_step']):>16}",
             f"  {'host->device per step':<30}{_gib(o['h2d_bytes_per_step']):>16}"

@@ -132,7 +132,7 @@ def bandwidth(device: torch.device, nbytes: int, repeats: int = 4) -> dict:
                 torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
             out[name] = nbytes / statistics.median(times[1:])
-        del dev, host
+        del dev, host, dst, src
     finally:
         transfers.unpin()
         arena.release()
