@@ -157,6 +157,13 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     assert main(["estimate", "--shapes", "nope"]) == 2
 
 
+def test_hf_config_without_transformers_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    from zenflow import optional_deps
+    monkeypatch.setattr(optional_deps, "is_installed", lambda m: m != "transformers")
+    assert main(["estimate", "--hf-config", str(tmp_path)]) == 2
+    assert "pip install 'transformers" in capsys.readouterr().err
+
+
 @pytest.mark.slow   # imports transformers and builds Llama-2-7B on the meta device
 @pytest.mark.skipif(not is_installed("transformers"), reason="needs transformers")
 def test_hf_config_of_llama2_7b(tmp_path, capsys):

@@ -187,7 +187,7 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         why = "none: the per-step accumulation alone takes longer than the device's step"
     else:
         min_u = max(1, math.ceil(t["adamw_s"] / (T_dev - t["accumulate_s"]) - 1e-9))
-        why = "with overlap_step=True"
+        why = "with overlap_step=True; the install, h2d/U per step, stays exposed"
     out.update({
         "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": fwd_bwd_s + t["adamw_device_s"],
         "offload_step_s": offload, "offload_stall_s": offload - fwd_bwd_s,
@@ -295,6 +295,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", default=None, help="also write the estimate as JSON")
 
 
+def required_modules(args: argparse.Namespace) -> list[str]:
+    """Optional packages this run needs, checked by `zenflow` before any work starts."""
+    return ["transformers"] if args.hf_config else []
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         measured = None
@@ -302,13 +307,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.selftest_json) as f:
                 measured = json.load(f).get("measured", {})
         if args.hf_config:
-            try:
-                shapes, dtype, how = shapes_from.hf_shapes(args.hf_config)
-            except ImportError:
-                from zenflow.optional_deps import install_hint
-                print("zenflow estimate: error: --hf-config needs transformers: "
-                      f"{install_hint(['transformers'])}", file=sys.stderr)
-                return 2
+            shapes, dtype, how = shapes_from.hf_shapes(args.hf_config)
             source = f"{args.hf_config} ({how})"
         elif args.preset:
             shapes, dtype = shapes_from.preset_shapes(args.preset)
