@@ -32,6 +32,9 @@ ASSUMED = {
                                        "memory-bound; a few server cores)"),
     "host_accumulate_params_per_s": (2.0e9, "host gradient accumulation over the worker's cores"),
     "device_adamw_params_per_s": (5.0e10, "fused AdamW on the GPU (HBM-bound, ~28 B/param)"),
+    "device_norm_bytes_per_s": (2.0e12, "gradient bytes read per second by the norm kernel "
+                                        "on the GPU (HBM)"),
+    "device_copy_bytes_per_s": (1.0e12, "bytes copied per second on the GPU (HBM)"),
     "d2h_bytes_per_s": (25e9, "device->host, page-locked (PCIe Gen4 x16)"),
     "h2d_bytes_per_s": (25e9, "host->device, page-locked (PCIe Gen4 x16)"),
     "memcpy_bytes_per_s": (5e9, "host memcpy (the CPU device's copies)"),
@@ -46,8 +49,9 @@ def _figures(measured: dict | None, target: str) -> tuple[dict, dict]:
                 (key == "h2d_bytes_per_s" and target == "cpu"):
             continue
         got = measured.get(key)
-        if key == "device_adamw_params_per_s" and target == "cpu" and got is None:
-            value = 1.0e9
+        if target == "cpu" and got is None and key.startswith("device_"):
+            value = {"device_adamw_params_per_s": 1.0e9, "device_norm_bytes_per_s": 5e9,
+                     "device_copy_bytes_per_s": 5e9}[key]
         values[key] = float(got) if got else value
         sources[key] = f"measured by selftest ({what})" if got else f"ASSUMED: {what}"
     return values, sources
@@ -126,12 +130,18 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     Bd, Bh = ((fig["memcpy_bytes_per_s"],) * 2 if cpu else
               (fig["d2h_bytes_per_s"], fig["h2d_bytes_per_s"]))
     zen_host_params = sum(share(r) * c for r, c in deferred)
+    # Gathering the selected columns reads, and scattering them back reads and writes, every
+    # 64-byte line that holds one: sparse columns cost nearly the whole matrix's traffic.
+    touched = sum(r * min(c * item, k * 64) for r, c, k in mats if k)
     off_host_params = off_d2h // item
     t = {"accumulate_s": zen_host_params / C, "adamw_s": zen_host_params / A,
          "d2h_s": zen_d2h / Bd, "h2d_s": zen_h2d_window / Bh,
          # AdamW on the selected columns and vectors, plus one read of every gradient (the global
-         # norm) at the device's memory bandwidth, as implied by its AdamW (28 B per parameter)
-         "device_update_s": (sum(r * k for r, _, k in mats) + P_vec) / G + P * item / (28 * G),
+         # norm) by the norm kernel, and the selected columns' gather and scatter (3 passes over
+         # the touched lines = 1.5 copies)
+         "device_update_s": ((sum(r * k for r, _, k in mats) + P_vec) / G +
+                             P * item / fig["device_norm_bytes_per_s"] +
+                             1.5 * touched / fig["device_copy_bytes_per_s"]),
          "offload_host_s": off_host_params / C + off_host_params / A,
          "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
     times = _step_times(t, U, overlap, cpu, fwd_bwd_s)
@@ -166,8 +176,8 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "offload": "fwd_bwd + d2h(all grads) + host accumulate + host AdamW + h2d(all weights)",
         "zenflow": ("max(T_dev, pipe, accumulate + host_adamw/U) + h2d_window/U" if overlap else
                     "max(T_dev, pipe) + (pipe + host_adamw + h2d_window)/U"),
-        "T_dev": "fwd_bwd + device update (selected columns + vectors + one gradient-norm "
-                 "pass)" + (" + d2h (memcpy)" if cpu else ""),
+        "T_dev": "fwd_bwd + device update (AdamW on selected columns and vectors, their "
+                 "gather/scatter, one gradient-norm pass)" + (" + d2h (memcpy)" if cpu else ""),
         "pipe": "accumulate" if cpu else "d2h + accumulate (one staging buffer)",
     }
     out = {"formulas": formulas}

@@ -63,7 +63,9 @@ def _throughput(ctx) -> list[Check]:
                   f"({host['host_dtype']}), {len(cores)} core(s) {cores}, "
                   f"{host['host_params'] / 1e6:.0f}M params", measured=host),
             Check("AdamW on the device", "pass",
-                  f"{dev['device_adamw_params_per_s'] / 1e9:.2f} G params/s (fused, fp32)",
+                  f"{dev['device_adamw_params_per_s'] / 1e9:.2f} G params/s (fused, fp32); copies "
+                  f"{dev['device_copy_bytes_per_s'] / 1e9:.1f} GB/s, gradient norm reads "
+                  f"{dev['device_norm_bytes_per_s'] / 1e9:.1f} GB/s",
                   measured=dev)]
 
 
@@ -146,7 +148,8 @@ def measured_figures(report: dict) -> dict:
     """The numbers `zenflow estimate --selftest-json` uses, flattened from the sections."""
     out = {"device": report["device"]}
     keep = ("host_adamw_params_per_s", "host_accumulate_params_per_s", "worker_cores",
-            "device_adamw_params_per_s", "d2h_bytes_per_s", "h2d_bytes_per_s",
+            "device_adamw_params_per_s", "device_copy_bytes_per_s", "device_norm_bytes_per_s",
+            "d2h_bytes_per_s", "h2d_bytes_per_s",
             "memcpy_bytes_per_s", "pinned", "available_host_bytes", "total_host_bytes",
             "dev_shm_free_bytes", "gpu_memory_bytes", "gpu", "cpus")
     for section in report["sections"].values():

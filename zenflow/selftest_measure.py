@@ -14,7 +14,7 @@ from zenflow.accelerator import Transfers, uses_cuda
 from zenflow.arena import Arena, available_host_bytes
 from zenflow.distributed import local_rank_share
 from zenflow.host import HostJob, HostLayout, HostState
-from zenflow.kernels import adamw_
+from zenflow.kernels import adamw_, gradient_norms
 from zenflow.worker import WorkerHostRunner, split_cores
 
 GIB = 1 << 30
@@ -89,18 +89,28 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
             "host_accumulate_params_per_s": n / max(statistics.median(acc), 1e-9)}
 
 
-def device_throughput(device: torch.device, numel: int, repeats: int = 3) -> dict:
-    """Fused AdamW on the device (fp32 state), in parameters per second."""
-    t = [torch.zeros(numel, device=device) for _ in range(4)]
+def _timed(device: torch.device, work, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):
         _sync(device)
         start = time.perf_counter()
-        adamw_([t[0]], [t[1]], [t[2]], [t[3]], i + 1, lr=1e-3, beta1=0.9, beta2=0.999,
-               eps=1e-8, weight_decay=0.01)
+        work(i)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return {"device_adamw_params_per_s": numel / max(statistics.median(times[1:]), 1e-9)}
+    return max(statistics.median(times[1:]), 1e-9)
+
+
+def device_throughput(device: torch.device, numel: int, repeats: int = 3) -> dict:
+    """Fused AdamW on the device (fp32 state), in parameters per second, and the device's own
+    copy bandwidth (bytes copied per second) and how fast the gradient-norm kernel reads."""
+    t = [torch.zeros(numel, device=device) for _ in range(4)]
+    adamw = _timed(device, lambda i: adamw_([t[0]], [t[1]], [t[2]], [t[3]], i + 1, lr=1e-3,
+                                            beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+                   repeats)
+    copy = _timed(device, lambda i: t[1].copy_(t[0]), repeats)
+    norm = _timed(device, lambda i: gradient_norms([t[0]]), repeats)
+    return {"device_adamw_params_per_s": numel / adamw, "device_copy_bytes_per_s": 4 * numel / copy,
+            "device_norm_bytes_per_s": 4 * numel / norm}
 
 
 def bandwidth(device: torch.device, nbytes: int, repeats: int = 4) -> dict:
