@@ -83,6 +83,7 @@ def test_llama2_7b_worked_example_by_hand():
     t = r["time"]
     assert t["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
     assert t["zenflow_stall_s"] == pytest.approx(zen - T_dev, rel=1e-12)
+    assert t["zenflow_blocked_s"] == pytest.approx(zen - T_dev - h2d / 4, rel=1e-9, abs=1e-12)
     offload = 1.5 + 2 * P / 25e9 + P / 8e9 + P / 4e9 + 2 * P / 25e9
     assert t["offload_step_s"] == pytest.approx(offload, rel=1e-12)
     assert t["adamw_step_s"] == pytest.approx(1.5 + P / 5e10, rel=1e-12)

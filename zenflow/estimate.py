@@ -204,6 +204,8 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "zenflow_T_dev_s": T_dev, "zenflow_step_s": zen,
         "zenflow_optimizer_s": zen - fwd_bwd_s,     # time in step(), CPU-proxy: training thread
         "zenflow_stall_s": zen - T_dev, "zenflow_stall_s_per_window": (zen - T_dev) * U,
+        # the part spent blocked on the host (what stats()["stall_s_*"] counts; no install)
+        "zenflow_blocked_s": max(0.0, zen - T_dev - t["h2d_s"] / U),
         "speedup_vs_offload": offload / zen,
         "min_update_interval_hiding_host": min_u, "min_update_interval_note": why})
     return out
@@ -269,7 +271,8 @@ def format_report(r: dict) -> str:
                 f"  ZeRO-Offload (OffloadAdamW)   {_s(tm['offload_step_s'])}   stall "
                 f"{_s(tm['offload_stall_s'])}",
                 f"  ZenFlowAdamW                  {_s(tm['zenflow_step_s'])}   stall "
-                f"{_s(tm['zenflow_stall_s'])}/step   ({tm['speedup_vs_offload']:.2f}x ZeRO-Offload)",
+                f"{_s(tm['zenflow_stall_s'])}/step, of it blocked on the host "
+                f"{_s(tm['zenflow_blocked_s'])}   ({tm['speedup_vs_offload']:.2f}x ZeRO-Offload)",
                 f"  smallest update_interval hiding the host: "
                 f"{tm['min_update_interval_hiding_host'] or '-'} "
                 f"({tm['min_update_interval_note']})"]
