@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "check-config": ("zenflow.config_check", "validate a DeepSpeed-style JSON config and print what will run"),
     "bench": ("zenflow.bench.cli", "side-by-side step-time benchmark against AdamW, ZeRO-Offload and DeepSpeed"),
     "finetune": ("zenflow.finetune.cli", "fine-tune a model on a text task with ZenFlow"),
+    "selftest": ("zenflow.selftest", "check correctness on this machine and measure host and bus speed"),
+    "estimate": ("zenflow.estimate", "memory, bus traffic and step time of AdamW, ZeRO-Offload and ZenFlow for a model"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

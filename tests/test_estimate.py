@@ -1,0 +1,188 @@
+"""`zenflow estimate`: a worked Llama-2-7B example by hand, and its memory against what the
+optimizer really allocates."""
+import json
+import math
+
+import pytest
+import torch
+
+import zenflow
+from zenflow.bench.model import GPT, GPTConfig
+from zenflow.cli import main
+from zenflow.estimate import GIB, RESERVE_BYTES, estimate
+from zenflow.estimate_shapes import llama_shapes, parse_shapes, preset_shapes
+from zenflow.optional_deps import is_installed
+
+# Llama-2-7B: hidden 4096, 32 layers, intermediate 11008, vocab 32000, 32 heads, untied head.
+LLAMA2_7B = dict(hidden=4096, layers=32, intermediate=11008, vocab=32000, heads=32)
+FIGURES = {"host_adamw_params_per_s": 4e9, "host_accumulate_params_per_s": 8e9,
+           "device_adamw_params_per_s": 5e10, "device_norm_bytes_per_s": 1e12,
+           "device_copy_bytes_per_s": 1e12,
+           "d2h_bytes_per_s": 25e9, "h2d_bytes_per_s": 25e9}
+
+
+def test_llama2_7b_worked_example_by_hand():
+    shapes = llama_shapes(**LLAMA2_7B)
+    r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
+                 update_interval=4, overlap=True, fwd_bwd_s=1.5, measured=FIGURES)
+    # Parameters: embedding and head 32000x4096 each; per layer q,k,v,o 4096x4096, gate and up
+    # 11008x4096, down 4096x11008, two 4096 norms; a final 4096 norm.
+    per_layer = 4 * 4096 * 4096 + 3 * 11008 * 4096
+    P_mat = 2 * 32000 * 4096 + 32 * per_layer              # 6,738,149,376
+    P_vec = (2 * 32 + 1) * 4096                            # 266,240
+    P = P_mat + P_vec
+    assert P == 6_738_415_616 and r["model"]["params"] == P
+    assert r["model"]["matrices"] == 2 + 32 * 7 and r["model"]["vectors"] == 65
+
+    # Per GPU, bf16: weights 2 B and gradients 2 B per parameter.
+    g = r["per_gpu"]
+    assert g["weights_bytes"] == g["grads_bytes"] == 2 * P == 13_476_831_232
+    # Device column state: k = ceil(0.1 * in) columns per matrix: 410 of 4096, 1101 of 11008;
+    # rows * k * (fp32 master, exp_avg, exp_avg_sq, gradient scratch = 16 B) + k * 8 B indices;
+    # vectors: fp32 master + two fp32 moments = 12 B per element (the weights are bf16).
+    k4096, k11008 = math.ceil(409.6), math.ceil(1100.8)
+    assert (k4096, k11008) == (410, 1101)
+    columns = (2 * 32000 * k4096 + 32 * (4 * 4096 * k4096 + 2 * 11008 * k4096 + 4096 * k11008))
+    indices = (2 + 32 * 6) * k4096 + 32 * k11008
+    zen_state = 16 * columns + 8 * indices + 12 * P_vec
+    assert g["state_bytes"]["zenflow"] == zen_state
+    assert g["state_bytes"]["adamw"] == 2 * 2 * P                 # bf16 moments
+    assert g["state_bytes"]["adamw_fp32_master"] == 12 * P
+    assert g["state_bytes"]["offload"] == 0
+    left = 80 * GIB - RESERVE_BYTES - 4 * P - zen_state
+    assert g["left_for_activations_bytes"]["zenflow"] == left
+    assert g["fits"] == {"adamw": True, "adamw_fp32_master": False, "offload": True,
+                         "zenflow": True}
+
+    # Per host, overlap on: fp32 master, exp_avg, exp_avg_sq, two gradient sums (20 B) and a bf16
+    # staging and install buffer (4 B) per matrix parameter; OffloadAdamW: one sum, every param.
+    h = r["per_host"]
+    assert h["zenflow"]["host_bytes"] == 24 * P_mat
+    assert h["zenflow"]["pinned_bytes"] == 4 * P_mat
+    assert h["offload"]["host_bytes"] == 20 * P
+    assert 0 <= h["zenflow"]["arena_bytes"] - 24 * P_mat < 7 * 4096
+
+    # Bus: every matrix has deferred columns, so whole bf16 gradients go down each step and whole
+    # weights come back once per window.
+    b = r["bus"]["zenflow"]
+    assert b["d2h_bytes_per_step"] == b["h2d_bytes_per_window"] == 2 * P_mat
+    assert r["bus"]["offload"]["d2h_bytes_per_step"] == 2 * P
+
+    # Step time, by the printed formulas.
+    acc, adam = P_mat / 8e9, P_mat / 4e9                         # 0.842 s, 1.685 s
+    d2h = h2d = 2 * P_mat / 25e9                                 # 0.539 s each
+    # AdamW on the selected columns and vectors, one read of every gradient (the norm), and the
+    # selected columns' gather and scatter: 410 of 4096 columns in bf16 touch 410 64-byte lines
+    # of each 8192-byte row (all 256 of them: min(8192, 410 * 64)); 1101 of 11008 likewise.
+    touched = 2 * (2 * 32000 * 4096 + 32 * per_layer)          # every line of every matrix
+    assert touched == 2 * P_mat
+    dev = (columns + P_vec) / 5e10 + 2 * P / 1e12 + 1.5 * touched / 1e12
+    T_dev = 1.5 + dev                                            # 1.547 s
+    assert d2h + acc < T_dev       # the per-step copy and accumulation hide behind the device
+    zen = max(T_dev, d2h + acc, acc + adam / 4) + h2d / 4
+    t = r["time"]
+    assert t["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
+    assert t["zenflow_stall_s"] == pytest.approx(zen - T_dev, rel=1e-12)
+    assert t["zenflow_blocked_s"] == pytest.approx(zen - T_dev - h2d / 4, rel=1e-9, abs=1e-12)
+    offload = 1.5 + 2 * P / 25e9 + P / 8e9 + P / 4e9 + 2 * P / 25e9
+    assert t["offload_step_s"] == pytest.approx(offload, rel=1e-12)
+    assert t["adamw_step_s"] == pytest.approx(1.5 + P / 5e10, rel=1e-12)
+    # Smallest U with accumulate + host_adamw / U <= T_dev: ceil(1.685 / (1.547 - 0.842)) = 3.
+    assert t["min_update_interval_hiding_host"] == math.ceil(adam / (T_dev - acc))
+    assert t["min_update_interval_hiding_host"] == 3
+
+
+def test_more_gpus_split_the_host_state_but_not_the_device_state():
+    shapes = llama_shapes(**LLAMA2_7B)
+    one = estimate(shapes, torch.bfloat16, gpus=1, measured=FIGURES)
+    four = estimate(shapes, torch.bfloat16, gpus=4, measured=FIGURES)
+    assert four["per_gpu"]["state_bytes"] == one["per_gpu"]["state_bytes"]
+    assert four["per_host"]["zenflow"]["host_bytes"] == one["per_host"]["zenflow"]["host_bytes"]
+    assert four["per_host"]["zenflow"]["host_bytes_rank0"] == pytest.approx(
+        one["per_host"]["zenflow"]["host_bytes"] / 4, rel=1e-3)
+    assert four["bus"]["zenflow"]["d2h_bytes_per_step"] == pytest.approx(
+        one["bus"]["zenflow"]["d2h_bytes_per_step"] / 4, rel=1e-3)
+
+
+def _small_llama():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(arch="llama", n_layer=2, n_embd=64, n_head=4, ffn=160, vocab_size=256,
+                         seq_len=8))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_memory_matches_what_the_optimizers_allocate(overlap):
+    model = _small_llama()
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    r = estimate(shapes, torch.float32, topk_ratio=0.05, overlap=overlap, target="cpu")
+    with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.05, overlap_step=overlap,
+                              worker=False) as opt:
+        stats = opt.stats()
+        layout = opt._pipeline.layout
+        pinned = sum(opt._pipeline.host.arena.region(n).nbytes for n in layout.dma_regions())
+    assert r["per_host"]["zenflow"]["host_bytes"] == pytest.approx(stats["host_bytes"], rel=0.05)
+    assert r["per_host"]["zenflow"]["host_bytes"] == stats["host_bytes"]   # in fact exact
+    assert r["per_host"]["zenflow"]["pinned_bytes"] == pinned
+    assert r["per_gpu"]["state_bytes"]["zenflow"] == stats["device_state_bytes"]
+    with zenflow.OffloadAdamW(model.parameters()) as off:
+        assert r["per_host"]["offload"]["host_bytes"] == off.stats()["host_bytes"]
+        assert r["per_gpu"]["state_bytes"]["offload"] == off.stats()["device_state_bytes"]
+
+
+def test_cpu_llama_preset_host_memory_by_hand():
+    """The bench preset itself (316M params: too big to allocate in a test): fp32 with overlap
+    is 5 fp32 buffers + fp32 staging + install = 28 B per matrix parameter."""
+    shapes, dtype = preset_shapes("cpu-llama")
+    assert dtype == torch.float32
+    r = estimate(shapes, dtype, topk_ratio=0.05, update_interval=4, overlap=True, target="cpu")
+    P_mat = sum(math.prod(s) for _, s in shapes if len(s) >= 2)
+    assert r["model"]["matrices"] == 226
+    assert r["per_host"]["zenflow"]["host_bytes"] == 28 * P_mat
+    P = GPTConfig(arch="llama", n_layer=32, n_embd=896, n_head=14, ffn=2304,
+                  vocab_size=8192).num_params()
+    assert r["model"]["params"] == P
+
+
+def test_shape_lists():
+    assert parse_shapes("4096x4096*2, 11008x4096,4096") == [
+        ("shape0[0]", (4096, 4096)), ("shape0[1]", (4096, 4096)), ("shape1", (11008, 4096)),
+        ("shape2", (4096,))]
+    for bad in ("", "4096x", "0x4", "abc"):
+        with pytest.raises(ValueError):
+            parse_shapes(bad)
+
+
+def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "e.json"
+    assert main(["estimate", "--shapes", "1024x1024*8,1024*8", "--dtype", "bf16",
+                 "--fwd-bwd-seconds", "0.05", "--gpu-memory", "24", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    for text in ("Per GPU", "Per host", "Bus per GPU", "Step time", "Assumptions", "ASSUMED"):
+        assert text in out
+    report = json.loads(path.read_text())
+    assert report["model"]["params"] == 8 * 1024 * 1024 + 8 * 1024
+    assert set(report) >= {"per_gpu", "per_host", "bus", "time", "assumptions"}
+    assert main(["estimate", "--shapes", "nope"]) == 2
+
+
+def test_hf_config_without_transformers_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    from zenflow import optional_deps
+    monkeypatch.setattr(optional_deps, "is_installed", lambda m: m != "transformers")
+    assert main(["estimate", "--hf-config", str(tmp_path)]) == 2
+    assert "pip install 'transformers" in capsys.readouterr().err
+
+
+@pytest.mark.slow   # imports transformers and builds Llama-2-7B on the meta device
+@pytest.mark.skipif(not is_installed("transformers"), reason="needs transformers")
+def test_hf_config_of_llama2_7b(tmp_path, capsys):
+    config = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+              "intermediate_size": 11008, "vocab_size": 32000, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "e.json"
+    assert main(["estimate", "--hf-config", str(path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"]["params"] == 6_738_415_616
+    assert report["model"]["dtype"] == "bfloat16"
+    assert "meta device" in report["model"]["source"]

@@ -1,0 +1,88 @@
+"""`zenflow selftest` on the CPU: it passes here, its JSON has every section, and a deliberately
+broken transfer path (copies that report done before their bytes land) makes it fail."""
+import json
+
+import pytest
+
+from zenflow.accelerator import Ticket, Transfers
+from zenflow.cli import main
+from zenflow.selftest import SECTIONS, run_selftest
+
+
+@pytest.mark.slow   # the whole selftest: ~20-30 s on two cores
+def test_selftest_passes_on_cpu_and_its_json_has_every_section(tmp_path, capsys):
+    path = tmp_path / "selftest.json"
+    assert main(["selftest", "--device", "cpu", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED on cpu" in out and "FAIL " not in out
+    report = json.loads(path.read_text())
+    assert report["passed"] is True
+    assert list(report["sections"]) == list(SECTIONS)
+    for name, section in report["sections"].items():
+        assert section["checks"], name
+        assert section["status"] in ("pass", "skip"), (name, section)
+    bandwidth = {c["name"]: c for c in report["sections"]["bandwidth"]["checks"]}
+    assert bandwidth["pinned D2H / H2D bandwidth"]["status"] == "skip"
+    assert bandwidth["pinned D2H / H2D bandwidth"]["detail"] == "n/a on CPU"
+    measured = report["measured"]
+    for key in ("host_adamw_params_per_s", "host_accumulate_params_per_s",
+                "device_adamw_params_per_s", "memcpy_bytes_per_s", "available_host_bytes"):
+        assert measured[key] > 0, key
+    worker = {c["name"]: c for c in report["sections"]["worker"]["checks"]}
+    assert worker["killed mid-work: clear error within 5 s"]["measured"]["seconds_to_error"] < 5
+    assert report["seconds"] < 60
+
+
+class _EarlyTicket(Ticket):
+    """Says the copy is done before its bytes have landed: the ordering step a transfer path
+    must not skip."""
+
+    def __init__(self, pairs):
+        super().__init__()
+        self.pairs = pairs
+
+    def done(self) -> bool:
+        return True
+
+    def land(self) -> None:
+        for dst, src in self.pairs:
+            dst.copy_(src)
+        self.pairs = []
+
+
+class BrokenCopies(Transfers):
+    """Device->host copies whose bytes land one step late (at the next copy), while their
+    tickets claim at once that they are done: the worker reads the staging buffer too early."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.pending = None
+
+    def to_host(self, pairs):
+        if self.pending is not None:
+            self.pending.land()
+        self.pending = _EarlyTicket([(dst, src.clone()) for dst, src in pairs])
+        return self.pending
+
+    def fence(self, ticket):
+        pass
+
+
+@pytest.mark.slow   # two sections of the selftest: ~5-10 s
+def test_a_broken_transfer_path_makes_the_selftest_fail():
+    report = run_selftest("cpu", transfers=BrokenCopies, sections=("correctness", "transfers"))
+    assert report["passed"] is False
+    assert report["sections"]["transfers"]["status"] == "fail"
+    assert report["sections"]["correctness"]["status"] == "fail"
+    failed = [c for c in report["sections"]["correctness"]["checks"] if c["status"] == "fail"]
+    assert any("first mismatch" in c["detail"] for c in failed)
+
+
+def test_the_unbroken_transfer_path_passes_the_same_sections():
+    report = run_selftest("cpu", sections=("transfers",))
+    assert report["passed"] is True, report["sections"]["transfers"]
+
+
+def test_unknown_section_is_refused(capsys):
+    assert main(["selftest", "--sections", "nope"]) == 2
+    assert "unknown" in capsys.readouterr().err
