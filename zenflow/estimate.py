@@ -57,13 +57,15 @@ def _figures(measured: dict | None, target: str) -> tuple[dict, dict]:
     return values, sources
 
 
-def _host(entries, gpus: int, sum_slots: int) -> dict:
-    """Host memory of every rank on the host, from the optimizer's own HostLayout."""
+def _host(entries, gpus: int, sum_slots: int, staging_slots: int) -> dict:
+    """Host memory of every rank on the host, from the optimizer's own HostLayout (two staging
+    buffers where copies outlive the step, as on CUDA: zenflow/pipeline.py)."""
     total = arena = pinned = first = 0
     for rank in range(gpus):
         part = Partition(rank=rank, world_size=gpus)
         layout = HostLayout.build([(len(range(rows)[part.rows(rows)]), cols, dtype)
-                                   for rows, cols, dtype in entries], sum_slots)
+                                   for rows, cols, dtype in entries], sum_slots,
+                                  staging_slots=staging_slots)
         regions, size = plan(layout.regions())
         dma = set(layout.dma_regions())
         nbytes = sum(r.nbytes for r in regions)
@@ -107,8 +109,10 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                "reserve_bytes": RESERVE_BYTES, "gpu_memory_bytes": gpu_memory_bytes,
                "left_for_activations_bytes": left, "fits": {k: v > 0 for k, v in left.items()}}
     # -- per host: every matrix has host state whatever topk_ratio is; OffloadAdamW adds vectors
-    zen_host = _host([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1)
-    off_host = _host([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs], world, 1)
+    staging = 2 if target == "cuda" else 1
+    zen_host = _host([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1, staging)
+    off_host = _host([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs], world, 1,
+                     staging)
     avail = (measured or {}).get("available_host_bytes") or available_host_bytes()
     per_host = {"zenflow": zen_host, "offload": off_host, "available_host_bytes": avail,
                 "fits": {"zenflow": zen_host["arena_bytes"] <= avail,
