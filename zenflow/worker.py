@@ -86,13 +86,21 @@ def split_cores(reserved_perc: float, cpus: list[int] | None = None) -> tuple[li
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` still runs. A zombie (dead, not yet reaped by the fork server) is dead: its
+    end of our socket may not read as closed yet, and commands sent to it would be lost."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:   # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
 
 
 # ---------------------------------------------------------------------------- the worker process
@@ -289,6 +297,8 @@ class WorkerHostRunner:
             raise RuntimeError("ZenFlow host worker: used after close()")
         while self._receive(0.0):
             pass
+        if not _alive(self.pid):   # its socket may not have reached end-of-file yet
+            self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
 
     # -- the runner interface
     def send(self, command: tuple) -> int:
