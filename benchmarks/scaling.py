@@ -1,16 +1,18 @@
-"""Data parallel ZenFlow: what crosses the network for selection, and host memory per rank.
+"""Data parallel ZenFlow: what each rank moves to its host, what crosses the network, host memory.
 
-Trains the bench GPT for a few steps on 1 rank and on 2 ranks (gloo on 127.0.0.1 here; on a
-multi-GPU machine the same script runs NCCL with --backend nccl) and reports, from the
+Trains the bench GPT for a few steps on 1, 2 and 4 ranks (gloo on 127.0.0.1 here; on a
+multi-GPU machine the same script runs NCCL with --backend nccl) and reports, per rank, from the
 optimizer's own counters:
 
+  - gradient bytes copied device->host per step (each rank copies only the rows it owns) and
+    weight bytes copied host->device per window;
   - bytes each rank sent per collective purpose (column-norm exchange, installing host rows,
-    window decisions) per step;
+    window decisions), per step and per window;
   - the column-norm exchange of one selection against an all-gather of the gradients, which is
     what choosing the same top-k columns on every rank would cost without the norm proxy;
-  - host memory per rank (master, moments and gradient sums) for 1 and 2 ranks.
+  - host memory per rank (master, moments and gradient sums, staging and install buffers).
 
-    python benchmarks/scaling.py [--n-layer 4 --n-embd 768 --steps 12]
+    python benchmarks/scaling.py [--n-layer 4 --n-embd 768 --steps 12 --ranks 1 2 4]
 
 Writes benchmarks/results/scaling.json and scaling.png.
 """
@@ -39,15 +41,18 @@ def train(args, rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                     vocab_size=args.vocab_size, seq_len=32)
-    model = GPT(cfg)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" \
+        else torch.device("cpu")
+    model = GPT(cfg).to(device)
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     stream = TokenStream(cfg.vocab_size, cfg.seq_len, batch_size=2, seed=rank)
     opt = zenflow.ZenFlowAdamW(model.parameters(), lr=3e-4, topk_ratio=0.1, update_interval=4,
                                select_strategy="step", select_interval=4, overlap_step=True,
                                worker=False)
     for t in range(args.steps):
-        x, y = stream.batch(t)
+        x, y = (b.to(device) for b in stream.batch(t))
         loss = torch.nn.functional.cross_entropy(model(x).view(-1, cfg.vocab_size), y.view(-1))
         opt.zero_grad()
         loss.backward()
@@ -60,29 +65,54 @@ def train(args, rank: int, world: int) -> dict:
     stats = opt.stats()
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     opt.close()
-    return {"host_bytes": stats["host_bytes"], "steps": stats["steps"],
-            "selections": stats["reselections"] + 1,
+    return {"rank": rank, "world_size": world,
+            "backend": dist.get_backend() if world > 1 else None,
+            "host_bytes": stats["host_bytes"], "steps": stats["steps"],
+            "windows": stats["windows"], "selections": stats["reselections"] + 1,
             "collective_bytes_sent": stats["collective_bytes_sent"],
+            "d2h_bytes_total": stats["d2h_bytes_total"], "h2d_bytes_total": stats["h2d_bytes_total"],
+            "d2h_bytes_per_step": stats["d2h_bytes_per_step"],
+            "h2d_bytes_per_window": stats["h2d_bytes_total"] / max(1, stats["windows"]),
             "num_params": sum(p.numel() for p in model.parameters()),
             "matrix_elements": sum(p.numel() for p in matrices),
             "matrix_columns": sum(p.numel() // p.shape[0] for p in matrices)}
 
 
 def _rank(rank, world, port, args, out_dir):
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))
+                            world_size=world, timeout=timedelta(seconds=600))
     result = train(args, rank, world)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def run_two_ranks(args) -> list[dict]:
+def run_ranks(args, world: int) -> list[dict]:
+    if world == 1:
+        return [train(args, rank=0, world=1)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank, args=(2, port, args, out_dir), nprocs=2, join=True)
-        return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(2)]
+        mp.spawn(_rank, args=(world, port, args, out_dir), nprocs=world, join=True)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(world)]
+
+
+def summarize(ranks: list[dict]) -> dict:
+    """Per-rank numbers of one world size (rank 0's collectives; every rank sends as much)."""
+    r0 = ranks[0]
+    sent = r0["collective_bytes_sent"]
+    return {
+        "world_size": r0["world_size"],
+        "host_bytes_per_rank": [r["host_bytes"] for r in ranks],
+        "d2h_bytes_per_step_per_rank": [r["d2h_bytes_per_step"] for r in ranks],
+        "h2d_bytes_per_window_per_rank": [r["h2d_bytes_per_window"] for r in ranks],
+        "collective_bytes_per_step": {k: v / r0["steps"] for k, v in sent.items()},
+        "collective_bytes_per_window": {k: v / max(1, r0["windows"]) for k, v in sent.items()},
+        "collective_bytes_per_step_total": sum(sent.values()) / r0["steps"],
+        "windows": r0["windows"], "steps": r0["steps"], "selections": r0["selections"],
+    }
 
 
 def plot(result, path):
@@ -90,19 +120,21 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    mem = [result["one_rank"]["host_bytes"] / 2**20,
-           result["two_ranks"][0]["host_bytes"] / 2**20,
-           result["two_ranks"][1]["host_bytes"] / 2**20]
-    a.bar(["1 rank", "2 ranks: rank 0", "2 ranks: rank 1"], mem, color=["C0", "C1", "C1"])
-    a.set_ylabel("host memory per rank (MiB)")
+    runs = result["runs"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    labels = [f"{r['world_size']} rank{'s' if r['world_size'] > 1 else ''}" for r in runs]
+    a.bar(labels, [max(r["host_bytes_per_rank"]) / 2**20 for r in runs], color="C0")
+    a.set_ylabel("host memory per rank (MiB, largest rank)")
     a.set_title("host state is partitioned")
+    b.bar(labels, [max(r["d2h_bytes_per_step_per_rank"]) / 2**20 for r in runs], color="C1")
+    b.set_ylabel("gradient MiB per step to the host, per rank")
+    b.set_title("each rank copies only its rows")
     sel = result["selection"]
-    b.bar(["column-norm exchange", "all-gather of gradients"],
+    c.bar(["column-norm exchange", "all-gather of gradients"],
           [sel["norm_exchange_bytes"], sel["gradient_allgather_bytes"]], color=["C2", "C3"])
-    b.set_yscale("log")
-    b.set_ylabel("bytes each rank sends per selection")
-    b.set_title(f"selection traffic: {sel['ratio']:.0f}x less")
+    c.set_yscale("log")
+    c.set_ylabel("bytes each rank sends per selection")
+    c.set_title(f"selection traffic: {sel['ratio']:.0f}x less")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -114,36 +146,49 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=12)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scaling"))
     args = parser.parse_args()
 
-    one = train(args, rank=0, world=1)
-    two = run_two_ranks(args)
-    sent = two[0]["collective_bytes_sent"]
-    norm_bytes = sent.get("exchanging column norms", 0) / two[0]["selections"]
-    grad_bytes = two[0]["matrix_elements"] * 4  # each rank's fp32 matrix gradients
+    per_world = {w: run_ranks(args, w) for w in args.ranks}
+    runs = [summarize(per_world[w]) for w in args.ranks]
+    one = per_world[min(args.ranks)][0]
+    multi = [w for w in args.ranks if w > 1]
+    r0 = per_world[multi[0]][0] if multi else one
+    norm_bytes = r0["collective_bytes_sent"].get("exchanging column norms", 0) / r0["selections"]
+    grad_bytes = r0["matrix_elements"] * 4  # each rank's fp32 matrix gradients
+    base = runs[0]
     result = {
-        "machine": machine_info("cpu"), "settings": vars(args), "num_params": one["num_params"],
-        "one_rank": one, "two_ranks": two,
-        "per_step_bytes_sent_rank0": {k: v / two[0]["steps"] for k, v in sent.items()},
+        "machine": machine_info("cuda" if args.backend == "nccl" else "cpu"),
+        "settings": vars(args), "num_params": one["num_params"],
+        "runs": runs, "raw": {str(w): per_world[w] for w in args.ranks},
         "selection": {"norm_exchange_bytes": norm_bytes, "gradient_allgather_bytes": grad_bytes,
                       "ratio": grad_bytes / norm_bytes if norm_bytes else None,
-                      "columns": two[0]["matrix_columns"]},
-        "host_bytes_ratio_two_to_one": two[0]["host_bytes"] / one["host_bytes"],
+                      "columns": one["matrix_columns"]},
+        "shrink_vs_first": {str(r["world_size"]): {
+            "host_bytes": max(r["host_bytes_per_rank"]) / max(base["host_bytes_per_rank"]),
+            "d2h_bytes_per_step": max(r["d2h_bytes_per_step_per_rank"]) /
+            max(base["d2h_bytes_per_step_per_rank"])} for r in runs},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
-    print(f"model: {one['num_params'] / 1e6:.1f}M parameters")
-    print(f"host memory per rank: 1 rank {one['host_bytes'] / 2**20:.0f} MiB, 2 ranks "
-          f"{two[0]['host_bytes'] / 2**20:.0f} + {two[1]['host_bytes'] / 2**20:.0f} MiB "
-          f"({result['host_bytes_ratio_two_to_one']:.2f}x of 1 rank each)")
-    print(f"selection: {norm_bytes / 1e3:.1f} kB of column norms per rank instead of "
-          f"{grad_bytes / 1e6:.1f} MB of gradients ({result['selection']['ratio']:.0f}x less)")
-    for what, per_step in result["per_step_bytes_sent_rank0"].items():
-        print(f"  rank 0 sends {per_step / 1e6:8.3f} MB/step for {what}")
+    print(f"model: {one['num_params'] / 1e6:.1f}M parameters, backend {args.backend}")
+    for r in runs:
+        w = r["world_size"]
+        print(f"{w} rank(s): host memory per rank {max(r['host_bytes_per_rank']) / 2**20:7.1f} MiB"
+              f" ({result['shrink_vs_first'][str(w)]['host_bytes']:.2f}x), to host per step per "
+              f"rank {max(r['d2h_bytes_per_step_per_rank']) / 2**20:6.2f} MiB "
+              f"({result['shrink_vs_first'][str(w)]['d2h_bytes_per_step']:.2f}x), to device per "
+              f"window {max(r['h2d_bytes_per_window_per_rank']) / 2**20:6.2f} MiB")
+        for what, per_step in r["collective_bytes_per_step"].items():
+            print(f"    sends {per_step / 1e6:8.3f} MB/step, "
+                  f"{r['collective_bytes_per_window'][what] / 1e6:8.3f} MB/window for {what}")
+    if norm_bytes:
+        print(f"selection: {norm_bytes / 1e3:.1f} kB of column norms per rank instead of "
+              f"{grad_bytes / 1e6:.1f} MB of gradients ({result['selection']['ratio']:.0f}x less)")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 

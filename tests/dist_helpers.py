@@ -1,4 +1,4 @@
-"""Code that runs inside the 2-process tests of tests/test_distributed.py (spawned ranks)."""
+"""Code that runs inside the multi-process tests (spawned ranks, gloo on 127.0.0.1)."""
 import os
 import traceback
 from datetime import timedelta
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import zenflow
 from conftest import make_mlp
 
-GLOBAL_BATCH = 16
+GLOBAL_BATCH = 12   # splits evenly over 1, 2, 3 and 4 ranks
 
 
 def batch(step: int):
@@ -22,14 +22,14 @@ def optimizer_kwargs(overlap: bool) -> dict:
                 select_strategy="step", select_interval=4, max_grad_norm=5.0)
 
 
-def engine_config(overlap: bool) -> dict:
+def engine_config(overlap: bool, world: int = 2, update_interval=3) -> dict:
     kw = optimizer_kwargs(overlap)
-    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2,
+    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
             "gradient_clipping": kw["max_grad_norm"],
             "optimizer": {"type": "AdamW", "params": {"lr": kw["lr"], "weight_decay": 0.01}},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                   "zenflow": {"topk_ratio": kw["topk_ratio"],
-                                              "update_interval": kw["update_interval"],
+                                              "update_interval": update_interval,
                                               "select_strategy": "step", "select_interval": 4,
                                               "overlap_step": overlap}}}
 
@@ -44,74 +44,136 @@ def single_process_run(steps: int, overlap: bool) -> dict:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    host_bytes = opt.stats()["host_bytes"]
+    stats = opt.stats()
     opt.close()
     return {"weights": {k: v.clone() for k, v in model.state_dict().items()},
-            "host_bytes": host_bytes}
+            "host_bytes": stats["host_bytes"], "d2h_bytes": stats["d2h_bytes_total"],
+            "reselections": stats["reselections"]}
 
 
-def _my_half(t: int, rank: int):
+def my_share(t: int, rank: int, world: int):
     x, y = batch(t)
-    half = GLOBAL_BATCH // 2
-    return x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]
+    n = GLOBAL_BATCH // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
 def _train_engine(engine, steps, start=0):
     for t in range(start, steps):
-        x, y = _my_half(t, dist.get_rank())
+        x, y = my_share(t, dist.get_rank(), dist.get_world_size())
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
 
 
+def _weights(module) -> dict:
+    return {k.removeprefix("module."): v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _ddp(rank, world, overlap, steps, worker, result):
+    model = torch.nn.parallel.DistributedDataParallel(make_mlp())
+    opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=worker,
+                               **optimizer_kwargs(overlap))
+    for t in range(steps):
+        x, y = my_share(t, rank, world)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    state = opt.state_dict()
+    stats = opt.stats()
+    result["host_rows"] = [s["host"]["master"].shape[0] for s in state["state"].values()
+                           if s["kind"] == "host"]
+    result["host_bytes"] = stats["host_bytes"]
+    result["d2h_bytes"] = stats["d2h_bytes_total"]
+    result["reselections"] = stats["reselections"]
+    result["collective_bytes_sent"] = stats["collective_bytes_sent"]
+    result["weights"] = _weights(model)
+    opt.close()
+
+
+def _checked(rank, world, overlap, steps, out_dir, options, result):
+    """The engine under intercepted collectives with a declared backend (collective_check.py):
+    selection, reselection with handoff, windows, installs, a checkpoint and a resume."""
+    import zenflow.distributed as zd
+    from collective_check import CheckedDist, HostTaint
+    taint = HostTaint()
+    checked = CheckedDist(dist, options["backend"], torch.device("cpu"), taint)
+    zd.dist = checked
+    config = engine_config(overlap, world, options.get("update_interval", 3))
+    ckpt = os.path.join(out_dir, "ckpt")
+    engine, *_ = zenflow.initialize(model=make_mlp(), config=config)
+    taint.add_arena(engine.optimizer)
+    with taint:
+        _train_engine(engine, steps // 2)
+        engine.save_checkpoint(ckpt)
+        engine.close()
+        engine, *_ = zenflow.initialize(model=make_mlp(), config=config)
+        taint.ranges = []   # the closed engine's arena is unmapped; the new one replaces it
+        taint.add_arena(engine.optimizer)
+        engine.load_checkpoint(ckpt)
+        _train_engine(engine, steps, start=steps // 2)
+        opt = engine.optimizer
+        result["purposes"] = sorted(opt.stats()["collective_bytes_sent"])
+        result["windows"] = opt.num_windows
+        result["reselections"] = opt.num_reselections
+        result["weights"] = _weights(engine.module)
+        result["violations"] = list(checked.violations)
+        result["calls"] = dict(checked.calls)
+        # Probes: what the code did before (a host copy for the norms; a host buffer gathered)
+        # must be caught, or the check proves nothing.
+        part = opt._partition
+        part.sum_(torch.ones(4, device=part.device).cpu(), "probe: norms copied to the host")
+        part.gather_rows(opt._pipeline.host.fp32("master", 0), 24, "probe: host rows")
+        result["probe_violations"] = checked.violations[len(result["violations"]):]
+    engine.close()
+
+
 def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_dir: str,
-              steps: int, worker: bool):
+              steps: int, worker: bool, options: dict | None = None):
+    options = options or {}
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    if mode == "torchrun":   # as torchrun launches a script that never calls init_process_group
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
     result = {}
     try:
         if mode == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(make_mlp())
-            opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=worker,
-                                       **optimizer_kwargs(overlap))
-            for t in range(steps):
-                x, y = _my_half(t, rank)
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
-            state = opt.state_dict()
-            result["host_rows"] = [s["host"]["master"].shape[0] for s in state["state"].values()
-                                   if s["kind"] == "host"]
-            result["host_bytes"] = opt.stats()["host_bytes"]
-            result["weights"] = {k.removeprefix("module."): v.clone()
-                                 for k, v in model.state_dict().items()}
-            opt.close()
-        elif mode == "engine_resume":
-            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap))
+            _ddp(rank, world, overlap, steps, worker, result)
+        elif mode == "checked":
+            _checked(rank, world, overlap, steps, out_dir, options, result)
+        elif mode == "torchrun":
+            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap, world))
+            result["backend"] = dist.get_backend()
+            _train_engine(engine, steps)
+            result["weights"] = _weights(engine.module)
+            engine.close()
+        elif mode == "engine_resume":   # straight through, then saved halfway and resumed
+            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap, world))
+            _train_engine(engine, steps)
+            result["straight"] = _weights(engine.module)
+            engine.close()
+            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap, world))
             _train_engine(engine, steps // 2)
             engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
             engine.close()
-            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap))
+            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap, world))
             engine.load_checkpoint(os.path.join(out_dir, "ckpt"))
             _train_engine(engine, steps, start=steps // 2)
-            result["weights"] = {k: v.clone() for k, v in engine.module.state_dict().items()}
-            engine.close()
-        elif mode == "engine":
-            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap))
-            _train_engine(engine, steps)
-            result["weights"] = {k: v.clone() for k, v in engine.module.state_dict().items()}
+            result["weights"] = _weights(engine.module)
             engine.close()
         elif mode == "rank_dies":
-            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap))
+            engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap, world))
             for t in range(steps):
                 if rank == 1 and t == 3:
                     os._exit(17)  # dies without a word, mid-training
-                x, y = _my_half(t, rank)
+                x, y = my_share(t, rank, world)
                 engine.backward(torch.nn.functional.mse_loss(engine(x), y))
                 engine.step()
     except Exception as exc:  # reported to the test, which decides what is expected
         result["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    if "error" not in result:
+    if "error" not in result and dist.is_initialized():
         dist.destroy_process_group()

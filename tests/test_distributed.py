@@ -1,4 +1,5 @@
-"""Data parallel ZenFlow with 2 processes on gloo (127.0.0.1), spawned by the tests."""
+"""Data parallel ZenFlow with 2 and 3 processes on gloo (127.0.0.1), spawned by the tests: the
+bare optimizer under DDP. The engine (checkpoints, torchrun) is in test_dist_engine.py."""
 import socket
 import time
 
@@ -7,10 +8,13 @@ import torch
 import torch.multiprocessing as mp
 
 import zenflow
+from conftest import make_mlp
 from dist_helpers import rank_main, single_process_run
 
 pytestmark = pytest.mark.slow
 STEPS = 20
+ROWS = [24, 24, 5]   # rows of the MLP's matrices
+COLS = [12, 24, 24]
 
 
 def free_port() -> int:
@@ -19,9 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=240):
-    ctx = mp.spawn(rank_main, args=(2, free_port(), mode, overlap, str(tmp_path), steps, worker),
-                   nprocs=2, join=False)
+def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=120, world=2,
+              options=None):
+    ctx = mp.spawn(rank_main, args=(world, free_port(), mode, overlap, str(tmp_path), steps,
+                                    worker, options), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     for p in ctx.processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -30,7 +35,7 @@ def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=
         p.kill()
     assert not alive, f"ranks still running after {timeout}s: a hang"
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-            if (tmp_path / f"rank{r}.pt").exists() else None for r in range(2)]
+            if (tmp_path / f"rank{r}.pt").exists() else None for r in range(world)]
 
 
 def assert_same(a, b, exact):
@@ -42,36 +47,50 @@ def assert_same(a, b, exact):
                                        msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_ddp_matches_single_process_and_partitions_host_state(tmp_path, overlap):
-    ranks = run_ranks(tmp_path, "ddp", overlap=overlap, worker=overlap)
+def assert_ok(ranks):
     for r in ranks:
-        assert "error" not in r, r.get("error")
-    assert_same(ranks[0]["weights"], ranks[1]["weights"], exact=True)
+        assert r is not None and "error" not in r, r and r.get("error")
+
+
+def rows_of(rank, world):
+    """The rows each rank's host holds of each matrix: ceil(rows / world), the last rank less."""
+    out = []
+    for n in ROWS:
+        per = -(-n // world)
+        out.append(max(0, min(n, (rank + 1) * per) - min(n, rank * per)))
+    return out
+
+
+@pytest.mark.parametrize("world,overlap", [(2, False), (2, True), (3, False), (3, True)])
+def test_ddp_matches_single_process_and_partitions_host_state(tmp_path, world, overlap):
+    ranks = run_ranks(tmp_path, "ddp", overlap=overlap, worker=overlap, world=world)
+    assert_ok(ranks)
+    for r in ranks[1:]:
+        assert_same(ranks[0]["weights"], r["weights"], exact=True)
     single = single_process_run(STEPS, overlap)
     assert_same(ranks[0]["weights"], single["weights"], exact=False)
-    # MLP matrices have 24, 24 and 5 rows: each rank holds ceil(rows / 2) of them
-    assert ranks[0]["host_rows"] == [12, 12, 3] and ranks[1]["host_rows"] == [12, 12, 2]
-    assert ranks[0]["host_bytes"] + ranks[1]["host_bytes"] == single["host_bytes"]
+    assert single["reselections"] > 0 and all(r["reselections"] == single["reselections"]
+                                              for r in ranks)
+    # Each rank's host holds only its rows, and copies only those rows to the host.
+    assert [r["host_rows"] for r in ranks] == [rows_of(k, world) for k in range(world)]
+    assert sum(r["host_bytes"] for r in ranks) == single["host_bytes"]
+    assert sum(r["d2h_bytes"] for r in ranks) == single["d2h_bytes"]
+    total = sum(n * c for n, c in zip(ROWS, COLS))
+    for k, r in enumerate(ranks):
+        own = sum(n * c for n, c in zip(rows_of(k, world), COLS))
+        assert r["d2h_bytes"] * total == single["d2h_bytes"] * own   # exactly its rows' share
+        # what crossed the network: column norms, installs; never a gradient on the host side
+        assert set(r["collective_bytes_sent"]) >= {"exchanging column norms",
+                                                   "installing host-updated rows"}
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_averages_gradients_and_resumes_on_two_ranks(tmp_path, overlap):
-    straight = run_ranks(tmp_path, "engine", overlap=overlap)
-    resumed = run_ranks(tmp_path, "engine_resume", overlap=overlap)
-    for r in straight + resumed:
-        assert "error" not in r, r.get("error")
-    assert_same(straight[0]["weights"], straight[1]["weights"], exact=True)
-    assert_same(straight[0]["weights"], single_process_run(STEPS, overlap)["weights"],
-                exact=False)
-    assert_same(straight[0]["weights"], resumed[0]["weights"], exact=True)
-    assert_same(resumed[0]["weights"], resumed[1]["weights"], exact=True)
-    # a 2-rank checkpoint does not load into a single process
-    engine, *_ = zenflow.initialize(model=torch.nn.Linear(12, 5),
-                                    config={"train_batch_size": 8,
-                                            "optimizer": {"type": "AdamW"}})
-    with pytest.raises(ValueError, match="written by 2 rank"):
-        engine.load_checkpoint(tmp_path / "ckpt")
+def test_the_bare_optimizer_refuses_to_train_alone_when_launched_with_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but torch.distributed is not "
+                                           "initialized, so this rank would train alone"):
+        zenflow.ZenFlowAdamW(make_mlp().parameters(), worker=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    zenflow.ZenFlowAdamW(make_mlp().parameters(), worker=False).close()
 
 
 def test_a_rank_that_dies_fails_the_others_without_a_hang(tmp_path):

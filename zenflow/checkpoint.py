@@ -220,8 +220,17 @@ def _write_latest(save_dir: Path, tag: str) -> None:
     _fsync_dir(save_dir)
 
 
+def save_file(path: Path, obj: Any) -> dict:
+    """Write one checkpoint file outside write_checkpoint (another rank's share, say); returns
+    its manifest entry, for write_checkpoint's `prewritten`."""
+    _check_file_name(path.name)
+    _save_object(path, obj)
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, Any],
-                     meta: Optional[dict] = None, *, update_latest: bool = True) -> Path:
+                     meta: Optional[dict] = None, *, update_latest: bool = True,
+                     prewritten: Optional[dict[str, tuple[Path, dict]]] = None) -> Path:
     """Save each object with torch.save as `<name>` inside `<save_dir>/<tag>/`, atomically.
 
     Holding the tag's lock: the files go into `.<tag>.tmp-*` (each checked to be weights-only
@@ -230,9 +239,13 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
     takes its name, `latest` is replaced, and the old one is deleted. An interruption at any
     point is undone or finished at once (or, after a crash, by the next save or load), so
     `<tag>`, and the tag that `latest` names, is always a complete checkpoint.
+
+    `prewritten` maps more file names to (a file on the same file system, its save_file entry):
+    they are moved in unread (data parallel: each rank wrote its own share).
     """
     tag = check_tag(tag)
-    for name in objects:
+    prewritten = prewritten or {}
+    for name in (*objects, *prewritten):
         _check_file_name(name)
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
@@ -247,6 +260,12 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
             for name, obj in objects.items():
                 _save_object(tmp / name, obj)
                 files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            for name, (src, entry) in prewritten.items():
+                if not Path(src).is_file() or Path(src).stat().st_size != entry["size"]:
+                    raise CheckpointError(f"{str(src)!r}, written by another rank, is missing or "
+                                          "incomplete here: ranks must share the save directory")
+                os.rename(src, tmp / name)
+                files[name] = dict(entry)
             manifest = {"format": FORMAT, "tag": tag, "files": files, "meta": meta or {}}
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)

@@ -3,12 +3,34 @@
 Every rank holds the same (averaged) gradients, so the device side, which updates the selected
 columns and the vectors, computes the same result everywhere with no communication. The host
 side is partitioned ZeRO-2 style: each rank's host (and worker) holds the master values, moments
-and gradient sums of only its share of each matrix's *rows*. The host AdamW is element-wise, so
-rows are as good a unit of ownership as columns, and a row range of a row-major matrix is one
-contiguous block (no gathers). After a host update, the ranks all-gather the updated rows.
+and gradient sums of only its share of each matrix's *rows*, and copies only those rows of each
+gradient to the host. The host AdamW is element-wise, so rows are as good a unit of ownership as
+columns, and a row range of a row-major matrix is one contiguous block (no gathers).
 
 Selection needs the column norms of the whole matrix. Each rank computes them over its own rows
 and the ranks sum the squares: one number per column crosses the network, never a gradient.
+
+Where a collective's tensors live follows the group's backend (`Partition.device`):
+
+- NCCL (and any backend other than gloo/mpi): on the rank's device, the optimizer's. Per call:
+  the column-norm exchange and the window-end flag are computed and reduced on the device (no
+  copy to the host; the flag is read back with one .item(), a decision the host needs anyway);
+  an install copies only this rank's updated rows from its own install buffer to the device
+  (one H2D copy of 1/N of the matrix, on the transfer stream) and the ranks all-gather them on the
+  device, straight into the parameter when the rows split evenly: no rank's host memory ever
+  holds another rank's rows, and nothing goes back through pageable memory. Columns moving to
+  the device at a reselection are gathered the same way (this rank's rows of the k columns go to
+  the device first, `from_host`). Gradient averaging in the engine is an all-reduce on the device.
+- gloo (and mpi): on the CPU. Norms and flags are tiny, so a device->host copy costs nothing that
+  matters; installs gather every rank's rows in host memory and copy the whole matrix to the
+  device, which is the cheap path when the device is the CPU (tests, CPU training) and the only
+  one gloo offers. With gloo on GPUs every window moves the whole model through host memory:
+  use NCCL there.
+
+Collectives always receive tensors on `Partition.device`; callers make host data cross to the
+device explicitly (`from_host`), so a CPU run under a group that says "nccl" exercises the code
+a GPU run does (tests/test_dist_backends.py checks every collective's tensors that way). The
+module-level `dist` is the one handle on torch.distributed, so a test can intercept it.
 
 A collective that fails (a rank died, the network broke) raises a RuntimeError that says so;
 the process group's timeout bounds how long a lost peer can make the others wait.
@@ -23,24 +45,62 @@ import torch
 import torch.distributed as dist
 
 
+HOST_BACKENDS = ("gloo", "mpi")   # backends whose collectives take CPU tensors
+_CPU = torch.device("cpu")
+
+
+def environment_without_group(owner: str, process_group=None) -> None:
+    """Raise if a launcher announced several ranks ($WORLD_SIZE > 1) but no process group exists:
+    each rank would train alone, the replicas would diverge silently."""
+    if process_group is not None or (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or "1")
+    except ValueError:
+        return
+    if world > 1:
+        raise RuntimeError(
+            f"{owner}: WORLD_SIZE={world} but torch.distributed is not initialized, so this rank "
+            "would train alone and the replicas would diverge; call "
+            "torch.distributed.init_process_group() (or zenflow.init_distributed()) before "
+            "building the optimizer, or use zenflow.initialize, which does it")
+
+
 @dataclass
 class Partition:
-    """This rank's place in the process group (a single process is rank 0 of 1), and the bytes
-    its collectives have sent, by purpose."""
+    """This rank's place in the process group (a single process is rank 0 of 1), the device its
+    collectives take tensors on, and the bytes they have sent, by purpose."""
     rank: int = 0
     world_size: int = 1
     group: object = None
     bytes_sent: dict = field(default_factory=dict)
+    backend: str | None = None
+    device: torch.device = _CPU   # where tensors handed to this group's collectives live
 
     @classmethod
-    def from_group(cls, group=None) -> "Partition":
+    def from_group(cls, group=None, device: torch.device | str | None = None) -> "Partition":
+        """`device`: the rank's device (the optimizer's); collectives of a device backend (NCCL)
+        use it (default: the current CUDA device, which init_distributed set from LOCAL_RANK),
+        those of gloo/mpi the CPU."""
         if not (dist.is_available() and dist.is_initialized()):
             return cls()
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        backend = str(dist.get_backend(group)).lower()
+        if backend in HOST_BACKENDS:
+            device = _CPU
+        elif device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else _CPU)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group, backend=backend,
+                   device=torch.device(device))
 
     @property
     def active(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def on_device(self) -> bool:
+        """Whether collectives run on the rank's device (NCCL) rather than on the CPU (gloo)."""
+        return self.backend is not None and self.backend not in HOST_BACKENDS
 
     def rows(self, num_rows: int) -> slice:
         """This rank's rows of a matrix with `num_rows` rows: equal contiguous blocks."""
@@ -50,6 +110,13 @@ class Partition:
 
     def rows_per_rank(self, num_rows: int) -> int:
         return math.ceil(num_rows / self.world_size)
+
+    def from_host(self, host: torch.Tensor) -> torch.Tensor:
+        """Host data a collective will send, on `self.device`: the tensor itself for gloo, a copy
+        on the device for NCCL (always a copy, so CPU runs take the GPU's path)."""
+        if not self.on_device:
+            return host
+        return torch.empty(host.shape, dtype=host.dtype, device=self.device).copy_(host)
 
     # -- collectives --------------------------------------------------------------------------
     def _count(self, what: str, tensor: torch.Tensor) -> None:
@@ -66,46 +133,79 @@ class Partition:
                 "stepping in lockstep") from exc
 
     def sum_(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        """All-reduce (sum) in place; a no-op on one rank."""
+        """All-reduce (sum) in place; a no-op on one rank. A tensor that is not on the group's
+        device (a CUDA tensor under gloo) goes through a copy there and back."""
         if self.active:
-            self._count(what, tensor)
-            self._run(what, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.group)
+            buf = tensor if tensor.device == self.device else tensor.to(self.device)
+            self._count(what, buf)
+            self._run(what, dist.all_reduce, buf, op=dist.ReduceOp.SUM, group=self.group)
+            if buf is not tensor:
+                tensor.copy_(buf)
         return tensor
 
     def any(self, flag: bool, what: str) -> bool:
         """True on every rank if it is true on any rank (decisions all ranks must share)."""
         if not self.active:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         self._count(what, t)
         self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
     def gather_objects(self, obj, what: str) -> list:
-        """Every rank's picklable `obj`, in rank order."""
+        """Every rank's picklable `obj`, in rank order (small metadata only)."""
         if not self.active:
             return [obj]
         out = [None] * self.world_size
         self._run(what, dist.all_gather_object, out, obj, group=self.group)
         return out
 
+    def broadcast_object(self, obj, what: str, src: int = 0):
+        """Rank `src`'s picklable `obj` on every rank (small metadata only)."""
+        if not self.active:
+            return obj
+        box = [obj if self.rank == src else None]
+        self._run(what, dist.broadcast_object_list, box, src=src, group=self.group)
+        return box[0]
+
     def barrier(self, what: str) -> None:
         if self.active:
             self._run(what, dist.barrier, group=self.group)
 
+    def _all_gather(self, what: str, out: torch.Tensor, own: torch.Tensor) -> None:
+        self._count(what, own)
+        # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._run(what, all_gather, out, own, group=self.group)
+
     def gather_rows(self, own_rows: torch.Tensor, num_rows: int, what: str) -> torch.Tensor:
-        """Every rank's row block of a [num_rows, n] matrix, concatenated: [num_rows, n]."""
+        """Every rank's row block of a [num_rows, n] matrix, concatenated: [num_rows, n] on
+        `self.device` (own_rows must be there: see from_host)."""
         if not self.active:
             return own_rows
         per_rank = self.rows_per_rank(num_rows)
         padded = own_rows.new_zeros((per_rank, *own_rows.shape[1:]))
         padded[: own_rows.shape[0]] = own_rows
         out = own_rows.new_empty((per_rank * self.world_size, *own_rows.shape[1:]))
-        self._count(what, padded)
-        # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._run(what, all_gather, out, padded, group=self.group)
+        self._all_gather(what, out, padded)
         return out[:num_rows]
+
+    def own_rows_buffer(self, num_rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed [rows_per_rank, n] buffer on `self.device` for this rank's rows of a matrix
+        like `like` ([num_rows, n]); fill its first rows, then gather_rows_into()."""
+        return torch.zeros((self.rows_per_rank(num_rows), *like.shape[1:]), dtype=like.dtype,
+                           device=self.device)
+
+    def gather_rows_into(self, matrix: torch.Tensor, own_padded: torch.Tensor, what: str) -> None:
+        """matrix[:] = every rank's rows (each rank's own_rows_buffer), gathered on the device:
+        straight into `matrix` when its rows split evenly, else through one padded buffer."""
+        per_rank = own_padded.shape[0]
+        if per_rank * self.world_size == matrix.shape[0] and matrix.is_contiguous():
+            self._all_gather(what, matrix, own_padded)
+            return
+        out = own_padded.new_empty((per_rank * self.world_size, *own_padded.shape[1:]))
+        self._all_gather(what, out, own_padded)
+        matrix.copy_(out[: matrix.shape[0]])
 
 
 def local_rank_share(cores: list[int]) -> list[int]:

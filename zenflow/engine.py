@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from zenflow.checkpoint import check_tag, load_object, read_checkpoint, write_checkpoint
+from zenflow.checkpoint_shards import write_sharded_checkpoint
 from zenflow.distributed import Partition
 from zenflow.config import ZenFlowConfig, load_config_dict, parse_config, resolved_settings
 from zenflow.loss_scaler import LossScaler
@@ -264,16 +265,12 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if not partition.active:
             objects["optimizer_states.pt"] = optimizer_state
             return str(write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest))
-        # Data parallel: each rank's optimizer holds its own share of the host state, and its own
-        # RNG. Rank 0 collects them and writes one atomic checkpoint with a file per rank.
-        mine = {"optimizer": optimizer_state, "rng": engine_state["rng"]}
-        shares = partition.gather_objects(mine, "collecting optimizer shares for the checkpoint")
-        for rank, share in enumerate(shares):
-            objects[f"rank{rank}_states.pt"] = share
-        if partition.rank == 0:
-            write_checkpoint(save_dir, tag, objects, meta, update_latest=save_latest)
-        partition.barrier("waiting for rank 0 to write the checkpoint")
-        return str(Path(save_dir) / tag)
+        # Data parallel: each rank writes its own share of the host state and its RNG; rank 0
+        # commits them with the common files (zenflow/checkpoint_shards.py).
+        return str(write_sharded_checkpoint(
+            partition, save_dir, tag, objects, f"rank{partition.rank}_states.pt",
+            {"optimizer": optimizer_state, "rng": engine_state["rng"]}, meta,
+            update_latest=save_latest))
 
     def load_checkpoint(self, load_dir: Union[str, os.PathLike], tag: Any = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -295,21 +292,22 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         path, manifest, objs = read_checkpoint(
             load_dir, tag, ["model_states.pt", "engine_states.pt"], map_location="cpu")
         saved_world = manifest["meta"].get("world_size", 1)
-        if saved_world != partition.world_size:
+        if not load_module_only and saved_world != partition.world_size:
             raise ValueError(f"checkpoint {str(path)!r} was written by {saved_world} rank(s) and "
                              f"this run has {partition.world_size}: each rank's optimizer holds "
                              "only its share of the host state, so resume on the same number of "
                              "ranks (or pass load_module_only=True to load only the weights)")
-        if mine not in manifest["files"]:
+        if mine not in manifest["files"] and not load_module_only:
             raise ValueError(f"checkpoint {str(path)!r} has no {mine}")
-        # read_checkpoint verified every file of the manifest, this one included.
-        share = load_object(path / mine, map_location="cpu")
         state = objs["engine_states.pt"]
-        if partition.active:
+        if load_module_only:  # the weights are whole in every checkpoint: any world size loads
+            pass
+        elif partition.active:  # read_checkpoint verified this file with the others
+            share = load_object(path / mine, map_location="cpu")
             objs["optimizer_states.pt"] = share["optimizer"]
             state = dict(state, rng=share["rng"])
         else:
-            objs["optimizer_states.pt"] = share
+            objs["optimizer_states.pt"] = load_object(path / mine, map_location="cpu")
         if state["optimizer_class"] != type(self.optimizer).__name__ and not load_module_only:
             raise ValueError(f"checkpoint {str(path)!r} was written with "
                              f"{state['optimizer_class']}, this engine runs "

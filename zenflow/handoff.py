@@ -19,10 +19,14 @@ _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 def _host_columns(host_rows: torch.Tensor, cols: torch.Tensor, num_rows: int,
                   partition: Partition) -> torch.Tensor:
-    """host[:, cols] over all rows of the matrix (other ranks hold the other rows)."""
+    """host[:, cols] over all rows of the matrix (other ranks hold the other rows); on the
+    collectives' device under data parallel (NCCL: this rank's rows go to the device first)."""
     own = columns.gather_columns(host_rows, cols,
                                  out=host_rows.new_empty(host_rows.shape[0], len(cols)))
-    return partition.gather_rows(own, num_rows, "moving columns to the device")
+    if not partition.active:
+        return own
+    return partition.gather_rows(partition.from_host(own), num_rows,
+                                 "moving columns to the device")
 
 
 def take_from_host(dev: DeviceColumns, host: dict[str, torch.Tensor], index: torch.Tensor,

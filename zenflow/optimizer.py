@@ -25,7 +25,7 @@ import torch
 
 from zenflow import _checks, columns, handoff, selection
 from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
-from zenflow.distributed import Partition, local_rank_share
+from zenflow.distributed import Partition, environment_without_group, local_rank_share
 from zenflow.kernels import clip_coefficient, gradient_norms
 from zenflow.pipeline import HostPipeline
 from zenflow.telemetry import StepTimer
@@ -140,7 +140,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise TypeError(f"{name}: worker must be True or False, got {worker!r}")
         self.worker = worker
         self._schedule = self._make_schedule()
-        self._partition = Partition.from_group(process_group)
+        environment_without_group(name, process_group)
         if self.update_interval == "auto":
             self._window = AutoWindow(self.auto_ratio, *self.auto_update_bounds,
                                       overlap=self.overlap_step)
@@ -149,6 +149,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         params = _checks.param_list(name, params)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.device = _checks.parameters(name, [p for g in self.param_groups for p in g["params"]])
+        self._partition = Partition.from_group(process_group, self.device)
         self._build()
 
     def _make_schedule(self) -> selection.SelectionSchedule:
@@ -430,8 +431,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                            self._partition.active else norms)
         if not self._partition.active or not partial:
             return partial
-        flat = self._partition.sum_(torch.cat(partial).cpu(), "exchanging column norms")
-        out = list(flat.to(self.device).split([m.num_columns for m in todo]))
+        # On the device under NCCL; sum_ copies through the CPU only for gloo.
+        flat = self._partition.sum_(torch.cat(partial), "exchanging column norms")
+        out = list(flat.split([m.num_columns for m in todo]))
         return [t.sqrt() for t in out] if self.importance == "l2" else out
 
     def _retained_fraction(self, todo: list[_HostParam], importances) -> float:

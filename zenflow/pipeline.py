@@ -255,16 +255,25 @@ class HostPipeline:
         with self._worker_guard():
             self.timer.stall(self.runner.wait(flight["seq"]))
         start = time.perf_counter()
-        slot, pairs, nbytes = flight["install_slot"], [], 0
+        slot, pairs, nbytes, gathers = flight["install_slot"], [], 0, []
+        what = "installing host-updated rows"
         for i in flight["matrices"]:
             param = host_view(self.params[i].data)
             values = self.host.typed("install", slot, i)
-            if self.partition.active:  # every rank's rows; only the parameter's dtype travels
-                values = self.partition.gather_rows(values, param.shape[0],
-                                                    "installing host-updated rows")
+            if self.partition.active and self.partition.on_device:
+                # NCCL: this rank's rows to the device, then all ranks gather there.
+                own = self.partition.own_rows_buffer(param.shape[0], param)
+                pairs.append((own[: values.shape[0]], values))
+                gathers.append((param, own))
+                nbytes += values.numel() * values.element_size()
+                continue
+            if self.partition.active:  # gloo: every rank's rows, gathered in host memory
+                values = self.partition.gather_rows(values, param.shape[0], what)
             pairs.append((param, values))
             nbytes += param.numel() * param.element_size()
         self._install_reader[slot] = self.transfers.to_device(pairs)
+        for param, own in gathers:   # ordered after the copies (to_device's event)
+            self.partition.gather_rows_into(param, own, what)
         self.timer.moved(h2d=nbytes)
         self.timer.offload(time.perf_counter() - start)
         return flight["matrices"]
