@@ -203,6 +203,23 @@ class HostState:
                     v["master"][s])
 
 
+def run_command(host: HostState, command: tuple) -> None:
+    """Carry out ("accumulate", staging_slot, sum_slot, scale, added, fresh) or ("update",
+    sum_slot, install_slot, jobs) on `host` (the worker and the inline runner both use this)."""
+    if command[0] == "accumulate":
+        host.accumulate(*command[1:])
+    else:
+        _, sum_slot, install_slot, jobs = command
+        host.update(jobs, sum_slot, install_slot)
+
+
+def command_matrices(command: tuple) -> list[int]:
+    """The matrices whose host state a command writes (torn if it dies half-way)."""
+    if command[0] == "accumulate":
+        return [*command[4], *command[5]]
+    return [job.matrix for job in command[3]]
+
+
 class InlineHostRunner:
     """Runs host commands in the calling process, at once. The worker runner has the same methods
     (see zenflow/worker.py for the commands)."""
@@ -215,11 +232,7 @@ class InlineHostRunner:
 
     def send(self, command: tuple) -> int:
         start = time.perf_counter()
-        if command[0] == "accumulate":
-            self.host.accumulate(*command[1:])
-        else:
-            _, sum_slot, install_slot, jobs = command
-            self.host.update(jobs, sum_slot, install_slot)
+        run_command(self.host, command)
         end = time.perf_counter()
         self.busy_seconds += end - start
         if command[0] == "update":

@@ -30,7 +30,8 @@ import torch
 
 from zenflow.accelerator import DONE, Ticket, Transfers
 from zenflow.distributed import Partition
-from zenflow.host import FP32_KINDS, HostJob, HostLayout, HostState, InlineHostRunner
+from zenflow.host import (FP32_KINDS, HostJob, HostLayout, HostState, InlineHostRunner,
+                          command_matrices)
 from zenflow.telemetry import StepTimer
 
 log = logging.getLogger("zenflow")
@@ -57,8 +58,7 @@ class HostPipeline:
         self.layout = HostLayout.build(shapes, sum_slots=2 if overlap else 1,
                                        staging_slots=2 if self.transfers.copies_outlive_step else 1)
         self.host = HostState.allocate(self.layout, owner, available_bytes)
-        for i, (p, r) in enumerate(zip(params, self.rows)):
-            self.host.fp32("master", i).copy_(host_view(p.detach())[r])
+        self._load_masters(range(len(params)))
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
         self._worker_cores = worker_cores
         self.runner = self._start_runner()
@@ -103,9 +103,7 @@ class HostPipeline:
                     self.in_flight["seq"] = 0
                 self._staging_reader = [None] * self.layout.staging_slots
                 return
-            self.torn = sorted({i for c in unfinished
-                                for i in (c[4] + c[5] if c[0] == "accumulate"
-                                          else [job.matrix for job in c[3]])})
+            self.torn = sorted({i for c in unfinished for i in command_matrices(c)})
             raise RuntimeError(
                 f"{exc}\nIt died in the middle of host work on {len(self.torn)} parameter(s) "
                 f"(host indices {self.torn[:10]}{'...' if len(self.torn) > 10 else ''}), whose "
@@ -227,11 +225,15 @@ class HostPipeline:
         """Take the parameters' current values as the host master values of `indices` (weights
         changed outside the optimizer); an in-flight update of theirs is no longer installed."""
         self.drain()
-        for i in indices:
-            self.host.fp32("master", i).copy_(host_view(self.params[i].detach())[self.rows[i]])
+        self._load_masters(indices)
         if self.in_flight is not None:
             dropped = set(indices)
             self.in_flight["matrices"] = [i for i in self.in_flight["matrices"] if i not in dropped]
+
+    def _load_masters(self, indices) -> None:
+        """The host master values of `indices` := the parameters' current values (own rows)."""
+        for i in indices:
+            self.host.fp32("master", i).copy_(host_view(self.params[i].detach())[self.rows[i]])
 
     def ready(self) -> bool:
         """Whether no host update is in flight (never blocks)."""

@@ -125,7 +125,7 @@ def _worker_main(conn_fd: int, arena_fd: int, init: dict) -> None:
 
 def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
     import torch
-    from zenflow.host import HostState
+    from zenflow.host import HostState, run_command
 
     cores = init["cores"]
     if cores:
@@ -158,8 +158,7 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
 
     def update_loop() -> None:
         while (message := updates.get()) is not None:
-            _, seq, sum_slot, install_slot, jobs = message
-            run(seq, lambda: host.update(jobs, sum_slot, install_slot))
+            run(message[1], lambda: run_command(host, (message[0], *message[2:])))
 
     updater = threading.Thread(target=update_loop, name="zenflow-host-update", daemon=True)
     updater.start()
@@ -180,10 +179,10 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
             if message[0] == "update":
                 updates.put(message)
                 continue
-            _, seq, staging_slot, sum_slot, scale, added, fresh = message
+            seq, command = message[1], (message[0], *message[2:])
             # The parent never accumulates into the sum slot an update is reading (it alternates
             # slots with overlap and waits for the update without), so no lock is needed here.
-            run(seq, lambda: host.accumulate(staging_slot, sum_slot, scale, added, fresh))
+            run(seq, lambda: run_command(host, command))
     finally:
         updates.put(None)
         updater.join()
@@ -230,14 +229,11 @@ class WorkerHostRunner:
     """
 
     def __init__(self, host, cores: list[int] | None = None):
-        from zenflow.host import HostState
-        assert isinstance(host, HostState)
         self.busy_seconds = 0.0
         self.updates: list[tuple[float, float]] = []  # (start, end) of each update, last 10k
         self._seq = 0
         self._done_through = 0        # every command with seq <= this is done
         self._finished: set[int] = set()
-        self._update_seqs: set[int] = set()
         self._unfinished: dict[int, tuple] = {}   # seq -> command, until its "done" arrives
         self._error: str | None = None
         self._closed = False
@@ -278,12 +274,11 @@ class WorkerHostRunner:
         if kind == "done":
             seq, start, end = message[1:]
             self.busy_seconds += end - start
-            if seq in self._update_seqs:
-                self._update_seqs.discard(seq)
+            command = self._unfinished.pop(seq, None)
+            if command is not None and command[0] == "update":
                 self.updates.append((start, end))
                 del self.updates[:-10_000]
             self._finished.add(seq)
-            self._unfinished.pop(seq, None)
             while self._done_through + 1 in self._finished:
                 self._done_through += 1
                 self._finished.discard(self._done_through)
@@ -305,8 +300,6 @@ class WorkerHostRunner:
         """Queue ("accumulate", ...) or ("update", ...) without its seq; returns the seq."""
         self.check()
         self._seq += 1
-        if command[0] == "update":
-            self._update_seqs.add(self._seq)
         self._unfinished[self._seq] = command
         try:
             self._conn.send((command[0], self._seq, *command[1:]))
