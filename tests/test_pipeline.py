@@ -70,28 +70,38 @@ def _grads(model, steps, seed):
              for p in model.parameters()] for _ in range(steps)]
 
 
+def _random_settings(seed: int) -> dict:
+    rng = random.Random(seed)
+    return dict(lr=rng.choice([1e-2, 3e-3]), topk_ratio=rng.choice([0.0, 0.25, 0.5]),
+                update_interval=rng.choice([1, 2, 3]), overlap_step=rng.choice([False, True]),
+                full_warm_up_rounds=rng.choice([0, 2]), max_grad_norm=rng.choice([None, 4.0]))
+
+
+def _train_beside_reference(opt, fast, slow, settings, seed, before_step=lambda: None):
+    """12 steps of `opt` on `fast` and of the reference on `slow`; equal after every step."""
+    ref = ReferenceZenFlow(list(slow.parameters()), select_interval=4, **settings)
+    for t, grads in enumerate(_grads(fast, 12, seed)):
+        before_step()
+        for p, g in zip(fast.parameters(), grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step(grads, reselect=(t, "reselect") in opt.decisions)
+        for p, q in zip(fast.parameters(), slow.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("worker", [False, True])
 def test_late_copies_give_the_reference_result(seed, worker):
-    rng = random.Random(seed)
-    settings = dict(lr=rng.choice([1e-2, 3e-3]), topk_ratio=rng.choice([0.0, 0.25, 0.5]),
-                    update_interval=rng.choice([1, 2, 3]), overlap_step=rng.choice([False, True]),
-                    full_warm_up_rounds=rng.choice([0, 2]), max_grad_norm=rng.choice([None, 4.0]))
+    settings = _random_settings(seed)
     fast, slow = _model(seed), _model(seed)
     opt = zenflow.ZenFlowAdamW(fast.parameters(), select_strategy="step", select_interval=4,
                                worker=worker, **settings)
     late = LateCopies(opt.device)
     opt._pipeline.transfers.close()
     opt._pipeline.transfers = late
-    ref = ReferenceZenFlow(list(slow.parameters()), select_interval=4, **settings)
     try:
-        for t, grads in enumerate(_grads(fast, 12, seed)):
-            for p, g in zip(fast.parameters(), grads):
-                p.grad = g.clone()
-            opt.step()
-            ref.step(grads, reselect=(t, "reselect") in opt.decisions)
-            for p, q in zip(fast.parameters(), slow.parameters()):
-                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+        _train_beside_reference(opt, fast, slow, settings, seed)
         state = opt.state_dict()   # drains: every late copy lands, every command is sent
         assert state["zenflow"]["step"] == 12
     finally:
@@ -189,25 +199,15 @@ def test_copies_landing_after_the_step_use_two_staging_buffers_and_match_the_ref
     monkeypatch.setattr(zenflow.pipeline, "Transfers",
                         lambda device, copy_cores=None: made.append(OutlivingCopies(device))
                         or made[-1])
-    rng = random.Random(100 + seed)
-    settings = dict(lr=rng.choice([1e-2, 3e-3]), topk_ratio=rng.choice([0.0, 0.25, 0.5]),
-                    update_interval=rng.choice([1, 2, 3]), overlap_step=rng.choice([False, True]),
-                    full_warm_up_rounds=rng.choice([0, 2]), max_grad_norm=rng.choice([None, 4.0]))
+    settings = _random_settings(100 + seed)
     fast, slow = _model(seed), _model(seed)
     opt = zenflow.ZenFlowAdamW(fast.parameters(), select_strategy="step", select_interval=4,
                                **settings)
     late = made[0]
     assert opt._pipeline.layout.staging_slots == 2
-    ref = ReferenceZenFlow(list(slow.parameters()), select_interval=4, **settings)
     try:
-        for t, grads in enumerate(_grads(fast, 12, seed)):
-            late.land_pending()          # the copies finish during this forward and backward
-            for p, g in zip(fast.parameters(), grads):
-                p.grad = g.clone()
-            opt.step()
-            ref.step(grads, reselect=(t, "reselect") in opt.decisions)
-            for p, q in zip(fast.parameters(), slow.parameters()):
-                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+        # the copies finish during each step's forward and backward
+        _train_beside_reference(opt, fast, slow, settings, seed, before_step=late.land_pending)
     finally:
         opt.close()
     assert late.log["copies"] == 12
