@@ -300,13 +300,14 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if mine not in manifest["files"] and not load_module_only:
             raise ValueError(f"checkpoint {str(path)!r} has no {mine}")
         state = objs["engine_states.pt"]
-        if load_module_only:  # the weights are whole in every checkpoint: any world size loads
-            pass
-        elif partition.active:  # read_checkpoint verified this file with the others
+        # With load_module_only no optimizer share is read: the weights are whole in every
+        # checkpoint, so any world size loads them.
+        if not load_module_only and partition.active:
+            # read_checkpoint verified this rank's file with the others
             share = load_object(path / mine, map_location="cpu")
             objs["optimizer_states.pt"] = share["optimizer"]
             state = dict(state, rng=share["rng"])
-        else:
+        elif not load_module_only:
             objs["optimizer_states.pt"] = load_object(path / mine, map_location="cpu")
         if state["optimizer_class"] != type(self.optimizer).__name__ and not load_module_only:
             raise ValueError(f"checkpoint {str(path)!r} was written with "

@@ -88,7 +88,6 @@ class ReferenceZenFlow:
 
     def _choose(self, grad2d, k):
         if grad2d is None:
-            scores = [0.0] * 0
             return list(range(k))
         if self.importance == "l2":
             scores = [float(grad2d[:, j].double().pow(2).sum().sqrt()) for j in range(grad2d.shape[1])]

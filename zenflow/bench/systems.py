@@ -41,23 +41,12 @@ def deepspeed_available() -> bool:
     return True
 
 
-def zenflow_optimizers_available() -> bool:
-    try:
-        from zenflow import OffloadAdamW, ZenFlowAdamW
-    except ImportError:
-        return False
-    return all(isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
-               for c in (OffloadAdamW, ZenFlowAdamW))
-
-
 def system_unavailable_reason(name: str) -> str | None:
     """Why `name` cannot run in this environment, or None when it can."""
     if name not in SYSTEMS:
         raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
-    if SYSTEMS[name][1]:
-        return None if deepspeed_available() else "deepspeed is not importable (see scripts/install_deepspeed.sh)"
-    if name in ("offload", "zenflow-sync", "zenflow") and not zenflow_optimizers_available():
-        return "zenflow.ZenFlowAdamW / zenflow.OffloadAdamW are not available in this checkout"
+    if SYSTEMS[name][1] and not deepspeed_available():
+        return "deepspeed is not importable (see scripts/install_deepspeed.sh)"
     return None
 
 
