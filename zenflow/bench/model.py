@@ -1,11 +1,19 @@
-"""A small causal language model, GPT- or Llama-shaped, and a synthetic token stream for benchmarks.
+"""The project's one GPT model (GPT- or Llama-shaped) and a synthetic token stream.
 
-The model is deliberately plain (nanoGPT-like): token embeddings, pre-norm transformer blocks,
-a final norm and an *untied* output head, so every weight is its own parameter and no system has
-to special-case shared tensors. `arch="gpt"` is GPT-2's block (fused qkv, GELU MLP, LayerNorm,
-biases, learned positions); `arch="llama"` is Llama's parameter layout (separate q, k, v, o,
-SwiGLU gate/up/down, RMSNorm, no biases: seven matrices per layer, so 32 layers give Llama-2-7B's
-226 matrices at any width).
+`zenflow bench`, `benchmarks/stall.py`, `benchmarks/scaling.py` and the byte-level language model
+of fine-tuning (`zenflow.finetune.experiments.LMExperiment`) all build this model, so a result of
+one can be compared with another. It is deliberately plain (nanoGPT-like): token embeddings,
+pre-norm transformer blocks, a final norm and an *untied* output head, so every weight is its own
+parameter and no system has to special-case shared tensors. `arch="gpt"` is GPT-2's block (fused
+qkv, GELU MLP, LayerNorm, biases, learned positions); `arch="llama"` is Llama's parameter layout
+(separate q, k, v, o, SwiGLU gate/up/down, RMSNorm, no biases: seven matrices per layer, so 32
+layers give Llama-2-7B's 226 matrices at any width). There is no dropout.
+
+A byte-level model (bytes are the tokens, so no tokenizer is needed):
+
+    model = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_embd=128, n_head=4))
+    logits = model(x)                      # x: (batch, T <= seq_len) int64 -> (batch, T, 256)
+    loss = next_token_loss(logits, y)      # or model(x, y): the same loss, without the logits
 """
 from __future__ import annotations
 
@@ -19,11 +27,12 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """The model's shape. The defaults are `zenflow bench`'s cpu-small preset."""
     n_layer: int = 6
-    n_embd: int = 1024
+    n_embd: int = 1024    # model width
     n_head: int = 16
-    vocab_size: int = 8192
-    seq_len: int = 32
+    vocab_size: int = 8192  # 256 for a byte-level model
+    seq_len: int = 32     # context: the longest sequence the model accepts (learned positions)
     arch: str = "gpt"
     ffn: int = 0          # llama: hidden width of the SwiGLU MLP (0: 8/3 n_embd, rounded to 64)
 
@@ -154,7 +163,10 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) when `targets` is None, else the mean cross-entropy loss."""
+        """Logits (B, T, vocab) when `targets` is None, else `next_token_loss(logits, targets)`.
+
+        Returning the loss itself keeps `model(x, y)` usable as-is by every benchmarked system,
+        DeepSpeed's engine included."""
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
@@ -164,9 +176,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits if targets is None else next_token_loss(logits, targets)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, vocab) against targets (B, T). The softmax runs in
+    fp32 so that bf16/fp16 logits lose no precision in the loss."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class TokenStream:

@@ -1,6 +1,7 @@
 """The two experiments that the demo, the example and the accuracy benchmark run, each as one
-call: fine-tune MiniLM on BBC News, and train the byte-level GPT on Shakespeare. The optimizer is
-the only thing that differs between calls with the same seed."""
+call: fine-tune MiniLM on BBC News, and train a byte-level GPT (`zenflow.bench.model.GPT`) from
+random weights on Shakespeare. The optimizer is the only thing that differs between calls with
+the same seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ class BBCSetting:
 
 @dataclass
 class LMSetting:
-    context: int = 64
+    context: int = 64        # bytes per training window: the model's seq_len
     dim: int = 128
     layers: int = 4
     heads: int = 4
@@ -37,6 +38,12 @@ class LMSetting:
     eval_windows: int = 512  # held-out windows scored (of ~7.6k), fixed: the first ones
     n_test_plays: int = 4
     split_seed: int = 0
+
+    def model_config(self):
+        """The byte-level GPT this setting trains (0.87M parameters at the defaults)."""
+        from zenflow.bench.model import GPTConfig
+        return GPTConfig(vocab_size=256, seq_len=self.context, n_embd=self.dim,
+                         n_layer=self.layers, n_head=self.heads)
 
 
 @dataclass
@@ -105,12 +112,12 @@ class LMExperiment:
 
     def run(self, kind: str, seed: int, progress: bool = True, desc: str | None = None,
             **zenflow_kwargs) -> RunResult:
-        from zenflow.finetune.models import TinyGPT
+        from zenflow.bench.model import GPT
         from zenflow.finetune.optim import make_optimizer
         from zenflow.finetune.train import evaluate_lm, train_lm
         s = self.setting
-        torch.manual_seed(seed)
-        model = TinyGPT(context=s.context, dim=s.dim, layers=s.layers, heads=s.heads).to(self.device)
+        torch.manual_seed(seed)     # the model's initial weights
+        model = GPT(s.model_config()).to(self.device)
         opt = make_optimizer(kind, model.parameters(), lr=s.lr, weight_decay=s.weight_decay,
                              max_grad_norm=s.max_grad_norm, **zenflow_kwargs)
         try:

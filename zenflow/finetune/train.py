@@ -155,10 +155,10 @@ def lm_windows(data: bytes, context: int) -> torch.Tensor:
 
 
 def train_lm(model, optimizer, windows: torch.Tensor, **kw) -> TrainResult:
+    """Next-byte training; `model(inputs, targets)` returns the mean loss (zenflow.bench.model.GPT)."""
     def loss_of(idx):
         w = windows[idx]
-        loss, _ = model(w[:, :-1], w[:, 1:])
-        return loss
+        return model(w[:, :-1], w[:, 1:])
     return fit(model, optimizer, loss_of, len(windows), **kw)
 
 
@@ -169,7 +169,7 @@ def evaluate_lm(model, windows: torch.Tensor, batch_size: int = 64) -> float:
     total, count = 0.0, 0
     for s in range(0, len(windows), batch_size):
         w = windows[s: s + batch_size]
-        loss, _ = model(w[:, :-1], w[:, 1:])
+        loss = model(w[:, :-1], w[:, 1:])
         total += float(loss) * w[:, 1:].numel()
         count += w[:, 1:].numel()
     model.train()
