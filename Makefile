@@ -31,7 +31,7 @@ test: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# The worker's stall benchmark (AdamW, OffloadAdamW, ZenFlow sync/overlap alternated in one run).
+# The stall benchmark: AdamW, OffloadAdamW, ZenFlow sync and overlap on `zenflow bench`'s harness.
 .PHONY: bench-stall
 bench-stall: $(STAMP)
 	$(PY) benchmarks/stall.py
