@@ -125,12 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"stall.py: error: {exc}", file=sys.stderr)
         return 2
-    m = spec["model"]
-    print(f"stall benchmark: {spec['num_params'] / 1e6:.1f}M params (layers={m['n_layer']}, "
-          f"width={m['n_embd']}, vocab={m['vocab_size']}), batch {spec['batch_size']} x "
-          f"{m['seq_len']} tokens on {spec['device']}; {rounds} round(s); systems: "
-          f"{', '.join(systems)}", flush=True)
-    report = harness.run_benchmark(spec, systems, rounds, child_timeout_s=args.child_timeout)
+    report = harness.run_benchmark(spec, systems, rounds, child_timeout_s=args.child_timeout,
+                                   title="stall benchmark")
     report["benchmark"] = "stall"
     report["stall"] = stall_per_step(report)
     report["zenflow_step_profile_s"] = profile_zenflow_step(spec)
@@ -147,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print("ZenFlowAdamW step() profile (ms/step, cumulative): " + ", ".join(
         f"{k} {v * 1e3:.1f}" for k, v in report["zenflow_step_profile_s"].items()))
 
-    tag = f"stall_{spec['device']}_{report['machine']['cores']}cpu_t{m['seq_len']}" + (
+    tag = f"stall_{spec['device']}_{report['machine']['cores']}cpu_t{spec['model']['seq_len']}" + (
         "_quick" if args.quick else "")
     json_path = Path(args.json or RESULTS / f"{tag}.json")
     json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -150,12 +150,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zenflow bench: error: {exc}", file=sys.stderr)
         return 2
-    m = spec["model"]
-    print(f"zenflow bench: {spec['num_params'] / 1e6:.1f}M params (layers={m['n_layer']}, "
-          f"width={m['n_embd']}, vocab={m['vocab_size']}), batch {spec['batch_size']} x "
-          f"{m['seq_len']} tokens, {spec['dtype']} on {spec['device']}; {rounds} round(s) of "
-          f"{spec['warmup']} warm-up + {spec['steps']} measured steps; systems: {', '.join(systems)}",
-          flush=True)
     report = harness.run_benchmark(spec, systems, rounds, child_timeout_s=args.child_timeout)
     print()
     print(harness.format_table(report))

@@ -198,13 +198,21 @@ def round_order(systems: list[str], r: int) -> list[str]:
 
 
 def run_benchmark(spec: dict, systems: list[str], rounds: int, *, child_timeout_s: float = 900.0,
-                  out: TextIO = sys.stdout) -> dict[str, Any]:
-    """Run `systems` for `rounds` rounds (each a fresh child process) and summarise."""
+                  out: TextIO = sys.stdout, title: str = "zenflow bench") -> dict[str, Any]:
+    """Run `systems` for `rounds` rounds (each a fresh child process) and summarise; `title`
+    names the run in the line that says what will run."""
     for name in systems:
         if name not in SYSTEMS:
             raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    m = spec["model"]
+    out.write(f"{title}: {spec['num_params'] / 1e6:.1f}M params (layers={m['n_layer']}, "
+              f"width={m['n_embd']}, vocab={m['vocab_size']}), batch {spec['batch_size']} x "
+              f"{m['seq_len']} tokens, {spec['dtype']} on {spec['device']}; {rounds} round(s) of "
+              f"{spec['warmup']} warm-up + {spec['steps']} measured steps; systems: "
+              f"{', '.join(systems)}\n")
+    out.flush()
     started = time.time()
     per_system: dict[str, dict[str, Any]] = {}
     runnable = []
