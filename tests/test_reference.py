@@ -37,7 +37,8 @@ def run_pair(case, seed):
                   topk_ratio=case["topk_ratio"], update_interval=case["update_interval"],
                   full_warm_up_rounds=case["full_warm_up_rounds"],
                   overlap_step=case["overlap_step"], max_grad_norm=case["max_grad_norm"],
-                  importance=case["importance"])
+                  importance=case["importance"],
+                  deferred_credit=case.get("deferred_credit", "mean"))
     interval = case["select_interval"]
     opt = zenflow.ZenFlowAdamW(params, **kwargs, select_strategy="step",
                                select_interval=interval if interval else 10 ** 6)

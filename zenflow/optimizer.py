@@ -78,6 +78,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         overlap_step: install each window's host update one window later, hiding the host's work.
         max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
         importance: "l2" or "l1" column norm.
+        deferred_credit: how a window's host update credits the deferred columns. "mean" (the
+            default, ZenFlow's and DeepSpeed's): one AdamW step on the window's mean gradient.
+            "window": the same step with the learning rate times the number of gradients the
+            window summed, so deferred columns move about as far as AdamW would have moved them
+            over those steps. Use "window" with overlap_step=False: on a fine-tune it closes
+            most of the gap to AdamW there, while with overlap_step=True the larger, one window
+            stale steps overshoot (benchmarks/finetune_quality.py).
         steps_per_epoch: needed by select_strategy="epoch".
         pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
         reselect_threshold: retained-importance fraction under which "auto" reselects. One
@@ -105,6 +112,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  select_strategy: str = "auto", select_interval="auto", update_interval=4,
                  full_warm_up_rounds: int = 0, overlap_step: bool = True,
                  max_grad_norm: float | None = None, importance: str = "l2",
+                 deferred_credit: str = "mean",
                  steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
                  reselect_threshold: float = 0.6, auto_ratio: float = 0.99,
                  auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True,
@@ -130,6 +138,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                               _checks.number(name, "max_grad_norm", max_grad_norm, low=0.0,
                                              low_open=True))
         self.importance = _checks.choice(name, "importance", importance, ("l2", "l1"))
+        self.deferred_credit = _checks.choice(name, "deferred_credit", deferred_credit,
+                                              ("mean", "window"))
         self.steps_per_epoch = (None if steps_per_epoch is None else
                                 _checks.integer(name, "steps_per_epoch", steps_per_epoch, low=1))
         self.pt_reserved_cores_perc = _checks.between(name, "pt_reserved_cores_perc",
@@ -365,7 +375,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Install the previous window's host update, hand this window's sums to the host, and
         with `synchronous` install that too before returning."""
         self._install_in_flight()
-        self._pipeline.end_window([hyper(m.group) for m in self._host_params])
+        self._pipeline.end_window([hyper(m.group) for m in self._host_params],
+                                  self.deferred_credit)
         if synchronous:
             self._install_in_flight()
         self._window.last_interval = self._window_steps

@@ -196,16 +196,21 @@ class HostPipeline:
                       sent)
         self._staging_slot = (slot + 1) % self.layout.staging_slots
 
-    def end_window(self, hyper: list[tuple]) -> bool:
+    def end_window(self, hyper: list[tuple], deferred_credit: str = "mean") -> bool:
         """Hand the window's sums to the host: AdamW with `hyper[i]` = (lr, beta1, beta2, eps,
-        weight_decay) for every parameter that got a gradient. Returns whether any did. The
-        caller installs the previous window's update first (install()), per the overlap rule."""
+        weight_decay) for every parameter that got a gradient, on the mean gradient; with
+        deferred_credit="window" the learning rate is multiplied by the number of gradients the
+        window summed. Returns whether any parameter got one. The caller installs the previous
+        window's update first (install()), per the overlap rule."""
         assert self.in_flight is None, "install() the previous window first"
         jobs = []
         for i, n in enumerate(self.num_grads):
             if n:
                 self.host_step[i] += 1
-                jobs.append(HostJob(i, self.host_step[i], n, *hyper[i]))
+                lr, *rest = hyper[i]
+                if deferred_credit == "window":
+                    lr *= n
+                jobs.append(HostJob(i, self.host_step[i], n, lr, *rest))
                 self.num_grads[i] = 0
         if not jobs:
             return False

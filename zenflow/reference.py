@@ -41,13 +41,15 @@ class ReferenceZenFlow:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  topk_ratio=0.1, update_interval=4, full_warm_up_rounds=0, overlap_step=False,
-                 max_grad_norm=None, importance="l2", select_interval=None):
+                 max_grad_norm=None, importance="l2", select_interval=None,
+                 deferred_credit="mean"):
         self.params = list(params)
         self.lr, (self.beta1, self.beta2), self.eps, self.wd = lr, betas, eps, weight_decay
         self.topk_ratio, self.update_interval = topk_ratio, update_interval
         self.warm_up, self.overlap = full_warm_up_rounds, overlap_step
         self.max_grad_norm, self.importance = max_grad_norm, importance
         self.select_interval = select_interval
+        self.deferred_credit = deferred_credit
         self.t = 0
         self.window_steps = 0
         self.selected = False
@@ -179,8 +181,10 @@ class ReferenceZenFlow:
                     continue
                 s["host_count"] += 1
                 cols = ~s["on_device"]
+                # "window": the deferred columns move as far as acc_n steps at this rate would.
+                lr = self.lr * (s["acc_n"] if self.deferred_credit == "window" else 1)
                 new = adamw_update(s["master"][:, cols], s["acc"][:, cols] / s["acc_n"],
-                                   s["m"][:, cols], s["v"][:, cols], s["host_count"], self.lr,
+                                   s["m"][:, cols], s["v"][:, cols], s["host_count"], lr,
                                    self.beta1, self.beta2, self.eps, self.wd)
                 s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = new
                 s["acc"].zero_()
