@@ -35,12 +35,14 @@ SYSTEMS = {
     "AdamW": ("adamw", {}),
     "OffloadAdamW": ("offload", {}),
     "ZenFlow default": ("zenflow", {}),
-    "ZenFlow k=0.1 U=4 mean credit": ("zenflow", dict()),
-    "ZenFlow k=0.05 U=4": ("zenflow", dict(topk_ratio=0.05)),
-    "ZenFlow all-auto": ("zenflow", dict(select_strategy="auto", select_interval="auto",
-                                         update_interval="auto")),
+    "ZenFlow all-auto": ("zenflow", dict(update_interval="auto")),
+    "ZenFlow sync": ("zenflow", dict(overlap_step=False)),
+    "ZenFlow sync, window credit": ("zenflow", dict(overlap_step=False,
+                                                    deferred_credit="window")),
+    "ZenFlow k=0.05 (the seeds' ratio)": ("zenflow", dict(topk_ratio=0.05)),
+    "ZenFlow k=0.2": ("zenflow", dict(topk_ratio=0.2)),
 }
-DEFAULT_SYSTEMS = list(SYSTEMS)
+DEFAULT_SYSTEMS = list(SYSTEMS)[:6]
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def run_pair(case, seed):
                   full_warm_up_rounds=case["full_warm_up_rounds"],
                   overlap_step=case["overlap_step"], max_grad_norm=case["max_grad_norm"],
                   importance=case["importance"],
-                  deferred_credit=case.get("deferred_credit", "mean"))
+                  deferred_credit=case.get("deferred_credit", "mean"),
+                  install_lookahead=case.get("install_lookahead", 0.0))
     interval = case["select_interval"]
     opt = zenflow.ZenFlowAdamW(params, **kwargs, select_strategy="step",
                                select_interval=interval if interval else 10 ** 6)

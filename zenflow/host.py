@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from zenflow.arena import Arena, Region
-from zenflow.kernels import adamw_
+from zenflow.kernels import adamw_, adamw_lookahead
 
 _CHUNK = 1 << 20  # elements per pass of a dtype-converting add: the fp32 temporary stays in cache
 FP32_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -44,6 +44,7 @@ class HostJob(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
+    lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,9 @@ class HostState:
                         torch.mul(g, scale, out=part)
 
     def update(self, jobs: list[HostJob], sum_slot: int, install_slot: int) -> None:
-        """AdamW on each job's matrix with the mean of its gradient sum, then the new values, in
-        the parameters' dtype, into install[install_slot]. The sums are consumed (left stale).
+        """AdamW on each job's matrix with the mean of its gradient sum, then the new values (with
+        a lookahead, the values that fraction of the next step further), in the parameters'
+        dtype, into install[install_slot]. The sums are consumed (left stale).
 
         Jobs sharing hyperparameters, step and window length go to the fused kernel together, as
         flat runs where their matrices are adjacent (usually: one run per dtype).
@@ -191,16 +193,44 @@ class HostState:
             groups.setdefault(tuple(job[1:]), []).append(job.matrix)
         v = self.arena.views
         sums = v[f"grad_sum{sum_slot}"]
-        for (step, num_grads, lr, beta1, beta2, eps, weight_decay), matrices in groups.items():
+        for key, matrices in groups.items():
+            step, num_grads, lr, beta1, beta2, eps, weight_decay, _ = key
             runs = [r for r in self._runs(matrices) if r[1]]
             cut = [slice(offset, offset + numel) for offset, numel, _ in runs]
             adamw_([v["master"][s] for s in cut], [sums[s] for s in cut],
                    [v["exp_avg"][s] for s in cut], [v["exp_avg_sq"][s] for s in cut], step,
                    lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                    grad_divisor=float(num_grads))
-            for (offset, numel, dtype), s in zip(runs, cut):
-                self._typed_run("install", install_slot, offset, numel, dtype).copy_(
-                    v["master"][s])
+        self.publish(jobs, install_slot)
+
+    def publish(self, jobs: list[HostJob], install_slot: int) -> None:
+        """install[install_slot] = what `jobs` install: each matrix's host values, or with a
+        lookahead those values that fraction of the next step further (from the moments the
+        update left). Also rebuilds an in-flight update's install buffer after a load."""
+        groups: dict[tuple, list[int]] = {}
+        for job in jobs:
+            key = (job.step, job.lr, job.beta1, job.beta2, job.eps, job.weight_decay, job.lookahead)
+            groups.setdefault(key if job.lookahead else (), []).append(job.matrix)
+        v = self.arena.views
+        for key, matrices in groups.items():
+            if not key:
+                self.copy_masters(matrices, install_slot)
+                continue
+            step, lr, beta1, beta2, eps, weight_decay, lookahead = key
+            for offset, numel, dtype in self._runs(matrices):
+                out = self._typed_run("install", install_slot, offset, numel, dtype)
+                for start in range(0, numel, _CHUNK):   # bounded temporaries
+                    part = slice(offset + start, offset + min(numel, start + _CHUNK))
+                    adamw_lookahead(out[start:start + _CHUNK], v["master"][part],
+                                    v["exp_avg"][part], v["exp_avg_sq"][part], step, lr=lr,
+                                    beta1=beta1, beta2=beta2, eps=eps,
+                                    weight_decay=weight_decay, fraction=lookahead)
+
+    def copy_masters(self, matrices: list[int], install_slot: int) -> None:
+        """install[install_slot] = the master values of `matrices`, in the parameters' dtype."""
+        for offset, numel, dtype in self._runs(matrices):
+            self._typed_run("install", install_slot, offset, numel, dtype).copy_(
+                self.arena.views["master"][offset:offset + numel])
 
 
 def run_command(host: HostState, command: tuple) -> None:

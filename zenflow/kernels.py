@@ -46,6 +46,20 @@ def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
     torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias1)
 
 
+def adamw_lookahead(out: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, step: int, *, lr: float, beta1: float,
+                    beta2: float, eps: float, weight_decay: float, fraction: float) -> None:
+    """out = param moved `fraction` of the way along the AdamW step its moments point to now
+    (the next step's direction with no new gradient), in out's dtype. param and moments are fp32
+    and unchanged; `step` is the count the moments were last updated with."""
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    direction = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
+    torch.div(exp_avg, direction, out=direction).div_(bias1)
+    direction.add_(param, alpha=weight_decay)
+    out.copy_(direction.mul_(-fraction * lr).add_(param))
+
+
 def gradient_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm of each gradient, as fp32 scalar tensors (computed in fp32 for any dtype)."""
     if all(g.dtype == torch.float32 for g in grads):

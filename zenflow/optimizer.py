@@ -85,6 +85,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             over those steps. Use "window" with overlap_step=False: on a fine-tune it closes
             most of the gap to AdamW there, while with overlap_step=True the larger, one window
             stale steps overshoot (benchmarks/finetune_quality.py).
+        install_lookahead: the deferred columns' weights are installed this fraction of the
+            next host step ahead of the host's values (0: the values themselves). With
+            overlap_step=True the device computes gradients on weights one window behind the
+            host; leading them by the step the moments predict makes those gradients less stale.
+            The host's values stay exact: synchronize() installs them (do it before evaluating
+            or saving the model), and state_dict() holds them.
         steps_per_epoch: needed by select_strategy="epoch".
         pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
         reselect_threshold: retained-importance fraction under which "auto" reselects. One
@@ -112,7 +118,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  select_strategy: str = "auto", select_interval="auto", update_interval=4,
                  full_warm_up_rounds: int = 0, overlap_step: bool = True,
                  max_grad_norm: float | None = None, importance: str = "l2",
-                 deferred_credit: str = "mean",
+                 deferred_credit: str = "mean", install_lookahead: float = 0.0,
                  steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
                  reselect_threshold: float = 0.6, auto_ratio: float = 0.99,
                  auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True,
@@ -140,6 +146,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.importance = _checks.choice(name, "importance", importance, ("l2", "l1"))
         self.deferred_credit = _checks.choice(name, "deferred_credit", deferred_credit,
                                               ("mean", "window"))
+        self.install_lookahead = _checks.between(name, "install_lookahead", install_lookahead,
+                                                 0.0, 4.0)
         self.steps_per_epoch = (None if steps_per_epoch is None else
                                 _checks.integer(name, "steps_per_epoch", steps_per_epoch, low=1))
         self.pt_reserved_cores_perc = _checks.between(name, "pt_reserved_cores_perc",
@@ -376,7 +384,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with `synchronous` install that too before returning."""
         self._install_in_flight()
         self._pipeline.end_window([hyper(m.group) for m in self._host_params],
-                                  self.deferred_credit)
+                                  self.deferred_credit, self.install_lookahead)
         if synchronous:
             self._install_in_flight()
         self._window.last_interval = self._window_steps
@@ -389,7 +397,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _install_in_flight(self) -> None:
         """Wait for the host update in flight (if any), install it, and write the device's own,
         newer columns back over it."""
-        for i in self._pipeline.install():
+        self._restore_device_columns(self._pipeline.install())
+
+    def _restore_device_columns(self, installed: list[int]) -> None:
+        for i in installed:
             m = self._host_params[i]
             if self._selected and m.k > 0:
                 columns.scatter_columns(columns.as_matrix(m.param.data), m.columns.index,
@@ -401,6 +412,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         earlier than the overlap schedule would make it."""
         self._adopt_outside_writes()
         self._install_in_flight()
+        if self.install_lookahead and self.num_windows:
+            # The weights lead the host's values by the lookahead: show the values themselves.
+            self._restore_device_columns(self._pipeline.install_masters(
+                [m.index for m in self._host_params if self._host_owns_columns(m)]))
 
     # ------------------------------------------------------------------ selection
     def _maybe_select(self, grads) -> None:

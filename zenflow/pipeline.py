@@ -196,11 +196,13 @@ class HostPipeline:
                       sent)
         self._staging_slot = (slot + 1) % self.layout.staging_slots
 
-    def end_window(self, hyper: list[tuple], deferred_credit: str = "mean") -> bool:
+    def end_window(self, hyper: list[tuple], deferred_credit: str = "mean",
+                   lookahead: float = 0.0) -> bool:
         """Hand the window's sums to the host: AdamW with `hyper[i]` = (lr, beta1, beta2, eps,
         weight_decay) for every parameter that got a gradient, on the mean gradient; with
         deferred_credit="window" the learning rate is multiplied by the number of gradients the
-        window summed. Returns whether any parameter got one. The caller installs the previous
+        window summed; with a lookahead the values installed lead the host's by that fraction of
+        the next step. Returns whether any parameter got one. The caller installs the previous
         window's update first (install()), per the overlap rule."""
         assert self.in_flight is None, "install() the previous window first"
         jobs = []
@@ -210,12 +212,13 @@ class HostPipeline:
                 lr, *rest = hyper[i]
                 if deferred_credit == "window":
                     lr *= n
-                jobs.append(HostJob(i, self.host_step[i], n, lr, *rest))
+                jobs.append(HostJob(i, self.host_step[i], n, lr, *rest, lookahead))
                 self.num_grads[i] = 0
         if not jobs:
             return False
         slot = self._install_slot
-        flight = {"matrices": [j.matrix for j in jobs], "seq": None, "install_slot": slot}
+        flight = {"matrices": [j.matrix for j in jobs], "seq": None, "install_slot": slot,
+                  "jobs": jobs}
 
         def sent(seq: int) -> None:
             flight["seq"] = seq
@@ -261,10 +264,27 @@ class HostPipeline:
         self.flush(block=True, until=lambda: flight["seq"] is not None)
         with self._worker_guard():
             self.timer.stall(self.runner.wait(flight["seq"]))
+        self._copy_to_params(flight["install_slot"], flight["matrices"])
+        return flight["matrices"]
+
+    def install_masters(self, indices: list[int]) -> list[int]:
+        """Install the host's master values of `indices` themselves (after updates installed
+        with a lookahead): everything sent to the host is finished first. Returns `indices`."""
+        assert self.in_flight is None, "install() the update in flight first"
+        self.drain()
+        slot = self._install_slot
+        self.timer.stall(self._install_reader[slot].wait())  # its last copy to the device landed
+        self.host.copy_masters(indices, slot)
+        self._copy_to_params(slot, indices)
+        self._install_slot = (slot + 1) % self.layout.install_slots
+        return indices
+
+    def _copy_to_params(self, slot: int, indices: list[int]) -> None:
+        """Copy install[slot]'s values of `indices` into the parameters (all ranks' rows)."""
         start = time.perf_counter()
-        slot, pairs, nbytes, gathers = flight["install_slot"], [], 0, []
+        pairs, nbytes, gathers = [], 0, []
         what = "installing host-updated rows"
-        for i in flight["matrices"]:
+        for i in indices:
             param = host_view(self.params[i].data)
             values = self.host.typed("install", slot, i)
             if self.partition.active and self.partition.on_device:
@@ -283,7 +303,6 @@ class HostPipeline:
             self.partition.gather_rows_into(param, own, what)
         self.timer.moved(h2d=nbytes)
         self.timer.offload(time.perf_counter() - start)
-        return flight["matrices"]
 
     def fence(self) -> None:
         """End of step(): later device work may not overwrite this step's gradient sources. (On
@@ -307,8 +326,11 @@ class HostPipeline:
                 # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
                 "grad_sum": grad_sum.clone() if self.num_grads[i] else torch.zeros_like(grad_sum),
                 "host_step": self.host_step[i], "num_grads": self.num_grads[i]})
-        in_flight = None if self.in_flight is None else list(self.in_flight["matrices"])
-        return {"params": per_param, "in_flight": in_flight}
+        in_flight = jobs = None
+        if self.in_flight is not None:
+            in_flight = list(self.in_flight["matrices"])
+            jobs = [list(job) for job in self.in_flight["jobs"]]
+        return {"params": per_param, "in_flight": in_flight, "in_flight_jobs": jobs}
 
     def validate(self, state: dict, owner: str) -> None:
         saved = state["params"]
@@ -345,9 +367,12 @@ class HostPipeline:
         self.in_flight = None
         if state["in_flight"] is not None:
             # The update is done; its install buffer is rebuilt from the values it produced.
-            for i in state["in_flight"]:
-                self.host.typed("install", 0, i).copy_(self.host.fp32("master", i))
-            self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0}
+            jobs = [HostJob(*job) for job in state.get("in_flight_jobs") or []]
+            if not jobs:   # saved without its jobs: install the values themselves
+                jobs = [HostJob(i, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) for i in state["in_flight"]]
+            self.host.publish(jobs, 0)
+            self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0,
+                              "jobs": jobs}
             self._install_slot = 1 % self.layout.install_slots
 
     # -- size and lifecycle -----------------------------------------------------------------------

@@ -53,6 +53,7 @@ def optimizer_state_dict(opt) -> dict:
     return {"state": state, "param_groups": groups, "zenflow": {
         "optimizer": opt._NAME, "step": opt._step, "window_steps": opt._window_steps,
         "selected": opt._selected, "in_flight": host["in_flight"],
+        "in_flight_jobs": host["in_flight_jobs"],
         "skipped_steps": opt.skipped_steps, "num_reselections": opt.num_reselections,
         "num_windows": opt.num_windows, "schedule": opt._schedule.state_dict(),
         "window": opt._window.state_dict(), "topk_ratio": opt.topk_ratio,
@@ -107,6 +108,13 @@ def validate(opt, state_dict: dict) -> dict:
             _fail(opt, f"no vector state saved for the parameter of shape {tuple(v.param.shape)}")
         for k in _VECTOR_KINDS:
             _check_shape(opt, v.param, s[k], getattr(v.state, k), k)
+    jobs = saved.get("in_flight_jobs")
+    if jobs is not None and not (
+            isinstance(jobs, list) and len(jobs) == len(saved.get("in_flight") or [])
+            and all(isinstance(j, (list, tuple)) and len(j) == 9
+                    and all(isinstance(x, (int, float)) for x in j) for j in jobs)):
+        _fail(opt, "'in_flight_jobs' must list one [matrix, step, num_grads, lr, beta1, beta2, "
+                   "eps, weight_decay, lookahead] per in-flight matrix")
     opt._pipeline.validate({"params": [states[index_of[m.param]]["host"]
                                        for m in opt._host_params]}, opt._NAME)
     return saved
@@ -118,7 +126,8 @@ def load_optimizer_state_dict(opt, state_dict: dict) -> None:
     states = state_dict["state"]
     opt._pipeline.load_state_dict({"params": [states[index_of[m.param]]["host"]
                                               for m in opt._host_params],
-                                   "in_flight": saved["in_flight"]})
+                                   "in_flight": saved["in_flight"],
+                                   "in_flight_jobs": saved.get("in_flight_jobs")})
     for m in opt._host_params:
         s = states[index_of[m.param]]["device"]
         m.columns.step = s["step"]

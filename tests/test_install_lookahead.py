@@ -1,0 +1,82 @@
+"""install_lookahead: installed weights lead the host's values by a fraction of the next step;
+the host's values stay exact (docs/semantics.md, "Window end")."""
+import pytest
+import torch
+
+import zenflow
+from conftest import MODELS
+from test_reference import SHAPES, random_case, run_pair
+from test_state_dict import KW, run
+from zenflow.reference import ReferenceZenFlow
+
+
+@pytest.mark.parametrize("seed", range(200, 216))
+def test_lookahead_matches_reference(seed):
+    """Random settings (reselection, warm-up, clipping, overlap, missing gradients, a decaying
+    learning rate, either credit), the fast optimizer against the reference."""
+    case = random_case(seed)
+    case.update(install_lookahead=[0.5, 1.0][seed % 2],
+                deferred_credit=["mean", "window"][(seed // 2) % 2])
+    run_pair(case, seed)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_synchronize_installs_the_exact_values(overlap):
+    """After synchronize() the weights are the host's values (the reference's masters), not the
+    lookahead; training then goes on as the reference does."""
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=gen) for s in SHAPES]
+    params = [v.clone().requires_grad_() for v in values]
+    ref_params = [v.clone() for v in values]
+    kw = dict(lr=0.02, topk_ratio=0.3, update_interval=3, overlap_step=overlap,
+              install_lookahead=1.0, deferred_credit="window")
+    opt = zenflow.ZenFlowAdamW(params, **kw, select_strategy="step", select_interval=10 ** 6)
+    ref = ReferenceZenFlow(ref_params, **kw)
+    for t in range(11):
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step([g.clone() for g in grads])
+        if t in (4, 8):
+            before = [p.detach().clone() for p in params]
+            opt.synchronize()
+            ref.synchronize()
+            assert any(not torch.equal(a, p) for a, p in zip(before, params)), \
+                "synchronize() changed nothing: the weights were not ahead"
+        for i, (p, r) in enumerate(zip(params, ref_params)):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {t}, param {i}: {m}")
+    opt.close()
+
+
+def test_lookahead_leads_along_the_step():
+    """A steady gradient: the installed weights are one step ahead of the host's values."""
+    w = torch.nn.Parameter(torch.zeros(4, 8))
+    with zenflow.ZenFlowAdamW([w], lr=1e-2, weight_decay=0.0, topk_ratio=0.0, update_interval=2,
+                              overlap_step=False, install_lookahead=1.0) as opt:
+        for _ in range(2):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        torch.testing.assert_close(w.detach(), torch.full_like(w, -2e-2))
+        opt.synchronize()
+        torch.testing.assert_close(w.detach(), torch.full_like(w, -1e-2))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("resume_at", [5, 7, 10])
+def test_resume_with_lookahead_is_bit_exact(overlap, resume_at):
+    make, loss_fn = MODELS["transformer_block"]
+    kwargs = dict(KW, overlap_step=overlap, install_lookahead=0.5, deferred_credit="window")
+    straight, straight_stats = run(make, loss_fn, kwargs, steps=16)
+    resumed, _ = run(make, loss_fn, kwargs, steps=16, resume_at=resume_at)
+    assert straight_stats["reselections"] > 0
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("value", [-0.5, float("nan"), 5.0, "1"])
+def test_bad_lookahead_is_refused_by_name(value):
+    w = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises((ValueError, TypeError), match="install_lookahead"):
+        zenflow.ZenFlowAdamW([w], install_lookahead=value)
