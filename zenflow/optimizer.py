@@ -28,6 +28,7 @@ from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
 from zenflow.distributed import Partition, environment_without_group, local_rank_share
 from zenflow.kernels import clip_coefficient, gradient_norms
 from zenflow.pipeline import HostPipeline
+from zenflow.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 from zenflow.telemetry import StepTimer
 from zenflow.windows import AutoWindow, FixedWindow
 from zenflow.worker import split_cores
@@ -66,27 +67,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             Parameters that do not require grad are kept in the groups and skipped, as
             torch.optim does; they cost no host memory.
         lr, betas, eps, weight_decay: as in torch.optim.AdamW; read from param_groups at each use.
-        topk_ratio: fraction of each matrix's columns (input channels) updated on the device.
-        select_strategy: "step", "epoch" or "auto" (= "step").
-        select_interval: steps (or epochs) between reselections, or "auto": reselect when the
-            selected columns hold less than `reselect_threshold` of the best columns' importance.
-        update_interval: steps per host window, or "auto": end a window when the deferred
-            columns' summed gradient reaches one important step (see zenflow/windows.py).
-        auto_ratio: the "auto" window threshold (DeepSpeed's key and default).
-        auto_update_bounds: (min, max) window length for update_interval="auto".
-        full_warm_up_rounds: initial steps that update every parameter fully (on the host).
-        overlap_step: install each window's host update one window later, hiding the host's work.
-        max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
-        importance: "l2" or "l1" column norm.
-        steps_per_epoch: needed by select_strategy="epoch".
-        pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
-        reselect_threshold: retained-importance fraction under which "auto" reselects. One
-            step's gradient is noisy: a few steps after a fresh selection the selected columns
-            hold 0.66-0.81 of the best columns' importance when nothing has drifted (measured:
-            MiniLM fine-tuned on BBC News, batch 16; a GPT from scratch), so the default 0.6
-            fires on drift, not on noise.
-        worker: run the host side in a separate worker process (False: in the training
-            process, synchronously; for debugging and for machines without a spare core).
+        topk_ratio, select_strategy, select_interval, update_interval, full_warm_up_rounds,
+        overlap_step, max_grad_norm, importance, steps_per_epoch, pt_reserved_cores_perc,
+        reselect_threshold, auto_ratio, auto_update_bounds, worker: ZenFlow's knobs, the fields
+            of `zenflow.ZenFlowSettings` (which says what each does and holds the defaults);
+            the optimizer keeps them, validated, as `self.settings`.
         process_group: the torch.distributed group to partition the host state across (default:
             the default group when torch.distributed is initialized). Gradients must already be
             averaged across ranks (DDP or zenflow.initialize do it); the optimizer never reduces
@@ -100,75 +85,61 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # do for fp16 gradients: the unscale folds into the clipping factor the step applies anyway.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, topk_ratio: float = 0.1,
-                 select_strategy: str = "auto", select_interval="auto", update_interval=4,
-                 full_warm_up_rounds: int = 0, overlap_step: bool = True,
-                 max_grad_norm: float | None = None, importance: str = "l2",
-                 steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
-                 reselect_threshold: float = 0.6, auto_ratio: float = 0.99,
-                 auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True,
-                 process_group=None):
-        name = self._NAME
+    def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
+                 betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+                 eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
+                 *, topk_ratio: float = DEFAULTS.topk_ratio,
+                 select_strategy: str = DEFAULTS.select_strategy,
+                 select_interval: int | str = DEFAULTS.select_interval,
+                 update_interval: int | str = DEFAULTS.update_interval,
+                 full_warm_up_rounds: int = DEFAULTS.full_warm_up_rounds,
+                 overlap_step: bool = DEFAULTS.overlap_step,
+                 max_grad_norm: float | None = DEFAULTS.max_grad_norm,
+                 importance: str = DEFAULTS.importance,
+                 steps_per_epoch: int | None = DEFAULTS.steps_per_epoch,
+                 pt_reserved_cores_perc: float = DEFAULTS.pt_reserved_cores_perc,
+                 reselect_threshold: float = DEFAULTS.reselect_threshold,
+                 auto_ratio: float = DEFAULTS.auto_ratio,
+                 auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,
+                 worker: bool = DEFAULTS.worker, process_group=None):
         self._closed = True          # until the worker exists, close() has nothing to do
-        self.topk_ratio = _checks.between(name, "topk_ratio", topk_ratio, 0.0, 1.0)
-        self.select_strategy = _checks.choice(name, "select_strategy", select_strategy,
-                                              ("auto", "step", "epoch"))
-        self.select_interval = _checks.integer(name, "select_interval", select_interval, low=1,
-                                               allow_auto=True)
-        self.update_interval = _checks.integer(name, "update_interval", update_interval, low=1,
-                                               allow_auto=True)
-        self.auto_ratio = _checks.number(name, "auto_ratio", auto_ratio, low=0.0, low_open=True)
-        self.auto_update_bounds = _checks.interval_bounds(name, "auto_update_bounds",
-                                                          auto_update_bounds)
-        self.full_warm_up_rounds = _checks.integer(name, "full_warm_up_rounds",
-                                                   full_warm_up_rounds, low=0)
-        if not isinstance(overlap_step, bool):
-            raise TypeError(f"{name}: overlap_step must be True or False, got {overlap_step!r}")
-        self.overlap_step = overlap_step
-        self.max_grad_norm = (None if max_grad_norm is None else
-                              _checks.number(name, "max_grad_norm", max_grad_norm, low=0.0,
-                                             low_open=True))
-        self.importance = _checks.choice(name, "importance", importance, ("l2", "l1"))
-        self.steps_per_epoch = (None if steps_per_epoch is None else
-                                _checks.integer(name, "steps_per_epoch", steps_per_epoch, low=1))
-        self.pt_reserved_cores_perc = _checks.between(name, "pt_reserved_cores_perc",
-                                                      pt_reserved_cores_perc, 0.0, 1.0)
-        self.reselect_threshold = _checks.between(name, "reselect_threshold",
-                                                  reselect_threshold, 0.0, 1.0)
-        if not isinstance(worker, bool):
-            raise TypeError(f"{name}: worker must be True or False, got {worker!r}")
-        self.worker = worker
-        self._schedule = self._make_schedule()
-        environment_without_group(name, process_group)
-        if self.update_interval == "auto":
-            self._window = AutoWindow(self.auto_ratio, *self.auto_update_bounds,
-                                      overlap=self.overlap_step)
+        self.settings = ZenFlowSettings.from_arguments(
+            self._NAME, topk_ratio=topk_ratio, select_strategy=select_strategy,
+            select_interval=select_interval, update_interval=update_interval,
+            full_warm_up_rounds=full_warm_up_rounds, overlap_step=overlap_step,
+            max_grad_norm=max_grad_norm, importance=importance, steps_per_epoch=steps_per_epoch,
+            pt_reserved_cores_perc=pt_reserved_cores_perc, reselect_threshold=reselect_threshold,
+            auto_ratio=auto_ratio, auto_update_bounds=auto_update_bounds, worker=worker)
+        settings = self.settings
+        self._schedule = selection.SelectionSchedule.for_settings(settings, self._NAME)
+        environment_without_group(self._NAME, process_group)
+        if settings.update_interval == "auto":
+            self._window = AutoWindow(settings.auto_ratio, *settings.auto_update_bounds,
+                                      overlap=settings.overlap_step)
         else:
-            self._window = FixedWindow(self.update_interval)
-        params = _checks.param_list(name, params)
+            self._window = FixedWindow(settings.update_interval)
+        params = _checks.param_list(self._NAME, params)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.device = _checks.parameters(name, [p for g in self.param_groups for p in g["params"]])
+        self.device = _checks.parameters(self._NAME,
+                                         [p for g in self.param_groups for p in g["params"]])
         self._partition = Partition.from_group(process_group, self.device)
         self._build()
 
-    def _make_schedule(self) -> selection.SelectionSchedule:
-        if self.select_interval == "auto":
-            return selection.SelectionSchedule(drift_threshold=self.reselect_threshold)
-        if self.select_strategy == "epoch":
-            if self.steps_per_epoch is None:
-                raise ValueError(f"{self._NAME}: select_strategy=\"epoch\" with select_interval="
-                                 f"{self.select_interval} needs steps_per_epoch")
-            return selection.SelectionSchedule(every_steps=self.select_interval *
-                                               self.steps_per_epoch)
-        return selection.SelectionSchedule(every_steps=self.select_interval)
+    def __getattr__(self, name: str):
+        """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in ZenFlowSettings.model_fields:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "_pipeline"):
             raise NotImplementedError(f"{self._NAME}: add_param_group after construction is not "
                                       "supported; pass every group to the constructor")
         super().add_param_group(param_group)
-        _checks.group_hyperparameters(self._NAME, self.param_groups[-1])
+        group = self.param_groups[-1]
+        AdamWHyperparameters.from_arguments(self._NAME, **{k: group[k] for k in
+                                                          AdamWHyperparameters.model_fields})
 
     def _build(self) -> None:
         self._host_params: list[_HostParam] = []
@@ -178,7 +149,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 if p.ndim >= 2 or self._VECTORS_ON_HOST:
-                    k = selection.num_selected(self.topk_ratio, p.numel() // p.shape[0]) \
+                    k = selection.num_selected(self.settings.topk_ratio, p.numel() // p.shape[0]) \
                         if p.ndim >= 2 else 0
                     cols = DeviceColumns.empty(p.shape[0] if p.ndim >= 2 else 1, k,
                                                self.device, step=0)
@@ -188,11 +159,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     self._device_params.append(_DeviceParam(p, group, DeviceVector.for_param(p)))
         self._timer = StepTimer()
         worker_cores = None
-        if self.worker and self._host_params:
+        if self.settings.worker and self._host_params:
             cores = local_rank_share(sorted(os.sched_getaffinity(0)))
-            worker_cores = split_cores(self.pt_reserved_cores_perc, cores)[1]
+            worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
-                                      self.device, self.overlap_step, worker_cores, self._timer,
+                                      self.device, self.settings.overlap_step, worker_cores, self._timer,
                                       self._NAME)
         self._closed = False
         self._step = 0               # optimizer steps taken (skipped ones not counted)
@@ -230,14 +201,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         norms = dict(zip(grads, gradient_norms(list(grads.values()))))
         clip_coef = None
         if not self._amp_found_inf():
-            clip_coef = clip_coefficient(list(norms.values()), self.max_grad_norm,
+            clip_coef = clip_coefficient(list(norms.values()), self.settings.max_grad_norm,
                                          self._amp_grad_scale())
         if clip_coef is None:
             self._skip()
             return loss
         self._consecutive_skips = 0
 
-        warming_up = self._step < self.full_warm_up_rounds
+        warming_up = self._step < self.settings.full_warm_up_rounds
         if not warming_up and self._window_steps == 0:
             self._maybe_select(grads)
         self._pipeline.stage({m.index: grads[m.param] for m in self._host_params
@@ -250,7 +221,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if warming_up or self._window_ends():
             if not warming_up:
                 log.debug("step %d: end window: %s", self._step, self._window.reason)
-            self._end_window(synchronous=warming_up or not self.overlap_step)
+            self._end_window(synchronous=warming_up or not self.settings.overlap_step)
         self._pipeline.fence()
         self._step += 1
         self._timer.end()
@@ -407,7 +378,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             retained = self._retained_fraction(movable, importances)
         if self._schedule.due(retained):
             log.debug("step %d: reselect (%s)", self._step,
-                      f"retained importance {retained:.3f} < {self.reselect_threshold}"
+                      f"retained importance {retained:.3f} < {self.settings.reselect_threshold}"
                       if retained is not None else f"{self._schedule.every_steps} steps passed")
             self._install_in_flight()  # state can only move once the host is drained
             self._select(movable, importances, first=False)
@@ -426,15 +397,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 continue
             if self._partition.active:
                 g = columns.as_matrix(g)[self._pipeline.rows[m.index]]
-            norms = selection.column_importance(g, self.importance)
-            partial.append(norms.square_() if self.importance == "l2" and
+            norms = selection.column_importance(g, self.settings.importance)
+            partial.append(norms.square_() if self.settings.importance == "l2" and
                            self._partition.active else norms)
         if not self._partition.active or not partial:
             return partial
         # On the device under NCCL; sum_ copies through the CPU only for gloo.
         flat = self._partition.sum_(torch.cat(partial), "exchanging column norms")
         out = list(flat.split([m.num_columns for m in todo]))
-        return [t.sqrt() for t in out] if self.importance == "l2" else out
+        return [t.sqrt() for t in out] if self.settings.importance == "l2" else out
 
     def _retained_fraction(self, todo: list[_HostParam], importances) -> float:
         held = best = 0.0
@@ -493,13 +464,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             "skipped_steps": self.skipped_steps,
             "windows": self.num_windows,
             "reselections": self.num_reselections,
-            "update_interval": self.update_interval,
+            "update_interval": self.settings.update_interval,
             "last_window_steps": self._window.last_interval,
             "retained_importance": self._schedule.last_retained,
             "world_size": self._partition.world_size,
             "collective_bytes_sent": dict(self._partition.bytes_sent),
             "host_busy_s": self._runner.busy_seconds,
-            "worker": self.worker and bool(self._host_params),
+            "worker": self.settings.worker and bool(self._host_params),
             "host_bytes": self._pipeline.nbytes(),
             "host_bytes_per_param": self._pipeline.nbytes() / max(1, host_numel),
             "pinned_bytes": self._pipeline.pinned_bytes(),

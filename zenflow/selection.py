@@ -64,6 +64,18 @@ class SelectionSchedule:
         self.windows_since_check = 0
         self.last_retained = 1.0
 
+    @classmethod
+    def for_settings(cls, settings, owner: str) -> "SelectionSchedule":
+        """The schedule that a ZenFlowSettings asks for (`owner` names the optimizer in errors)."""
+        if settings.select_interval == "auto":
+            return cls(drift_threshold=settings.reselect_threshold)
+        if settings.select_strategy == "epoch":
+            if settings.steps_per_epoch is None:
+                raise ValueError(f"{owner}: select_strategy=\"epoch\" with select_interval="
+                                 f"{settings.select_interval} needs steps_per_epoch")
+            return cls(every_steps=settings.select_interval * settings.steps_per_epoch)
+        return cls(every_steps=settings.select_interval)
+
     def selected(self, step: int) -> None:
         self.last_selection_step = step
         self.check_gap = 1

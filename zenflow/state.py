@@ -55,8 +55,8 @@ def optimizer_state_dict(opt) -> dict:
         "selected": opt._selected, "in_flight": host["in_flight"],
         "skipped_steps": opt.skipped_steps, "num_reselections": opt.num_reselections,
         "num_windows": opt.num_windows, "schedule": opt._schedule.state_dict(),
-        "window": opt._window.state_dict(), "topk_ratio": opt.topk_ratio,
-        "overlap_step": opt.overlap_step, "world_size": opt._partition.world_size,
+        "window": opt._window.state_dict(), "topk_ratio": opt.settings.topk_ratio,
+        "overlap_step": opt.settings.overlap_step, "world_size": opt._partition.world_size,
         "rank": opt._partition.rank}}
 
 
@@ -90,9 +90,9 @@ def validate(opt, state_dict: dict) -> dict:
     if saved.get("rank", 0) != opt._partition.rank:
         _fail(opt, f"this is rank {opt._partition.rank} but the state belongs to rank "
                    f"{saved.get('rank', 0)}")
-    if saved["topk_ratio"] != opt.topk_ratio:
+    if saved["topk_ratio"] != opt.settings.topk_ratio:
         _fail(opt, f"saved topk_ratio {saved['topk_ratio']} differs from this optimizer's "
-                   f"{opt.topk_ratio}")
+                   f"{opt.settings.topk_ratio}")
     index_of = _index_of(opt)
     states = state_dict["state"]
     for m in opt._host_params:
