@@ -1,4 +1,4 @@
-"""The rules a setting's value must follow, shared by the optimizer constructors and the JSON config.
+"""The rules a setting's value must follow, the same for the constructors and the JSON config.
 
 Each rule is a pydantic type (`Annotated[..., rule(check)]`) that checks a value once, for both
 entry points. A broken rule says what is allowed in the words of the place the value came from:
