@@ -167,7 +167,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
         self._pipeline.check()  # a dead worker fails this step, not only the next window end
-        self._outside_writes.adopt(self._selector.made)
+        self._outside_writes.adopt(self._selector.has_chosen)
         grads = present_gradients(self.param_groups, self.device, self._NAME)
         if not grads:
             return loss
@@ -186,10 +186,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         warming_up = count.step < self.settings.full_warm_up_rounds
         if not warming_up and count.window_steps == 0:
             self._select_columns(grads)
+        chosen = self._selector.has_chosen
         self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
-                              if m.param in grads and m.host_owns_columns(self._selector.made)})
-        device_update(self._host_params if self._selector.made else [], self._vector_params,
-                      grads, clip_coef)
+                              if m.param in grads and m.host_owns_columns(chosen)})
+        device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
         if not warming_up and isinstance(self._window, AutoWindow):
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
             if present:
@@ -254,8 +254,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         newer columns back over it."""
         for i in self._pipeline.install():
             m: HostParam = self._host_params[i]
-            if self._selector.made and m.k > 0:
-                m.write_selected()
+            if self._selector.has_chosen and m.k > 0:
+                m.param_from_selected()
 
     def _select_columns(self, grads) -> None:
         plan = self._selector.plan(self.counters.step, grads)
@@ -270,7 +270,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Wait for the in-flight host update and install it now (before evaluation or saving
         the final model). Training continues correctly afterwards; the update is just visible
         earlier than the overlap schedule would make it."""
-        self._outside_writes.adopt(self._selector.made)
+        self._outside_writes.adopt(self._selector.has_chosen)
         self._install_in_flight()
 
     # ------------------------------------------------------------------ lifecycle

@@ -31,16 +31,16 @@ class HostParam:
         return self.param.numel() // max(1, self.param.shape[0]) if self.param.ndim >= 2 else \
             self.param.numel()
 
-    def host_owns_columns(self, selection_made: bool) -> bool:
+    def host_owns_columns(self, columns_chosen: bool) -> bool:
         """Whether some of its columns are updated on the host (all of them before selection)."""
-        return not selection_made or self.k < self.num_columns
+        return not columns_chosen or self.k < self.num_columns
 
-    def read_selected(self) -> None:
+    def selected_from_param(self) -> None:
         """The selected columns' master values := the parameter's (weights written outside)."""
         columns.gather_columns(columns.as_matrix(self.param.detach()),
                                self.selected.column_indices, out=self.selected.master)
 
-    def write_selected(self) -> None:
+    def param_from_selected(self) -> None:
         """The parameter's selected columns := their device master values, which are newer than
         the host's (after the host's update of the other columns was installed)."""
         columns.scatter_columns(columns.as_matrix(self.param.data), self.selected.column_indices,
@@ -54,7 +54,7 @@ class VectorParam:
     group: dict
     state: DeviceVector
 
-    def read_param(self) -> None:
+    def master_from_param(self) -> None:
         """The master values := the parameter's (weights written outside the optimizer)."""
         if self.state.master.data_ptr() != self.param.data_ptr():
             self.state.master.copy_(self.param.detach())
@@ -121,7 +121,7 @@ class OutsideWrites:
         self.pipeline, self.owner = pipeline, owner
         self.forget()
 
-    def adopt(self, selection_made: bool) -> None:
+    def adopt(self, columns_chosen: bool) -> None:
         host = [m for m in self.host_params if m.param._version != self._versions[m.param]]
         vectors = [v for v in self.vector_params if v.param._version != self._versions[v.param]]
         if not host and not vectors:
@@ -130,10 +130,10 @@ class OutsideWrites:
                  self.owner, len(host) + len(vectors))
         self.pipeline.adopt([m.host_index for m in host])
         for m in host:
-            if selection_made and m.k > 0:
-                m.read_selected()
+            if columns_chosen and m.k > 0:
+                m.selected_from_param()
         for v in vectors:
-            v.read_param()
+            v.master_from_param()
         self.forget()
 
     def forget(self) -> None:

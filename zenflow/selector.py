@@ -38,12 +38,12 @@ class ColumnSelector:
         self.partition = partition
         self.importance = importance     # "l2" or "l1"
         self.schedule = schedule
-        self.made = False             # columns chosen yet (not during warm-up)
+        self.has_chosen = False      # columns chosen yet (not during warm-up)
         self.num_reselections = 0
 
     def plan(self, step: int, grads: dict) -> SelectionPlan | None:
         """At a window boundary: what to select now, or None to keep the selection."""
-        if not self.made:
+        if not self.has_chosen:
             return SelectionPlan(True, self.matrices, self._importances(grads, self.matrices))
         movable = [m for m in self.matrices if m.k < m.num_columns]
         if not movable:
@@ -82,7 +82,7 @@ class ColumnSelector:
                 handoff.move_columns(m.selected, host, chosen, host_step, betas,
                                      self.pipeline.rows[m.host_index], m.param.shape[0],
                                      self.partition)
-        self.made = True
+        self.has_chosen = True
         self.schedule.selected(step)
         if not plan.first:
             self.num_reselections += 1
@@ -117,9 +117,9 @@ class ColumnSelector:
         return 1.0 if best == 0.0 else held / best
 
     def state_dict(self) -> dict:
-        return {"made": self.made, "num_reselections": self.num_reselections,
+        return {"has_chosen": self.has_chosen, "num_reselections": self.num_reselections,
                 "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.made, self.num_reselections = state["made"], state["num_reselections"]
+        self.has_chosen, self.num_reselections = state["has_chosen"], state["num_reselections"]
         self.schedule.load_state_dict(state["schedule"])

@@ -144,7 +144,7 @@ def save(opt) -> dict:
     as torch.optim.Optimizer.state_dict runs them."""
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
-    opt._outside_writes.adopt(opt._selector.made)
+    opt._outside_writes.adopt(opt._selector.has_chosen)
     state_dict = compose(opt)
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, state_dict)
