@@ -1,9 +1,10 @@
 """ZenFlow's settings: one validated object with one set of defaults.
 
-`ZenFlowSettings` holds the knobs of ZenFlowAdamW; every entry point builds it and the optimizer
-reads nothing else. The constructor builds it from its keyword arguments (`from_arguments`),
-the DeepSpeed JSON config from `zero_optimization.zenflow` (`ZenFlowConfig.zenflow_settings()`),
-the fine-tuning and benchmark runners from their options. Each value is checked by its rule in
+`ZenFlowSettings` holds the knobs of ZenFlowAdamW, which reads them from `self.settings` and
+nowhere else. The constructor builds it from its keyword arguments (`from_arguments`), the
+DeepSpeed JSON config from `zero_optimization.zenflow` (`ZenFlowConfig.zenflow_settings()`, which
+zenflow.initialize and `zenflow finetune --config` build their optimizer from); fine-tuning and
+the benchmark hand their options to the constructor. Each value is checked by its rule in
 `zenflow.rules`, the same rule for every entry point; a broken one raises a TypeError or
 ValueError that names the argument, the value and what is allowed.
 
