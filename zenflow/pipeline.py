@@ -32,6 +32,7 @@ from zenflow.accelerator import DONE, Ticket, Transfers
 from zenflow.distributed import Partition
 from zenflow.host import (FP32_KINDS, HostJob, HostLayout, HostState, InlineHostRunner,
                           command_matrices)
+from zenflow.state import check_saved_tensors
 from zenflow.telemetry import StepTimer
 
 log = logging.getLogger("zenflow")
@@ -66,9 +67,11 @@ class HostPipeline:
 
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
-        self._sum_slot = 0
-        self._staging_slot = 0
-        self._install_slot = 0
+        self._start_over()
+
+    def _start_over(self) -> None:
+        """No command queued, no buffer being read, no update in flight; every slot at 0."""
+        self._sum_slot = self._staging_slot = self._install_slot = 0
         # seq of the accumulate reading each staging buffer; the copy reading each install buffer
         self._staging_reader: list[int | None] = [None] * self.layout.staging_slots
         self._install_reader: list[Ticket] = [DONE] * self.layout.install_slots
@@ -173,10 +176,6 @@ class HostPipeline:
         self.timer.moved(d2h=nbytes)
         self.timer.offload(time.perf_counter() - start - waited)
 
-    def discard(self) -> None:
-        """Forget the staged gradients (a skipped step); their buffer is reused next time."""
-        self._staged = None
-
     def accumulate(self, scale: float) -> None:
         """Have the host add the staged gradients, times `scale`, to this window's sums."""
         if self._staged is None:
@@ -196,16 +195,17 @@ class HostPipeline:
                       sent)
         self._staging_slot = (slot + 1) % self.layout.staging_slots
 
-    def end_window(self, hyper: list[tuple]) -> bool:
-        """Hand the window's sums to the host: AdamW with `hyper[i]` = (lr, beta1, beta2, eps,
-        weight_decay) for every parameter that got a gradient. Returns whether any did. The
-        caller installs the previous window's update first (install()), per the overlap rule."""
+    def end_window(self, hyperparameters: list[tuple]) -> bool:
+        """Hand the window's sums to the host: AdamW with `hyperparameters[i]` = (lr, beta1,
+        beta2, eps, weight_decay) for every parameter that got a gradient. Returns whether any
+        did. The caller installs the previous window's update first (install()), per the overlap
+        rule."""
         assert self.in_flight is None, "install() the previous window first"
         jobs = []
         for i, n in enumerate(self.num_grads):
             if n:
                 self.host_step[i] += 1
-                jobs.append(HostJob(i, self.host_step[i], n, *hyper[i]))
+                jobs.append(HostJob(i, self.host_step[i], n, *hyperparameters[i]))
                 self.num_grads[i] = 0
         if not jobs:
             return False
@@ -305,20 +305,14 @@ class HostPipeline:
         in_flight = None if self.in_flight is None else list(self.in_flight["matrices"])
         return {"params": per_param, "in_flight": in_flight}
 
-    def validate(self, state: dict, owner: str) -> None:
-        saved = state["params"]
-        if len(saved) != len(self.params):
-            raise ValueError(f"{owner}: load_state_dict: saved host state has {len(saved)} "
-                             f"parameters, this optimizer has {len(self.params)}")
-        for i, s in enumerate(saved):
-            shape = self.host.fp32("master", i).shape
-            if tuple(s["master"].shape) != tuple(shape):
-                raise ValueError(f"{owner}: load_state_dict: saved host state of the parameter "
-                                 f"of shape {tuple(self.params[i].shape)} has shape "
-                                 f"{tuple(s['master'].shape)}, expected {tuple(shape)}")
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ValueError unless `state`, as state_dict() returns it, fits these parameters."""
+        for i, (saved, param) in enumerate(zip(state["params"], self.params)):
+            check_saved_tensors(saved, {kind: self.host.fp32(kind, i) for kind in FP32_KINDS},
+                                f"host state of the parameter of shape {tuple(param.shape)}")
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what state_dict() returned (call validate() first). After a worker died
+        """Restore what state_dict() returned (check_state_dict() it first). After a worker died
         mid-work this is the roll-back: every host buffer is overwritten and a new worker
         starts."""
         if self.torn:
@@ -327,17 +321,12 @@ class HostPipeline:
             self.torn = []
             self._queue.clear()
         self.drain()
-        self._queue.clear()
-        self._staged = None
-        self._sum_slot = self._staging_slot = self._install_slot = 0
-        self._staging_reader = [None] * self.layout.staging_slots
-        self._install_reader = [DONE] * self.layout.install_slots
+        self._start_over()
         for i, s in enumerate(state["params"]):
             for kind in FP32_KINDS:
                 self.host.fp32(kind, i).copy_(s[kind])
             self.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
             self.host_step[i], self.num_grads[i] = s["host_step"], s["num_grads"]
-        self.in_flight = None
         if state["in_flight"] is not None:
             # The update is done; its install buffer is rebuilt from the values it produced.
             for i in state["in_flight"]:
@@ -345,10 +334,7 @@ class HostPipeline:
             self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0}
             self._install_slot = 1 % self.layout.install_slots
 
-    # -- size and lifecycle -----------------------------------------------------------------------
-    def nbytes(self) -> int:
-        return self.host.nbytes()
-
+    # -- lifecycle --------------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
         return sum(self.host.arena.views[n].numel() * self.host.arena.views[n].element_size()
                    for n in self.layout.dma_regions()) if self.transfers.cuda else 0
