@@ -14,6 +14,7 @@ import torch
 import engine_toys as toys
 import test_checkpoint as tc
 from zenflow import checkpoint
+from zenflow.checkpoint_lock import TagLock
 from zenflow.checkpoint import CheckpointError, read_checkpoint, verify_checkpoint, \
     write_checkpoint
 
@@ -290,7 +291,7 @@ def test_bad_latest_is_a_checkpoint_error(tmp_path, content):
 def test_readers_share_the_tag_lock_and_a_saver_waits_for_them(tmp_path):
     _save(tmp_path, 1)
     saved = threading.Event()
-    with checkpoint._TagLock(tmp_path, "t", shared=True):
+    with TagLock(tmp_path, "t", shared=True):
         # Another reader (another rank loading the same checkpoint) is not held up...
         reader = threading.Thread(target=lambda: _version(tmp_path))
         reader.start()

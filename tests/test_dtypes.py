@@ -11,7 +11,7 @@ SHAPES = [(8, 10), (6, 4, 2), (10,)]
 def full_master(entry):
     """The fp32 master of a matrix, assembled from the host's and the device's columns."""
     full = entry["host"]["master"].clone()
-    full[:, entry["device"]["index"]] = entry["device"]["master"].cpu()
+    full[:, entry["device"]["column_indices"]] = entry["device"]["master"].cpu()
     return full
 
 

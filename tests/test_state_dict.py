@@ -82,3 +82,46 @@ def test_load_rejects_mismatched_state():
         opt.load_state_dict(torch.optim.AdamW(make().parameters()).state_dict())
     opt.close()
     other.close()
+
+
+@pytest.mark.parametrize("cls", [zenflow.ZenFlowAdamW, zenflow.OffloadAdamW])
+def test_torch_state_dict_hooks_run_around_saving_and_loading(cls):
+    make, loss_fn = MODELS["mlp"]
+    model = make()
+    opt = cls(model.parameters(), worker=False)
+    for t in range(3):
+        opt.zero_grad()
+        loss_fn(model, t).backward()
+        opt.step()
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save: pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": o.counters.step})
+
+    def drop_extra(o, sd):   # edits the dict it is given in place
+        calls.append("load: pre")
+        del sd["extra"]
+    opt.register_load_state_dict_pre_hook(drop_extra)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load: post"))
+    saved = opt.state_dict()
+    assert saved["extra"] == 3 and saved["zenflow"]["optimizer"] == cls.__name__
+    opt.load_state_dict(saved)
+    assert calls == ["save: pre", "load: pre", "load: post"]
+    assert "extra" in saved   # loading works on a copy, as torch's does
+    opt.close()
+
+
+def test_a_state_of_other_shapes_is_refused_naming_the_parameter_and_the_part():
+    small = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+    wide = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 5))
+    with zenflow.ZenFlowAdamW(small.parameters(), worker=False) as opt, \
+            zenflow.ZenFlowAdamW(wide.parameters(), worker=False) as other:
+        saved = other.state_dict()
+        before = opt.state_dict()
+        with pytest.raises(ValueError, match=r"ZenFlowAdamW: load_state_dict: the selected "
+                                             r"columns of the parameter of shape \(3, 8\): "
+                                             r"saved master is \(5, 1\), expected \(3, 1\)"):
+            opt.load_state_dict(saved)
+        after = opt.state_dict()
+        assert all(torch.equal(a, b) for a, b in zip(after["state"][2]["host"].values(),
+                                                      before["state"][2]["host"].values())
+                   if torch.is_tensor(a))

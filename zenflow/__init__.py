@@ -12,12 +12,13 @@ from zenflow.engine import ZenFlowEngine, initialize
 from zenflow.integrations import find_optimizer, find_optimizers
 from zenflow.offload import OffloadAdamW
 from zenflow.optimizer import ZenFlowAdamW
+from zenflow.settings import ZenFlowSettings
 
 try:
     __version__ = _version("zenflow-torch")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["ZenFlowAdamW", "OffloadAdamW", "initialize", "ZenFlowEngine", "init_distributed",
-           "add_config_arguments", "comm", "get_accelerator", "find_optimizer",
+__all__ = ["ZenFlowAdamW", "OffloadAdamW", "ZenFlowSettings", "initialize", "ZenFlowEngine",
+           "init_distributed", "add_config_arguments", "comm", "get_accelerator", "find_optimizer",
            "find_optimizers", "__version__"]

@@ -1,93 +1,15 @@
-"""Argument checks shared by the optimizers: each error names the argument, value and what is allowed."""
+"""Checks of the `params` argument shared by the optimizers: each error names the argument (or the
+parameter), the value and what is allowed. The other arguments are settings, checked by the
+rules in zenflow.rules (zenflow.settings)."""
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
-
-from zenflow import _limits
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _fail(owner: str, message: str, exc=ValueError):
     raise exc(f"{owner}: {message}")
-
-
-def number(owner: str, name: str, value, *, low=None, high=None, low_open=False, high_open=False):
-    """A finite real number in [low, high] (open ends as asked); `high` defaults to the sane
-    bound for `name` in `_limits.FLOAT_MAX`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _fail(owner, f"{name} must be a number, got {value!r:.100}", TypeError)
-    value = float(value)
-    if value != value:
-        _fail(owner, f"{name} must not be NaN")
-    if high is None:
-        high = _limits.FLOAT_MAX.get(name)
-    if low is not None and (value < low or (low_open and value == low)):
-        _fail(owner, f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
-    if high is not None and (value > high or (high_open and value == high)):
-        _fail(owner, f"{name} must be {'<' if high_open else '<='} {high}, got {value}")
-    if not math.isfinite(value):
-        _fail(owner, f"{name} must be finite, got {value}")
-    return value
-
-
-def between(owner: str, name: str, value, low, high):
-    value = number(owner, name, value)
-    if not low <= value <= high:
-        _fail(owner, f"{name} must be between {low} and {high}, got {value}")
-    return value
-
-
-def integer(owner: str, name: str, value, *, low: int, high: int | None = None,
-            allow_auto: bool = False):
-    """An integer in [low, high]; `high` defaults to `_limits.INT_MAX` for `name`, else
-    `_limits.MAX_STEPS`."""
-    if high is None:
-        high = _limits.INT_MAX.get(name, _limits.MAX_STEPS)
-    if allow_auto and isinstance(value, str):
-        if value != "auto":
-            _fail(owner, f"{name} must be an integer >= {low} or \"auto\", got {value!r:.100}")
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        allowed = f"an integer >= {low}" + (' or "auto"' if allow_auto else "")
-        _fail(owner, f"{name} must be {allowed}, got {value!r:.100}", TypeError)
-    if value < low:
-        _fail(owner, f"{name} must be >= {low}, got {value}")
-    if value > high:
-        _fail(owner, f"{name} must be <= {high}, got {value}")
-    return int(value)
-
-
-def interval_bounds(owner: str, name: str, value) -> tuple[int, int]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        _fail(owner, f"{name} must be a pair (min_steps, max_steps), got {value!r:.100}",
-              TypeError)
-    low = integer(owner, f"{name}[0]", value[0], low=1, high=_limits.MAX_INTERVAL)
-    high = integer(owner, f"{name}[1]", value[1], low=1, high=_limits.MAX_INTERVAL)
-    if high < low:
-        _fail(owner, f"{name} must have min <= max, got {tuple(value)}")
-    return low, high
-
-
-def choice(owner: str, name: str, value, allowed: tuple[str, ...]):
-    if not isinstance(value, str) or value not in allowed:
-        _fail(owner, f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r:.100}")
-    return value
-
-
-def group_hyperparameters(owner: str, group: dict) -> None:
-    """The AdamW hyperparameters of one param group."""
-    number(owner, "lr", group["lr"], low=0.0)
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        _fail(owner, f"betas must be a pair (beta1, beta2), got {betas!r:.100}", TypeError)
-    for i, beta in enumerate(betas):
-        number(owner, f"betas[{i}]", beta, low=0.0, high=1.0, high_open=True)
-    number(owner, "eps", group["eps"], low=0.0)
-    number(owner, "weight_decay", group["weight_decay"], low=0.0)
 
 
 def _tensors(owner: str, where: str, values) -> list:

@@ -1,8 +1,9 @@
-"""Sane bounds shared by the optimizer constructors (`_checks`) and the JSON config (`config`).
+"""Sane bounds of the settings' values, the one source of numeric limits for `rules`.
 
 Values outside them are not meaningful AdamW settings (an lr of 1e30 turns every weight into
 inf in one step, an update_interval of 1e30 never updates the host columns), so both entry
-points refuse them with the same limits. Torch-free, so `zenflow check-config` stays light.
+points (the optimizer constructors and the JSON config) refuse them with the same limits.
+Torch-free, so `zenflow check-config` stays light.
 """
 from __future__ import annotations
 
@@ -14,6 +15,3 @@ MAX_STEPS = 10**9        # step counts and sizes: warm-up rounds, schedule lengt
                          # select_interval (a huge one is the idiom for "never reselect")
 MAX_LOSS_SCALE = 2.0**64
 
-# Upper bounds by argument name, for checks that are given only a name.
-FLOAT_MAX = {"lr": MAX_LR, "eps": MAX_EPS, "weight_decay": MAX_WEIGHT_DECAY, "auto_ratio": 1.0}
-INT_MAX = {"update_interval": MAX_INTERVAL, "select_interval": MAX_STEPS}

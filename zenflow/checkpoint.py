@@ -5,10 +5,10 @@ hidden staging directory next to it, every file is fsynced, the manifest is writ
 only then does it take the tag's name (a rename is atomic on one file system); a tag being
 overwritten is first renamed away and deleted only after the new one holds its name. The
 `latest` file, which names the newest tag as in DeepSpeed, is replaced atomically afterwards.
-Saves of one tag hold a lock, so concurrent savers take turns. A crash at any point leaves
-either the previous checkpoint or the complete new one (an interrupted overwrite is finished
-or undone by the next save or load of that tag), and a directory that was damaged later
-(truncated copy, missing file) fails verification on load.
+Saves of one tag hold a lock (`checkpoint_lock.TagLock`), so concurrent savers take turns. A
+crash at any point leaves either the previous checkpoint or the complete new one (an
+interrupted overwrite is finished or undone by the next save or load of that tag), and a
+directory that was damaged later (truncated copy, missing file) fails verification on load.
 
 Every file is read with torch.load(weights_only=True) and written only if such a load accepts
 it: a checkpoint holds tensors and plain data, and loading one never runs code.
@@ -21,17 +21,13 @@ import os
 import pickle
 import re
 import shutil
-import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
+from zenflow.checkpoint_lock import TagLock
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -78,74 +74,6 @@ def check_tag(tag: str) -> str:
         raise ValueError(f"checkpoint tag must be a plain directory name (no '/', not starting "
                          f"with '.', not {LATEST!r}), got {tag!r}")
     return tag
-
-
-class _TagLock:
-    """The lock of one tag, `<save_dir>/.<tag>.lock`: exclusive for a saver, shared for readers
-    (so that the ranks of a job load one checkpoint at once); the file is removed on release.
-
-    With fcntl the lock dies with its holder, so a crashed saver never blocks the next one; the
-    file is unlinked while still held exclusively (the last reader out upgrades to do it), and a
-    waiter that wakes up on an unlinked file retries. Without fcntl (Windows) the file itself is
-    the saver's lock (O_EXCL), a stale one is reported, and readers do not lock.
-    """
-
-    def __init__(self, save_dir: Path, tag: str, timeout: float = 600.0, optional: bool = False,
-                 shared: bool = False):
-        self.path = save_dir / f".{tag}.lock"
-        self.timeout = timeout
-        self.optional = optional  # a reader in a read-only directory goes on without the lock
-        self.shared = shared
-        self.fd: Optional[int] = None
-
-    def __enter__(self):
-        if fcntl is None and self.shared:
-            return self
-        if fcntl is not None:
-            while True:
-                try:
-                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-                except OSError:
-                    if self.optional:
-                        return self
-                    raise
-                fcntl.flock(fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
-                try:
-                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-                except FileNotFoundError:
-                    same = False
-                if same:
-                    self.fd = fd
-                    return self
-                os.close(fd)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                return self
-            except PermissionError:
-                if self.optional:
-                    return self
-                raise
-            except FileExistsError:
-                if time.monotonic() > deadline:
-                    raise CheckpointError(
-                        f"another save of this tag holds {str(self.path)!r} since more than "
-                        f"{self.timeout:g} s; if no other process is saving, delete that file")
-                time.sleep(0.05)
-
-    def __exit__(self, *exc):
-        if self.fd is None:
-            return
-        try:
-            if self.shared:  # remove the file only if no one else holds or awaits it
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(self.path)
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(self.fd)
-            self.fd = None
 
 
 def _fault_point(stage: str) -> None:
@@ -250,7 +178,7 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / tag
-    with _TagLock(save_dir, tag):
+    with TagLock(save_dir, tag):
         _recover(save_dir, tag)
         ident = uuid.uuid4().hex
         tmp = save_dir / f".{tag}.tmp-{ident}"
@@ -403,11 +331,11 @@ def read_checkpoint(load_dir: str | os.PathLike, tag: Optional[str], names: list
     tag = resolve_tag(load_dir, tag)
     path = load_dir / tag
     if not os.path.lexists(path) and load_dir.is_dir():
-        with _TagLock(load_dir, tag, optional=True) as lock:
+        with TagLock(load_dir, tag, optional=True) as lock:
             if lock.fd is not None:
                 _recover(load_dir, tag)  # finish an overwrite that a crash interrupted
     # A shared lock: a save of this tag cannot swap the directory mid-read; other readers can.
-    with _TagLock(load_dir, tag, optional=True, shared=True):
+    with TagLock(load_dir, tag, optional=True, shared=True):
         manifest = verify_checkpoint(path)
         missing = [n for n in names if n not in manifest["files"]]
         if missing:

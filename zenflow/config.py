@@ -3,10 +3,9 @@
 A config is validated completely before any work starts. Every problem is reported as a
 `key.path message, got value` line, e.g.
 `zero_optimization.zenflow.topk_ratio must be between 0 and 1, got 1.5`.
-Reading (`config_input`: files, dicts, encodings, duplicate keys), the schema
-(`config_schema`: blocks and defaults) and its typed bounds (`config_types`, with the limits
-shared with the constructors in `_limits`) live in their own modules; the names are
-re-exported here.
+Reading (`config_input`: files, dicts, encodings, duplicate keys) and the schema
+(`config_schema`: blocks and defaults, its values checked by the rules in `rules` that the
+optimizer constructors use too) live in their own modules; the names are re-exported here.
 
 Keys that DeepSpeed accepts but that change nothing here (logging, communication tuning,
 bucket sizes, ...) are accepted and listed in `ZenFlowConfig.ignored_keys`, so the engine can
@@ -69,25 +68,16 @@ OPTIMIZER_CLASS = {"zenflow": "zenflow.ZenFlowAdamW", "offload": "zenflow.Offloa
 
 
 def optimizer_kwargs(cfg: ZenFlowConfig) -> dict:
-    """Keyword arguments for the optimizer the config selects; the zenflow block maps one to one.
-
-    `max_grad_norm` is only set for our optimizers, which clip inside step(); for plain AdamW
-    the engine clips with torch.nn.utils.clip_grad_norm_.
-    """
-    params = cfg.optimizer.params if cfg.optimizer else AdamParams()
-    kwargs = {"lr": params.lr, "betas": tuple(params.betas), "eps": params.eps,
-              "weight_decay": params.weight_decay}
-    clip = cfg.gradient_clipping or None
+    """Keyword arguments for the optimizer the config selects: the optimizer block's AdamW
+    numbers; for ZenFlowAdamW the zenflow block's keys, mapped one to one onto its settings; for
+    both of ours gradient_clipping as `max_grad_norm`. (Plain AdamW is clipped by the engine with
+    torch.nn.utils.clip_grad_norm_.)"""
+    kwargs = cfg.hyperparameters().model_dump()
     if cfg.optimizer_kind == "zenflow":
-        zf = cfg.zenflow
-        kwargs.update(topk_ratio=zf.topk_ratio, select_strategy=zf.select_strategy,
-                      select_interval=zf.select_interval, update_interval=zf.update_interval,
-                      full_warm_up_rounds=zf.full_warm_up_rounds, overlap_step=zf.overlap_step,
-                      max_grad_norm=clip, steps_per_epoch=zf.steps_per_epoch,
-                      pt_reserved_cores_perc=zf.pt_reserved_cores_perc,
-                      auto_ratio=zf.auto_ratio)
+        mapped = set(ZenFlowSection.model_fields) - {"offload"} | {"max_grad_norm"}
+        kwargs.update(cfg.zenflow_settings().model_dump(include=mapped))
     elif cfg.optimizer_kind == "offload":
-        kwargs.update(max_grad_norm=clip)
+        kwargs.update(max_grad_norm=cfg.max_grad_norm)
     return kwargs
 
 

@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Union
 
+from zenflow.rules import ERROR_TYPE as RULE_ERROR
+
 MAX_DEPTH = 32                # a DeepSpeed config is 4 levels deep
 MAX_FILE_BYTES = 16 * 2**20   # a DeepSpeed config is a few kB
 _MAX_LINE = 300
@@ -187,6 +189,8 @@ def _path(loc: tuple) -> str:
 def _describe(err: dict) -> tuple[str, str]:
     kind, msg, value = err["type"], err["msg"], err.get("input")
     path = _path(err["loc"])
+    if kind == RULE_ERROR:  # a broken zenflow.rules rule, in JSON's words
+        return path + err["ctx"]["where"], err["ctx"]["json"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
         if msg.startswith("@"):  # a model-level check naming its own key, relative to the model

@@ -12,11 +12,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from zenflow import _limits
 from zenflow.config_input import validation_problems
-from zenflow.config_types import (STRICT, AutoOrInterval, AutoOrSelectInterval, Bool, Eps,
-                                  Fraction, Iteration, LearningRate, LossScale, NonNegFloat,
-                                  NonNegInt, PosInt, WeightDecay, between, bounded)
+from zenflow.rules import (Betas, Eps, Exponent, Flag, Fraction, Iteration, LearningRate,
+                           LossScale, MinLossScale, NonNegFloat, NonNegInt, PosInt, Ratio,
+                           SelectInterval, SelectStrategy, UpdateInterval, WeightDecay)
+from zenflow.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 
 
 class _Section(BaseModel):
@@ -36,28 +36,37 @@ class _Section(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------
-# zero_optimization.zenflow: every key DeepSpeed 0.19 accepts, with its defaults.
+# zero_optimization.zenflow: every key DeepSpeed 0.19 accepts.
 
 class ZenFlowSection(_Section):
+    """The keys of DeepSpeed's zenflow block: each is the ZenFlowSettings field of that name,
+    checked by the same rule. A key left out takes DeepSpeed 0.19's default, so that a DeepSpeed
+    config trains here as it does under DeepSpeed: ZenFlowSettings' default, except for
+    update_interval and overlap_step (marked)."""
+
     # DeepSpeed's `offload` moves the selected columns' state to the host; ours is ~10% of the
     # model in fp32 on the device, so the key is accepted and has no effect.
     _ignored = ("offload",)
 
-    topk_ratio: Fraction = 0.1
-    select_strategy: Literal["auto", "step", "epoch"] = "auto"
-    select_interval: AutoOrSelectInterval = "auto"
-    update_interval: AutoOrInterval = "auto"
-    overlap_step: Bool = False
-    offload: Bool = False
-    auto_ratio: Annotated[float, STRICT, between(0.0, 1.0, lo_open=True)] = 0.99
-    full_warm_up_rounds: NonNegInt = 0
-    pt_reserved_cores_perc: Fraction = 0.5
-    steps_per_epoch: Optional[PosInt] = None
+    topk_ratio: Fraction = DEFAULTS.topk_ratio
+    select_strategy: SelectStrategy = DEFAULTS.select_strategy
+    select_interval: SelectInterval = DEFAULTS.select_interval
+    update_interval: UpdateInterval = "auto"    # DeepSpeed's default
+    overlap_step: Flag = False                  # DeepSpeed's default
+    offload: Flag = False
+    auto_ratio: Ratio = DEFAULTS.auto_ratio
+    full_warm_up_rounds: NonNegInt = DEFAULTS.full_warm_up_rounds
+    pt_reserved_cores_perc: Fraction = DEFAULTS.pt_reserved_cores_perc
+    steps_per_epoch: Optional[PosInt] = DEFAULTS.steps_per_epoch
+
+    def settings(self, max_grad_norm: Optional[float]) -> ZenFlowSettings:
+        """The optimizer's settings: these keys, the clipping norm, and defaults for the rest."""
+        return ZenFlowSettings(**self.model_dump(exclude={"offload"}), max_grad_norm=max_grad_norm)
 
 
 class OffloadOptimizerSection(_Section):
     device: Literal["none", "cpu"] = "none"
-    pin_memory: Bool = False
+    pin_memory: Flag = False
     # Tuning knobs of DeepSpeed's own CPU/NVMe offload path.
     buffer_count: Any = None
     fast_init: Any = None
@@ -120,11 +129,14 @@ class ZeroSection(_Section):
 
 
 class AdamParams(_Section):
-    lr: LearningRate = 1e-3
-    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
-    eps: Eps = 1e-8
-    weight_decay: WeightDecay = 0.0
-    adam_w_mode: Bool = True
+    """optimizer.params: the AdamWHyperparameters fields, with DeepSpeed's defaults (its
+    weight_decay is 0; torch's, the constructors' default, is 0.01)."""
+
+    lr: LearningRate = ADAMW_DEFAULTS.lr
+    betas: Betas = ADAMW_DEFAULTS.betas
+    eps: Eps = ADAMW_DEFAULTS.eps
+    weight_decay: WeightDecay = 0.0    # DeepSpeed's default
+    adam_w_mode: Flag = True
     torch_adam: Any = None
     _ignored = ("torch_adam",)
 
@@ -133,9 +145,11 @@ class AdamParams(_Section):
         if not self.adam_w_mode:
             raise ValueError("@adam_w_mode is false (L2-regularised Adam), which is not supported: "
                              "ZenFlow implements AdamW (decoupled weight decay)")
-        if self.betas[0] >= 1 or self.betas[1] >= 1:
-            raise ValueError(f"@betas must each be in [0, 1), got {list(self.betas)}")
         return self
+
+    def hyperparameters(self) -> AdamWHyperparameters:
+        return AdamWHyperparameters(lr=self.lr, betas=self.betas, eps=self.eps,
+                                    weight_decay=self.weight_decay)
 
 
 class OptimizerSection(_Section):
@@ -223,21 +237,20 @@ class SchedulerSection(_Section):
 
 
 class FP16Section(_Section):
-    enabled: Bool = False
+    enabled: Flag = False
     loss_scale: LossScale = 0.0  # 0 means dynamic loss scaling
-    initial_scale_power: Annotated[int, Field(strict=True), between(0, 64)] = 16
+    initial_scale_power: Exponent = 16
     loss_scale_window: PosInt = 1000
     hysteresis: PosInt = 2
-    consecutive_hysteresis: Bool = False
-    min_loss_scale: Annotated[float, STRICT, bounded(0.0, _limits.MAX_LOSS_SCALE,
-                                                       lo_open=True)] = 1.0
+    consecutive_hysteresis: Flag = False
+    min_loss_scale: MinLossScale = 1.0
     auto_cast: Any = None
     fp16_master_weights_and_grads: Any = None
     _ignored = ("auto_cast", "fp16_master_weights_and_grads")
 
 
 class BF16Section(_Section):
-    enabled: Bool = False
+    enabled: Flag = False
     immediate_grad_update: Any = None
     check_grad_overflow: Any = None
     _ignored = ("immediate_grad_update", "check_grad_overflow")
@@ -333,6 +346,20 @@ class ZenFlowConfig(_Section):
     @property
     def zenflow(self) -> Optional[ZenFlowSection]:
         return self.zero_optimization.zenflow
+
+    @property
+    def max_grad_norm(self) -> Optional[float]:
+        """gradient_clipping as our optimizers take it (0, DeepSpeed's "off", is None)."""
+        return self.gradient_clipping or None
+
+    def hyperparameters(self) -> AdamWHyperparameters:
+        """The optimizer block's AdamW numbers (DeepSpeed's defaults when there is none)."""
+        return (self.optimizer.params if self.optimizer else AdamParams()).hyperparameters()
+
+    def zenflow_settings(self) -> ZenFlowSettings:
+        """ZenFlowAdamW's settings: the zenflow block's keys and gradient_clipping."""
+        assert self.zenflow is not None, "the config has no zero_optimization.zenflow block"
+        return self.zenflow.settings(self.max_grad_norm)
 
     @property
     def optimizer_kind(self) -> str:

@@ -11,17 +11,40 @@ import torch
 
 from zenflow import columns
 from zenflow.kernels import adamw_
+from zenflow.state import check_saved_tensors
+
+
+class _SavedAdamState:
+    """state_dict() and load_state_dict() of fp32 AdamW state: the tensors named in `SAVED`
+    and the integer step count."""
+    SAVED: tuple[str, ...] = ()
+    step: int
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, **{name: getattr(self, name).clone() for name in self.SAVED}}
+
+    def check_state_dict(self, state: dict, what: str = "") -> None:
+        """Raise ValueError, saying `what` failed, unless load_state_dict(state) would fit."""
+        check_saved_tensors(state, {name: getattr(self, name) for name in self.SAVED}, what)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        for name in self.SAVED:
+            getattr(self, name).copy_(state[name])
 
 
 @dataclass
-class DeviceColumns:
-    """The selected columns of one matrix: their indices and fp32 AdamW state, all on the device."""
-    index: torch.Tensor        # long [k], sorted ascending
-    master: torch.Tensor       # [out, k]
+class DeviceColumns(_SavedAdamState):
+    """The selected columns of one matrix: which they are and their fp32 AdamW state, on the
+    device."""
+    column_indices: torch.Tensor   # long [k], sorted ascending
+    master: torch.Tensor           # [out, k]
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int
-    grad: torch.Tensor         # [out, k] scratch for the gathered gradient columns
+    grad: torch.Tensor             # [out, k] scratch for the gathered gradient columns
+
+    SAVED = ("column_indices", "master", "exp_avg", "exp_avg_sq")
 
     @classmethod
     def empty(cls, rows: int, k: int, device: torch.device, step: int) -> "DeviceColumns":
@@ -29,19 +52,32 @@ class DeviceColumns:
             return torch.zeros(rows, k, dtype=torch.float32, device=device)
         return cls(torch.zeros(k, dtype=torch.long, device=device), z(), z(), z(), step, z())
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*(getattr(self, name) for name in self.SAVED), self.grad))
+
 
 @dataclass
-class DeviceVector:
+class DeviceVector(_SavedAdamState):
     """AdamW state of a vector parameter (bias, norm weight), always updated on the device."""
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
 
+    SAVED = ("master", "exp_avg", "exp_avg_sq")
+
     @classmethod
     def for_param(cls, param: torch.Tensor) -> "DeviceVector":
         master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
         return cls(master, torch.zeros_like(master), torch.zeros_like(master))
+
+    def nbytes(self, param: torch.Tensor) -> int:
+        """Bytes it adds to the device (an fp32 parameter is its own master)."""
+        owned = [self.exp_avg, self.exp_avg_sq]
+        if self.master.data_ptr() != param.data_ptr():
+            owned.append(self.master)
+        return sum(t.numel() * t.element_size() for t in owned)
 
 
 class _Batch:
@@ -57,7 +93,7 @@ class _Batch:
         self.exp_avg_sqs.append(exp_avg_sq)
 
 
-def hyper(group: dict) -> tuple[float, float, float, float, float]:
+def group_hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
     """(lr, beta1, beta2, eps, weight_decay) as plain floats, read from the group at each use."""
     beta1, beta2 = group["betas"]
     return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
@@ -74,18 +110,18 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
     """
     batches: dict[tuple, _Batch] = {}
     for param, grad, cols, group in matrices:
-        columns.gather_columns(columns.as_matrix(grad), cols.index, out=cols.grad)
+        columns.gather_columns(columns.as_matrix(grad), cols.column_indices, out=cols.grad)
         if clip_coef != 1.0:
             cols.grad.mul_(clip_coef)
         cols.step += 1
-        batches.setdefault((cols.step, *hyper(group)), _Batch()).add(
+        batches.setdefault((cols.step, *group_hyperparameters(group)), _Batch()).add(
             cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq)
     for param, grad, state, group in vectors:
         g = grad.float()
         if clip_coef != 1.0:
             g = g * clip_coef
         state.step += 1
-        batches.setdefault((state.step, *hyper(group)), _Batch()).add(
+        batches.setdefault((state.step, *group_hyperparameters(group)), _Batch()).add(
             state.master, g, state.exp_avg, state.exp_avg_sq)
 
     for (step, lr, beta1, beta2, eps, weight_decay), b in batches.items():
@@ -93,7 +129,7 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
                beta2=beta2, eps=eps, weight_decay=weight_decay)
 
     for param, _, cols, _ in matrices:
-        columns.scatter_columns(columns.as_matrix(param.data), cols.index, cols.master)
+        columns.scatter_columns(columns.as_matrix(param.data), cols.column_indices, cols.master)
     for param, _, state, _ in vectors:
         if state.master.data_ptr() != param.data.data_ptr():
             param.data.copy_(state.master)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from zenflow.config import ConfigError, optimizer_kwargs, scheduler_kwargs
+from zenflow.config import ConfigError, ZenFlowConfig, scheduler_kwargs
 from zenflow.fp32_masters import FP32Masters
 from zenflow.schedulers import build_scheduler
 
@@ -18,6 +18,25 @@ def core_optimizers():
     from zenflow.offload import OffloadAdamW
     from zenflow.optimizer import ZenFlowAdamW
     return ZenFlowAdamW, OffloadAdamW
+
+
+def optimizer_for_config(cfg: ZenFlowConfig, params, *, hyperparameters=None,
+                         steps_per_epoch: int | None = None) -> torch.optim.Optimizer:
+    """The optimizer a validated config asks for, over `params` (tensors or param groups):
+    ZenFlowAdamW with the config's ZenFlowSettings when zero_optimization.zenflow is present,
+    OffloadAdamW when only offload_optimizer.device is "cpu", torch.optim.AdamW otherwise (which
+    its caller clips). `hyperparameters` replaces the optimizer block's AdamW numbers;
+    `steps_per_epoch` fills in the zenflow block's when it has none (the engine's dataloader)."""
+    adamw = (hyperparameters or cfg.hyperparameters()).model_dump()
+    zenflow_cls, offload_cls = core_optimizers()
+    if cfg.optimizer_kind == "zenflow":
+        settings = cfg.zenflow_settings()
+        if settings.steps_per_epoch is None and steps_per_epoch is not None:
+            settings = settings.replace(steps_per_epoch=steps_per_epoch)
+        return zenflow_cls(params, **adamw, **settings.model_dump())
+    if cfg.optimizer_kind == "offload":
+        return offload_cls(params, **adamw, max_grad_norm=cfg.max_grad_norm)
+    return torch.optim.AdamW(params, **adamw)
 
 
 class EngineConstruction:
@@ -52,28 +71,24 @@ class EngineConstruction:
             if cfg.gradient_clipping and isinstance(opt, core_optimizers()):
                 log.warning("gradient_clipping is ignored for a %s passed to initialize: its own "
                             "max_grad_norm (%r) clips", type(opt).__name__,
-                            getattr(opt, "max_grad_norm", None))
+                            opt.settings.max_grad_norm)
             return opt
         if cfg.optimizer is None:
             raise ConfigError(["optimizer is missing: add an optimizer block "
                                "({\"type\": \"AdamW\", \"params\": {...}}) to the config or pass "
                                "optimizer= to initialize"])
-        kwargs = optimizer_kwargs(cfg)
-        if cfg.optimizer_kind == "zenflow":
-            zenflow_cls, _ = core_optimizers()
-            if kwargs["steps_per_epoch"] is None and self.training_dataloader is not None:
-                kwargs["steps_per_epoch"] = max(
-                    1, len(self.training_dataloader) // cfg.gradient_accumulation_steps)
-            return zenflow_cls(groups, **kwargs)
-        if cfg.optimizer_kind == "offload":
-            _, offload_cls = core_optimizers()
-            return offload_cls(groups, **kwargs)
-        if self.dtype != torch.float32:
+        steps_per_epoch = None
+        if cfg.zenflow is not None and cfg.zenflow.steps_per_epoch is None \
+                and self.training_dataloader is not None:
+            steps_per_epoch = max(1, len(self.training_dataloader)
+                                  // cfg.gradient_accumulation_steps)
+        if cfg.optimizer_kind == "adamw" and self.dtype != torch.float32:
+            # Plain AdamW steps fp32 copies of the low-precision weights.
             self._masters = FP32Masters(self._params)
             index = {id(p): i for i, p in enumerate(self._params)}
             groups = [dict(g, params=[self._masters.masters[index[id(p)]] for p in g["params"]])
                       for g in groups]
-        return torch.optim.AdamW(groups, **kwargs)
+        return optimizer_for_config(cfg, groups, steps_per_epoch=steps_per_epoch)
 
     def _make_scheduler(self, client_scheduler):
         spec = scheduler_kwargs(self.config)

@@ -29,25 +29,26 @@ def _host_columns(host_rows: torch.Tensor, cols: torch.Tensor, num_rows: int,
                                  "moving columns to the device")
 
 
-def take_from_host(dev: DeviceColumns, host: dict[str, torch.Tensor], index: torch.Tensor,
-                   host_step: int, num_rows: int, partition: Partition) -> None:
+def take_from_host(dev: DeviceColumns, host: dict[str, torch.Tensor],
+                   column_indices: torch.Tensor, host_step: int, num_rows: int,
+                   partition: Partition) -> None:
     """First selection: the device side starts at the host's count with the host's state."""
-    cpu_index = index.cpu()
-    dev.index.copy_(index)
+    cpu_index = column_indices.cpu()
+    dev.column_indices.copy_(column_indices)
     dev.step = host_step
     for name in _KINDS:
         getattr(dev, name).copy_(_host_columns(host[name], cpu_index, num_rows, partition))
 
 
-def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_index: torch.Tensor,
+def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices: torch.Tensor,
                  host_step: int, betas: tuple[float, float], rows: slice, num_rows: int,
                  partition: Partition) -> None:
     """Reselection: columns that leave the device go back to the host (this rank's rows), columns
     that join come from it; staying columns keep their device state."""
     beta_of = {"master": None, "exp_avg": betas[0], "exp_avg_sq": betas[1]}
-    old, new = dev.index.cpu(), new_index.cpu()
+    old, new = dev.column_indices.cpu(), new_indices.cpu()
     stays, leaves = torch.isin(new, old), ~torch.isin(old, new)
-    to_dev = dev.index.device
+    to_dev = dev.column_indices.device
 
     out_cols, out_pos = old[leaves], leaves.nonzero().flatten().to(to_dev)
     for name, beta in beta_of.items():
@@ -68,4 +69,4 @@ def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_index: t
             joining.mul_(moment_rescale(beta, host_step, dev.step))
         fresh.index_copy_(1, join_dst, joining.to(fresh.device))
         setattr(dev, name, fresh)
-    dev.index = new_index.to(to_dev)
+    dev.column_indices = new_indices.to(to_dev)

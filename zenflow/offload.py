@@ -10,6 +10,7 @@ AdamW runs in the training process on all of its threads, as DeepSpeed's ZeRO-Of
 from __future__ import annotations
 
 from zenflow.optimizer import ZenFlowAdamW
+from zenflow.settings import ADAMW_DEFAULTS, DEFAULTS
 
 
 class OffloadAdamW(ZenFlowAdamW):
@@ -18,9 +19,11 @@ class OffloadAdamW(ZenFlowAdamW):
     _NAME = "OffloadAdamW"
     _VECTORS_ON_HOST = True
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, max_grad_norm: float | None = None,
-                 worker: bool = False, process_group=None):
+    def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
+                 betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+                 eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
+                 *, max_grad_norm: float | None = DEFAULTS.max_grad_norm, worker: bool = False,
+                 process_group=None):
         super().__init__(params, lr, betas, eps, weight_decay, topk_ratio=0.0,
                          select_strategy="step", select_interval=1, update_interval=1,
                          overlap_step=False, max_grad_norm=max_grad_norm, worker=worker,

@@ -11,51 +11,45 @@ One step, top to bottom (docs/semantics.md):
 
 Warm-up steps (`full_warm_up_rounds`) are windows of one step with no column on the device.
 With `overlap_step`, a window's host update is installed at the end of the next window, so the
-host works while the device trains; otherwise it is installed before step() returns. The host
-side (buffers, copies, the worker) is `zenflow.pipeline.HostPipeline`.
+host works while the device trains; otherwise it is installed before step() returns.
+
+The parts this class drives: `zenflow.params` (each parameter, and where its state lives),
+`zenflow.selector.ColumnSelector` (choosing the columns, and choosing again),
+`zenflow.pipeline.HostPipeline` (the host side: buffers, copies, the worker), `zenflow.windows`
+(when a window ends); `zenflow.state` saves and loads them all; `zenflow.settings` holds the knobs.
 """
 from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import dataclass
 
 import torch
 
-from zenflow import _checks, columns, handoff, selection
-from zenflow.device_adam import DeviceColumns, DeviceVector, device_step, hyper
+from zenflow import _checks, selection
+from zenflow import state as state_format
+from zenflow.device_adam import group_hyperparameters
 from zenflow.distributed import Partition, environment_without_group, local_rank_share
 from zenflow.kernels import clip_coefficient, gradient_norms
+from zenflow.params import (HostParam, OutsideWrites, device_state_bytes, device_update,
+                            importance_split, present_gradients, sort_params)
 from zenflow.pipeline import HostPipeline
+from zenflow.selector import ColumnSelector
+from zenflow.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
+from zenflow.state import StepCounters
 from zenflow.telemetry import StepTimer
-from zenflow.windows import AutoWindow, FixedWindow
+from zenflow.windows import AutoWindow, StepPeriod, window_for
 from zenflow.worker import split_cores
 
 log = logging.getLogger("zenflow")
 
 
-@dataclass
-class _HostParam:
-    """A parameter whose state lives on the host, except for its `k` selected columns."""
-    param: torch.nn.Parameter
-    group: dict
-    index: int                 # its number in the HostPipeline
-    k: int                     # number of columns updated on the device
-    columns: DeviceColumns     # the device side of the selected columns
-
-    @property
-    def num_columns(self) -> int:
-        return self.param.numel() // max(1, self.param.shape[0]) if self.param.ndim >= 2 else \
-            self.param.numel()
-
-
-@dataclass
-class _DeviceParam:
-    """A vector parameter (bias, norm weight): plain AdamW on the device, every step."""
-    param: torch.nn.Parameter
-    group: dict
-    state: DeviceVector
+def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings) -> tuple:
+    """(lr, beta1, beta2, eps, weight_decay, lookahead) of a window's host update of a matrix in
+    `group` that summed `num_grads` gradients (docs/semantics.md, "Window end")."""
+    lr, *rest = group_hyperparameters(group)
+    if settings.deferred_credit == "window":
+        lr *= num_grads
+    return (lr, *rest, settings.install_lookahead)
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -66,40 +60,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             Parameters that do not require grad are kept in the groups and skipped, as
             torch.optim does; they cost no host memory.
         lr, betas, eps, weight_decay: as in torch.optim.AdamW; read from param_groups at each use.
-        topk_ratio: fraction of each matrix's columns (input channels) updated on the device.
-        select_strategy: "step", "epoch" or "auto" (= "step").
-        select_interval: steps (or epochs) between reselections, or "auto": reselect when the
-            selected columns hold less than `reselect_threshold` of the best columns' importance.
-        update_interval: steps per host window, or "auto": end a window when the deferred
-            columns' summed gradient reaches one important step (see zenflow/windows.py).
-        auto_ratio: the "auto" window threshold (DeepSpeed's key and default).
-        auto_update_bounds: (min, max) window length for update_interval="auto".
-        full_warm_up_rounds: initial steps that update every parameter fully (on the host).
-        overlap_step: install each window's host update one window later, hiding the host's work.
-        max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
-        importance: "l2" or "l1" column norm.
-        deferred_credit: how a window's host update credits the deferred columns. "mean" (the
-            default, ZenFlow's and DeepSpeed's): one AdamW step on the window's mean gradient.
-            "window": the same step with the learning rate times the number of gradients the
-            window summed, so deferred columns move about as far as AdamW would have moved them
-            over those steps. Use "window" with overlap_step=False: on a fine-tune it closes
-            most of the gap to AdamW there, while with overlap_step=True the larger, one window
-            stale steps overshoot (benchmarks/finetune_quality.py).
-        install_lookahead: the deferred columns' weights are installed this fraction of the
-            next host step ahead of the host's values (0: the values themselves). With
-            overlap_step=True the device computes gradients on weights one window behind the
-            host; leading them by the step the moments predict makes those gradients less stale.
-            The host's values stay exact: synchronize() installs them (do it before evaluating
-            or saving the model), and state_dict() holds them.
-        steps_per_epoch: needed by select_strategy="epoch".
-        pt_reserved_cores_perc: share of cores left to the training process (the rest: worker).
-        reselect_threshold: retained-importance fraction under which "auto" reselects. One
-            step's gradient is noisy: a few steps after a fresh selection the selected columns
-            hold 0.66-0.81 of the best columns' importance when nothing has drifted (measured:
-            MiniLM fine-tuned on BBC News, batch 16; a GPT from scratch), so the default 0.6
-            fires on drift, not on noise.
-        worker: run the host side in a separate worker process (False: in the training
-            process, synchronously; for debugging and for machines without a spare core).
+        topk_ratio, select_strategy, select_interval, update_interval, full_warm_up_rounds,
+        overlap_step, max_grad_norm, importance, deferred_credit, install_lookahead,
+        steps_per_epoch, pt_reserved_cores_perc, reselect_threshold, auto_ratio,
+        auto_update_bounds, worker: ZenFlow's knobs, the fields
+            of `zenflow.ZenFlowSettings` (which says what each does and holds the defaults);
+            the optimizer keeps them, validated, as `self.settings`.
         process_group: the torch.distributed group to partition the host state across (default:
             the default group when torch.distributed is initialized). Gradients must already be
             averaged across ranks (DDP or zenflow.initialize do it); the optimizer never reduces
@@ -113,121 +79,96 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # do for fp16 gradients: the unscale folds into the clipping factor the step applies anyway.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, topk_ratio: float = 0.1,
-                 select_strategy: str = "auto", select_interval="auto", update_interval=4,
-                 full_warm_up_rounds: int = 0, overlap_step: bool = True,
-                 max_grad_norm: float | None = None, importance: str = "l2",
-                 deferred_credit: str = "mean", install_lookahead: float = 0.0,
-                 steps_per_epoch: int | None = None, pt_reserved_cores_perc: float = 0.5,
-                 reselect_threshold: float = 0.6, auto_ratio: float = 0.99,
-                 auto_update_bounds: tuple[int, int] = (1, 16), worker: bool = True,
-                 process_group=None):
-        name = self._NAME
+    def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
+                 betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+                 eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
+                 *, topk_ratio: float = DEFAULTS.topk_ratio,
+                 select_strategy: str = DEFAULTS.select_strategy,
+                 select_interval: int | str = DEFAULTS.select_interval,
+                 update_interval: int | str = DEFAULTS.update_interval,
+                 full_warm_up_rounds: int = DEFAULTS.full_warm_up_rounds,
+                 overlap_step: bool = DEFAULTS.overlap_step,
+                 max_grad_norm: float | None = DEFAULTS.max_grad_norm,
+                 importance: str = DEFAULTS.importance,
+                 deferred_credit: str = DEFAULTS.deferred_credit,
+                 install_lookahead: float = DEFAULTS.install_lookahead,
+                 steps_per_epoch: int | None = DEFAULTS.steps_per_epoch,
+                 pt_reserved_cores_perc: float = DEFAULTS.pt_reserved_cores_perc,
+                 reselect_threshold: float = DEFAULTS.reselect_threshold,
+                 auto_ratio: float = DEFAULTS.auto_ratio,
+                 auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,
+                 worker: bool = DEFAULTS.worker, process_group=None):
         self._closed = True          # until the worker exists, close() has nothing to do
-        self.topk_ratio = _checks.between(name, "topk_ratio", topk_ratio, 0.0, 1.0)
-        self.select_strategy = _checks.choice(name, "select_strategy", select_strategy,
-                                              ("auto", "step", "epoch"))
-        self.select_interval = _checks.integer(name, "select_interval", select_interval, low=1,
-                                               allow_auto=True)
-        self.update_interval = _checks.integer(name, "update_interval", update_interval, low=1,
-                                               allow_auto=True)
-        self.auto_ratio = _checks.number(name, "auto_ratio", auto_ratio, low=0.0, low_open=True)
-        self.auto_update_bounds = _checks.interval_bounds(name, "auto_update_bounds",
-                                                          auto_update_bounds)
-        self.full_warm_up_rounds = _checks.integer(name, "full_warm_up_rounds",
-                                                   full_warm_up_rounds, low=0)
-        if not isinstance(overlap_step, bool):
-            raise TypeError(f"{name}: overlap_step must be True or False, got {overlap_step!r}")
-        self.overlap_step = overlap_step
-        self.max_grad_norm = (None if max_grad_norm is None else
-                              _checks.number(name, "max_grad_norm", max_grad_norm, low=0.0,
-                                             low_open=True))
-        self.importance = _checks.choice(name, "importance", importance, ("l2", "l1"))
-        self.deferred_credit = _checks.choice(name, "deferred_credit", deferred_credit,
-                                              ("mean", "window"))
-        self.install_lookahead = _checks.between(name, "install_lookahead", install_lookahead,
-                                                 0.0, 4.0)
-        self.steps_per_epoch = (None if steps_per_epoch is None else
-                                _checks.integer(name, "steps_per_epoch", steps_per_epoch, low=1))
-        self.pt_reserved_cores_perc = _checks.between(name, "pt_reserved_cores_perc",
-                                                      pt_reserved_cores_perc, 0.0, 1.0)
-        self.reselect_threshold = _checks.between(name, "reselect_threshold",
-                                                  reselect_threshold, 0.0, 1.0)
-        if not isinstance(worker, bool):
-            raise TypeError(f"{name}: worker must be True or False, got {worker!r}")
-        self.worker = worker
-        self._schedule = self._make_schedule()
-        environment_without_group(name, process_group)
-        if self.update_interval == "auto":
-            self._window = AutoWindow(self.auto_ratio, *self.auto_update_bounds,
-                                      overlap=self.overlap_step)
-        else:
-            self._window = FixedWindow(self.update_interval)
-        params = _checks.param_list(name, params)
+        self.settings = ZenFlowSettings.from_arguments(
+            self._NAME, topk_ratio=topk_ratio, select_strategy=select_strategy,
+            select_interval=select_interval, update_interval=update_interval,
+            full_warm_up_rounds=full_warm_up_rounds, overlap_step=overlap_step,
+            max_grad_norm=max_grad_norm, importance=importance, deferred_credit=deferred_credit,
+            install_lookahead=install_lookahead, steps_per_epoch=steps_per_epoch,
+            pt_reserved_cores_perc=pt_reserved_cores_perc, reselect_threshold=reselect_threshold,
+            auto_ratio=auto_ratio, auto_update_bounds=auto_update_bounds, worker=worker)
+        schedule = selection.SelectionSchedule.for_settings(self.settings, self._NAME)
+        self._window = window_for(self.settings)
+        environment_without_group(self._NAME, process_group)
+        params = _checks.param_list(self._NAME, params)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.device = _checks.parameters(name, [p for g in self.param_groups for p in g["params"]])
+        self.device = _checks.parameters(self._NAME,
+                                         [p for g in self.param_groups for p in g["params"]])
         self._partition = Partition.from_group(process_group, self.device)
-        self._build()
+        self._build(schedule)
 
-    def _make_schedule(self) -> selection.SelectionSchedule:
-        if self.select_interval == "auto":
-            return selection.SelectionSchedule(drift_threshold=self.reselect_threshold)
-        if self.select_strategy == "epoch":
-            if self.steps_per_epoch is None:
-                raise ValueError(f"{self._NAME}: select_strategy=\"epoch\" with select_interval="
-                                 f"{self.select_interval} needs steps_per_epoch")
-            return selection.SelectionSchedule(every_steps=self.select_interval *
-                                               self.steps_per_epoch)
-        return selection.SelectionSchedule(every_steps=self.select_interval)
+    def __getattr__(self, name: str):
+        """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in ZenFlowSettings.model_fields:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def add_param_group(self, param_group: dict) -> None:
         if hasattr(self, "_pipeline"):
             raise NotImplementedError(f"{self._NAME}: add_param_group after construction is not "
                                       "supported; pass every group to the constructor")
         super().add_param_group(param_group)
-        _checks.group_hyperparameters(self._NAME, self.param_groups[-1])
+        group = self.param_groups[-1]
+        AdamWHyperparameters.from_arguments(self._NAME, **{k: group[k] for k in
+                                                          AdamWHyperparameters.model_fields})
 
-    def _build(self) -> None:
-        self._host_params: list[_HostParam] = []
-        self._device_params: list[_DeviceParam] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                if p.ndim >= 2 or self._VECTORS_ON_HOST:
-                    k = selection.num_selected(self.topk_ratio, p.numel() // p.shape[0]) \
-                        if p.ndim >= 2 else 0
-                    cols = DeviceColumns.empty(p.shape[0] if p.ndim >= 2 else 1, k,
-                                               self.device, step=0)
-                    self._host_params.append(_HostParam(p, group, len(self._host_params), k,
-                                                        cols))
-                else:
-                    self._device_params.append(_DeviceParam(p, group, DeviceVector.for_param(p)))
+    def _build(self, schedule: selection.SelectionSchedule) -> None:
+        self._host_params, self._vector_params = sort_params(
+            self.param_groups, self.settings.topk_ratio, self._VECTORS_ON_HOST, self.device)
         self._timer = StepTimer()
         worker_cores = None
-        if self.worker and self._host_params:
+        if self.settings.worker and self._host_params:
             cores = local_rank_share(sorted(os.sched_getaffinity(0)))
-            worker_cores = split_cores(self.pt_reserved_cores_perc, cores)[1]
+            worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
-                                      self.device, self.overlap_step, worker_cores, self._timer,
-                                      self._NAME)
+                                      self.device, self.settings.overlap_step, worker_cores,
+                                      self._timer, self._NAME)
         self._closed = False
-        self._step = 0               # optimizer steps taken (skipped ones not counted)
-        self._window_steps = 0       # steps accumulated in the current window
-        self._selected = False       # columns chosen yet (false during warm-up)
-        self.skipped_steps = 0
-        self.num_reselections = 0
-        self.num_windows = 0
+        self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
+                                        self.device, self.settings.importance, schedule)
+        self.counters = StepCounters()
         self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
-        self._step_seconds = 0.0     # moving average of the time between step() calls
-        self._last_step_start = None
+        self._step_period = StepPeriod()
         self._consecutive_skips = 0
-        self._versions = self._param_versions()
+        self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
+                                             self._pipeline, self._NAME)
 
     @property
     def _runner(self):
         return self._pipeline.runner
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @property
+    def num_windows(self) -> int:
+        return self.counters.num_windows
+
+    @property
+    def num_reselections(self) -> int:
+        return self._selector.num_reselections
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -239,256 +180,121 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
         self._pipeline.check()  # a dead worker fails this step, not only the next window end
-        self._adopt_outside_writes()
-        grads = self._gradients()
+        self._outside_writes.adopt(self._selector.has_chosen)
+        grads = present_gradients(self.param_groups, self.device, self._NAME)
         if not grads:
             return loss
         self._timer.begin()
-        self._measure_step_period()
+        self._step_period.tick()
         norms = dict(zip(grads, gradient_norms(list(grads.values()))))
-        clip_coef = None
-        if not self._amp_found_inf():
-            clip_coef = clip_coefficient(list(norms.values()), self.max_grad_norm,
-                                         self._amp_grad_scale())
+        scale = self._amp_scale()
+        clip_coef = None if scale is None else clip_coefficient(
+            list(norms.values()), self.settings.max_grad_norm, scale)
         if clip_coef is None:
             self._skip()
             return loss
         self._consecutive_skips = 0
 
-        warming_up = self._step < self.full_warm_up_rounds
-        if not warming_up and self._window_steps == 0:
-            self._maybe_select(grads)
-        self._pipeline.stage({m.index: grads[m.param] for m in self._host_params
-                              if m.param in grads and self._host_owns_columns(m)})
-        self._device_update(grads, clip_coef)
+        count = self.counters
+        warming_up = count.step < self.settings.full_warm_up_rounds
+        if not warming_up and count.window_steps == 0:
+            self._select_columns(grads)
+        chosen = self._selector.has_chosen
+        self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
+                              if m.param in grads and m.host_owns_columns(chosen)})
+        device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
         if not warming_up and isinstance(self._window, AutoWindow):
-            self._observe_importance(grads, norms, clip_coef)
+            present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
+            if present:
+                self._window.observe(*importance_split(present, norms, clip_coef))
         self._pipeline.accumulate(clip_coef)
-        self._window_steps += 1
+        count.window_steps += 1
         if warming_up or self._window_ends():
             if not warming_up:
-                log.debug("step %d: end window: %s", self._step, self._window.reason)
-            self._end_window(synchronous=warming_up or not self.overlap_step)
+                log.debug("step %d: end window: %s", count.step, self._window.reason)
+            self._end_window(synchronous=warming_up or not self.settings.overlap_step)
         self._pipeline.fence()
-        self._step += 1
+        count.step += 1
         self._timer.end()
         return loss
 
-    def _gradients(self) -> dict[torch.Tensor, torch.Tensor]:
-        """The present gradients of trainable parameters, checked."""
-        grads = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is None or not p.requires_grad:
-                    continue
-                if g.is_sparse or g.device != self.device:
-                    where = "sparse" if g.is_sparse else f"on {g.device}"
-                    raise ValueError(f"{self._NAME}: the gradient of a parameter of shape "
-                                     f"{tuple(p.shape)} is {where}; dense gradients on "
-                                     f"{self.device} are required")
-                grads[p] = g
-        return grads
-
     def _skip(self) -> None:
-        self.skipped_steps += 1
+        self.counters.skipped_steps += 1
         self._consecutive_skips += 1
         n = self._consecutive_skips
         if n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
             log.warning("%s: skipped step %d: the gradients are not finite (%d consecutive "
-                        "skipped steps, %d in all)", self._NAME, self._step, n, self.skipped_steps)
+                        "skipped steps, %d in all)", self._NAME, self.counters.step, n,
+                        self.counters.skipped_steps)
         self._timer.end(skipped=True)
 
-    def _param_versions(self) -> dict:
-        return {p: p._version for p in (*(m.param for m in self._host_params),
-                                        *(v.param for v in self._device_params))}
-
-    def _adopt_outside_writes(self) -> None:
-        """Weights changed outside the optimizer since it last wrote them (model.load_state_dict,
-        an in-place edit under no_grad: anything that bumps a tensor's version counter) become
-        the new master values, as if the optimizer had been built on them; the moments stay.
-        Our own writes go through .data and do not bump the counter."""
-        host = [m for m in self._host_params if m.param._version != self._versions[m.param]]
-        vectors = [v for v in self._device_params if v.param._version != self._versions[v.param]]
-        if not host and not vectors:
-            return
-        log.info("%s: adopting the new values of %d parameter(s) changed outside the optimizer",
-                 self._NAME, len(host) + len(vectors))
-        self._pipeline.adopt([m.index for m in host])
-        for m in host:
-            if self._selected and m.k > 0:
-                columns.gather_columns(columns.as_matrix(m.param.detach()), m.columns.index,
-                                       out=m.columns.master)
-        for v in vectors:
-            if v.state.master.data_ptr() != v.param.data_ptr():
-                v.state.master.copy_(v.param.detach())
-        self._versions = self._param_versions()
-
-    def _amp_found_inf(self) -> bool:
-        found_inf = getattr(self, "found_inf", None)     # set by GradScaler.step around step()
-        return found_inf is not None and bool(found_inf.item() > 0)
-
-    def _amp_grad_scale(self) -> float:
-        grad_scale = getattr(self, "grad_scale", None)   # None once unscale_() has run
+    def _amp_scale(self) -> float | None:
+        """The loss scale of torch.amp.GradScaler, which sets self.grad_scale and self.found_inf
+        around step() (1.0 without one, or once unscale_() has run; None: it found inf/NaN)."""
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found_inf is not None and found_inf.item() > 0:
+            return None
         return 1.0 if grad_scale is None else float(grad_scale)
 
-    def _host_owns_columns(self, m: _HostParam) -> bool:
-        return not self._selected or m.k < m.num_columns
-
     def _window_ends(self) -> bool:
-        ends = self._window.should_end(self._window_steps, self._pipeline.ready(),
-                                       self._runner.last_update_seconds, self._step_seconds)
+        ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
+                                       self._runner.last_update_seconds,
+                                       self._step_period.seconds)
         if isinstance(self._window, AutoWindow):
             # Timings differ between ranks; every rank must end the window at the same step.
             ends = self._partition.any(ends, "agreeing on the end of a host window")
         return ends
 
-    def _measure_step_period(self) -> None:
-        now = time.perf_counter()
-        if self._last_step_start is not None:
-            period = now - self._last_step_start
-            self._step_seconds = (period if self._step_seconds == 0.0
-                                  else 0.8 * self._step_seconds + 0.2 * period)
-        self._last_step_start = now
+    def _decided(self, what: str) -> None:
+        self.decisions.append((self.counters.step, what))
+        del self.decisions[:-10_000]
 
-    def _observe_importance(self, grads, norms, clip_coef: float) -> None:
-        """Feed the auto window this step's squared norms of deferred and selected columns."""
-        present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
-        if not present:
-            return
-        # The device update just gathered (and clipped) the selected columns: their norms need
-        # no extra pass. One stacked transfer instead of one device sync per matrix.
-        selected = [m for m in present if m.k > 0]
-        selected_norms = torch._foreach_norm([m.columns.grad for m in selected]) if selected else []
-        total_sq = (torch.stack([norms[m.param] for m in present]).double() * clip_coef
-                    ).square().tolist()
-        sel_sq = dict(zip((id(m) for m in selected),
-                          torch.stack(selected_norms).double().square().tolist()
-                          if selected else []))
-        deferred_sq = sum(max(0.0, t - sel_sq.get(id(m), 0.0)) for m, t in zip(present, total_sq))
-        self._window.observe(deferred_sq, sum(m.num_columns - m.k for m in present),
-                             sum(sel_sq.values()), sum(m.k for m in present))
-
-    def _device_update(self, grads, clip_coef: float) -> None:
-        matrices = []
-        if self._selected:
-            matrices = [(m.param, grads[m.param], m.columns, m.group) for m in self._host_params
-                        if m.k > 0 and m.param in grads]
-        vectors = [(v.param, grads[v.param], v.state, v.group) for v in self._device_params
-                   if v.param in grads]
-        device_step(matrices, vectors, clip_coef)
-
-    # ------------------------------------------------------------------ windows
+    # ------------------------------------------------------------------ windows and selection
     def _end_window(self, synchronous: bool) -> None:
         """Install the previous window's host update, hand this window's sums to the host, and
         with `synchronous` install that too before returning."""
         self._install_in_flight()
-        self._pipeline.end_window([hyper(m.group) for m in self._host_params],
-                                  self.deferred_credit, self.install_lookahead)
+        self._pipeline.end_window([host_update_hyperparameters(
+            m.group, self._pipeline.num_grads[m.host_index], self.settings)
+            for m in self._host_params])
         if synchronous:
             self._install_in_flight()
-        self._window.last_interval = self._window_steps
-        self._window.ended()
-        self._window_steps = 0
-        self.num_windows += 1
-        self.decisions.append((self._step, "flush"))
-        del self.decisions[:-10_000]
+        self._window.ended(self.counters.window_steps)
+        self.counters.window_steps = 0
+        self.counters.num_windows += 1
+        self._decided("flush")
 
     def _install_in_flight(self) -> None:
         """Wait for the host update in flight (if any), install it, and write the device's own,
         newer columns back over it."""
-        self._restore_device_columns(self._pipeline.install())
+        self._write_selected_over(self._pipeline.install())
 
-    def _restore_device_columns(self, installed: list[int]) -> None:
+    def _write_selected_over(self, installed: list[int]) -> None:
         for i in installed:
-            m = self._host_params[i]
-            if self._selected and m.k > 0:
-                columns.scatter_columns(columns.as_matrix(m.param.data), m.columns.index,
-                                        m.columns.master)
+            m: HostParam = self._host_params[i]
+            if self._selector.has_chosen and m.k > 0:
+                m.param_from_selected()
+
+    def _select_columns(self, grads) -> None:
+        plan = self._selector.plan(self.counters.step, grads)
+        if plan is None:
+            return
+        if not plan.first:
+            self._install_in_flight()  # state can only move once the host is drained
+        self._selector.select(plan, self.counters.step)
+        self._decided("select" if plan.first else "reselect")
 
     def synchronize(self) -> None:
         """Wait for the in-flight host update and install it now (before evaluation or saving
         the final model). Training continues correctly afterwards; the update is just visible
         earlier than the overlap schedule would make it."""
-        self._adopt_outside_writes()
+        self._outside_writes.adopt(self._selector.has_chosen)
         self._install_in_flight()
-        if self.install_lookahead and self.num_windows:
-            # The weights lead the host's values by the lookahead: show the values themselves.
-            self._restore_device_columns(self._pipeline.install_masters(
-                [m.index for m in self._host_params if self._host_owns_columns(m)]))
-
-    # ------------------------------------------------------------------ selection
-    def _maybe_select(self, grads) -> None:
-        if not self._selected:
-            todo = [m for m in self._host_params if m.k > 0]
-            self._select(todo, self._importances(grads, todo), first=True)
-            return
-        movable = [m for m in self._host_params if 0 < m.k < m.num_columns]
-        if not movable or not self._schedule.wants_check(self._step):
-            return
-        # One pass over the gradients serves both the drift check and the new selection.
-        importances = self._importances(grads, movable)
-        retained = None
-        if self._schedule.every_steps is None:
-            retained = self._retained_fraction(movable, importances)
-        if self._schedule.due(retained):
-            log.debug("step %d: reselect (%s)", self._step,
-                      f"retained importance {retained:.3f} < {self.reselect_threshold}"
-                      if retained is not None else f"{self._schedule.every_steps} steps passed")
-            self._install_in_flight()  # state can only move once the host is drained
-            self._select(movable, importances, first=False)
-        elif retained is not None:
-            log.debug("step %d: keep selection (retained importance %.3f); next check in %d "
-                      "window(s)", self._step, retained, self._schedule.check_gap)
-
-    def _importances(self, grads, todo: list[_HostParam]) -> list[torch.Tensor]:
-        """Column importance of each matrix. Across ranks, each computes it over its own rows and
-        the ranks add them up: one number per column travels, never a gradient."""
-        partial = []
-        for m in todo:
-            g = grads.get(m.param)
-            if g is None:  # no gradient: ties everywhere, so the first columns win
-                partial.append(torch.zeros(m.num_columns, device=self.device))
-                continue
-            if self._partition.active:
-                g = columns.as_matrix(g)[self._pipeline.rows[m.index]]
-            norms = selection.column_importance(g, self.importance)
-            partial.append(norms.square_() if self.importance == "l2" and
-                           self._partition.active else norms)
-        if not self._partition.active or not partial:
-            return partial
-        # On the device under NCCL; sum_ copies through the CPU only for gloo.
-        flat = self._partition.sum_(torch.cat(partial), "exchanging column norms")
-        out = list(flat.split([m.num_columns for m in todo]))
-        return [t.sqrt() for t in out] if self.importance == "l2" else out
-
-    def _retained_fraction(self, todo: list[_HostParam], importances) -> float:
-        held = best = 0.0
-        for m, importance in zip(todo, importances):
-            h, b = selection.retained_mass(importance, m.columns.index, m.k)
-            held, best = held + h, best + b
-        return 1.0 if best == 0.0 else held / best
-
-    def _select(self, todo: list[_HostParam], importances, first: bool) -> None:
-        self._pipeline.drain()
-        for m, importance in zip(todo, importances):
-            new_index = selection.top_columns(importance, m.k)
-            host = {kind: self._pipeline.host.fp32(kind, m.index)
-                    for kind in ("master", "exp_avg", "exp_avg_sq")}
-            host_step = self._pipeline.host_step[m.index]
-            if first:
-                handoff.take_from_host(m.columns, host, new_index, host_step, m.param.shape[0],
-                                       self._partition)
-            else:
-                betas = tuple(float(b) for b in m.group["betas"])
-                handoff.move_columns(m.columns, host, new_index, host_step, betas,
-                                     self._pipeline.rows[m.index], m.param.shape[0],
-                                     self._partition)
-        self._selected = True
-        self._schedule.selected(self._step)
-        if not first:
-            self.num_reselections += 1
-        self.decisions.append((self._step, "select" if first else "reselect"))
+        if self.settings.install_lookahead and self.counters.num_windows:
+            # The installed weights lead the host's values by the lookahead: show the values.
+            chosen = self._selector.has_chosen
+            self._write_selected_over(self._pipeline.install_masters(
+                [m.host_index for m in self._host_params if m.host_owns_columns(chosen)]))
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -510,29 +316,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """Telemetry: counters, memory per parameter, per-step timings and bytes moved."""
-        from zenflow.state import device_bytes
-        host_numel = sum(m.param.numel() for m in self._host_params)
-        numel = host_numel + sum(v.param.numel() for v in self._device_params)
-        dev = device_bytes(self)
-        return {
-            "steps": self._step,
-            "skipped_steps": self.skipped_steps,
-            "windows": self.num_windows,
-            "reselections": self.num_reselections,
-            "update_interval": self.update_interval,
-            "last_window_steps": self._window.last_interval,
-            "retained_importance": self._schedule.last_retained,
-            "world_size": self._partition.world_size,
-            "collective_bytes_sent": dict(self._partition.bytes_sent),
-            "host_busy_s": self._runner.busy_seconds,
-            "worker": self.worker and bool(self._host_params),
-            "host_bytes": self._pipeline.nbytes(),
-            "host_bytes_per_param": self._pipeline.nbytes() / max(1, host_numel),
-            "pinned_bytes": self._pipeline.pinned_bytes(),
-            "device_state_bytes": dev,
-            "device_state_bytes_per_param": dev / max(1, numel),
-            **self._timer.summary(),
-        }
+        return optimizer_stats(self)
 
     def timeline(self) -> dict:
         """Per-step records of the training process ({start, end, step_s, stall_s, offload_s,
@@ -542,24 +326,44 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly: host and device state, selection, counters and
-        the partial window. Waits for in-flight host work first (without installing it)."""
-        from zenflow.state import optimizer_state_dict
-        self._adopt_outside_writes()
-        return optimizer_state_dict(self)
+        """Everything needed to continue exactly (the format: zenflow/state.py): host and device
+        state, selection, counters and the partial window. Waits for in-flight host work first
+        (without installing it)."""
+        return state_format.save(self)
 
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if load_state_dict(state_dict) would fail; changes nothing."""
-        from zenflow.state import validate
-        validate(self, state_dict)
+        state_format.check(self, state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict() from an optimizer over the same parameters.
         Everything is checked before anything changes: a failed load leaves this optimizer as
         it was. Load the model's weights first, then this (as frameworks do): weights loaded
         afterwards count as changed outside the optimizer and become the master values."""
-        from zenflow.state import load_optimizer_state_dict
-        load_optimizer_state_dict(self, state_dict)
-        # The weights as they are now (usually just loaded from the same checkpoint) belong with
-        # this state; only later outside writes are adopted.
-        self._versions = self._param_versions()
+        state_format.load(self, state_dict)
+
+
+def optimizer_stats(opt: ZenFlowAdamW) -> dict:
+    """What ZenFlowAdamW.stats() returns."""
+    host_numel = sum(m.param.numel() for m in opt._host_params)
+    numel = host_numel + sum(v.param.numel() for v in opt._vector_params)
+    dev = device_state_bytes(opt._host_params, opt._vector_params)
+    return {
+        "steps": opt.counters.step,
+        "skipped_steps": opt.counters.skipped_steps,
+        "windows": opt.counters.num_windows,
+        "reselections": opt._selector.num_reselections,
+        "update_interval": opt.settings.update_interval,
+        "last_window_steps": opt._window.last_interval,
+        "retained_importance": opt._selector.schedule.last_retained,
+        "world_size": opt._partition.world_size,
+        "collective_bytes_sent": dict(opt._partition.bytes_sent),
+        "host_busy_s": opt._runner.busy_seconds,
+        "worker": opt.settings.worker and bool(opt._host_params),
+        "host_bytes": opt._pipeline.host.nbytes(),
+        "host_bytes_per_param": opt._pipeline.host.nbytes() / max(1, host_numel),
+        "pinned_bytes": opt._pipeline.pinned_bytes(),
+        "device_state_bytes": dev,
+        "device_state_bytes_per_param": dev / max(1, numel),
+        **opt._timer.summary(),
+    }

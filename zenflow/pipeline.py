@@ -32,6 +32,7 @@ from zenflow.accelerator import DONE, Ticket, Transfers
 from zenflow.distributed import Partition
 from zenflow.host import (FP32_KINDS, HostJob, HostLayout, HostState, InlineHostRunner,
                           command_matrices)
+from zenflow.state import check_saved_tensors
 from zenflow.telemetry import StepTimer
 
 log = logging.getLogger("zenflow")
@@ -66,9 +67,11 @@ class HostPipeline:
 
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
-        self._sum_slot = 0
-        self._staging_slot = 0
-        self._install_slot = 0
+        self._start_over()
+
+    def _start_over(self) -> None:
+        """No command queued, no buffer being read, no update in flight; every slot at 0."""
+        self._sum_slot = self._staging_slot = self._install_slot = 0
         # seq of the accumulate reading each staging buffer; the copy reading each install buffer
         self._staging_reader: list[int | None] = [None] * self.layout.staging_slots
         self._install_reader: list[Ticket] = [DONE] * self.layout.install_slots
@@ -173,10 +176,6 @@ class HostPipeline:
         self.timer.moved(d2h=nbytes)
         self.timer.offload(time.perf_counter() - start - waited)
 
-    def discard(self) -> None:
-        """Forget the staged gradients (a skipped step); their buffer is reused next time."""
-        self._staged = None
-
     def accumulate(self, scale: float) -> None:
         """Have the host add the staged gradients, times `scale`, to this window's sums."""
         if self._staged is None:
@@ -196,23 +195,17 @@ class HostPipeline:
                       sent)
         self._staging_slot = (slot + 1) % self.layout.staging_slots
 
-    def end_window(self, hyper: list[tuple], deferred_credit: str = "mean",
-                   lookahead: float = 0.0) -> bool:
-        """Hand the window's sums to the host: AdamW with `hyper[i]` = (lr, beta1, beta2, eps,
-        weight_decay) for every parameter that got a gradient, on the mean gradient; with
-        deferred_credit="window" the learning rate is multiplied by the number of gradients the
-        window summed; with a lookahead the values installed lead the host's by that fraction of
-        the next step. Returns whether any parameter got one. The caller installs the previous
+    def end_window(self, hyperparameters: list[tuple]) -> bool:
+        """Hand the window's sums to the host: AdamW on the mean gradient with
+        `hyperparameters[i]` = (lr, beta1, beta2, eps, weight_decay, lookahead) for every
+        parameter that got a gradient. Returns whether any did. The caller installs the previous
         window's update first (install()), per the overlap rule."""
         assert self.in_flight is None, "install() the previous window first"
         jobs = []
         for i, n in enumerate(self.num_grads):
             if n:
                 self.host_step[i] += 1
-                lr, *rest = hyper[i]
-                if deferred_credit == "window":
-                    lr *= n
-                jobs.append(HostJob(i, self.host_step[i], n, lr, *rest, lookahead))
+                jobs.append(HostJob(i, self.host_step[i], n, *hyperparameters[i]))
                 self.num_grads[i] = 0
         if not jobs:
             return False
@@ -237,6 +230,7 @@ class HostPipeline:
         if self.in_flight is not None:
             dropped = set(indices)
             self.in_flight["matrices"] = [i for i in self.in_flight["matrices"] if i not in dropped]
+            self.in_flight["jobs"] = [j for j in self.in_flight["jobs"] if j.matrix not in dropped]
 
     def _load_masters(self, indices) -> None:
         """The host master values of `indices` := the parameters' current values (own rows)."""
@@ -264,45 +258,21 @@ class HostPipeline:
         self.flush(block=True, until=lambda: flight["seq"] is not None)
         with self._worker_guard():
             self.timer.stall(self.runner.wait(flight["seq"]))
-        self._copy_to_params(flight["install_slot"], flight["matrices"])
+        self._install_reader[flight["install_slot"]] = copy_rows_to_params(
+            self, flight["install_slot"], flight["matrices"])
         return flight["matrices"]
 
     def install_masters(self, indices: list[int]) -> list[int]:
-        """Install the host's master values of `indices` themselves (after updates installed
-        with a lookahead): everything sent to the host is finished first. Returns `indices`."""
+        """Install the host values of `indices` themselves (updates installed with a lookahead
+        lead them), once the host has finished everything sent to it. Returns `indices`."""
         assert self.in_flight is None, "install() the update in flight first"
         self.drain()
         slot = self._install_slot
         self.timer.stall(self._install_reader[slot].wait())  # its last copy to the device landed
         self.host.copy_masters(indices, slot)
-        self._copy_to_params(slot, indices)
+        self._install_reader[slot] = copy_rows_to_params(self, slot, indices)
         self._install_slot = (slot + 1) % self.layout.install_slots
         return indices
-
-    def _copy_to_params(self, slot: int, indices: list[int]) -> None:
-        """Copy install[slot]'s values of `indices` into the parameters (all ranks' rows)."""
-        start = time.perf_counter()
-        pairs, nbytes, gathers = [], 0, []
-        what = "installing host-updated rows"
-        for i in indices:
-            param = host_view(self.params[i].data)
-            values = self.host.typed("install", slot, i)
-            if self.partition.active and self.partition.on_device:
-                # NCCL: this rank's rows to the device, then all ranks gather there.
-                own = self.partition.own_rows_buffer(param.shape[0], param)
-                pairs.append((own[: values.shape[0]], values))
-                gathers.append((param, own))
-                nbytes += values.numel() * values.element_size()
-                continue
-            if self.partition.active:  # gloo: every rank's rows, gathered in host memory
-                values = self.partition.gather_rows(values, param.shape[0], what)
-            pairs.append((param, values))
-            nbytes += param.numel() * param.element_size()
-        self._install_reader[slot] = self.transfers.to_device(pairs)
-        for param, own in gathers:   # ordered after the copies (to_device's event)
-            self.partition.gather_rows_into(param, own, what)
-        self.timer.moved(h2d=nbytes)
-        self.timer.offload(time.perf_counter() - start)
 
     def fence(self) -> None:
         """End of step(): later device work may not overwrite this step's gradient sources. (On
@@ -332,20 +302,15 @@ class HostPipeline:
             jobs = [list(job) for job in self.in_flight["jobs"]]
         return {"params": per_param, "in_flight": in_flight, "in_flight_jobs": jobs}
 
-    def validate(self, state: dict, owner: str) -> None:
-        saved = state["params"]
-        if len(saved) != len(self.params):
-            raise ValueError(f"{owner}: load_state_dict: saved host state has {len(saved)} "
-                             f"parameters, this optimizer has {len(self.params)}")
-        for i, s in enumerate(saved):
-            shape = self.host.fp32("master", i).shape
-            if tuple(s["master"].shape) != tuple(shape):
-                raise ValueError(f"{owner}: load_state_dict: saved host state of the parameter "
-                                 f"of shape {tuple(self.params[i].shape)} has shape "
-                                 f"{tuple(s['master'].shape)}, expected {tuple(shape)}")
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ValueError unless `state`, as state_dict() returns it, fits these parameters."""
+        for i, (saved, param) in enumerate(zip(state["params"], self.params)):
+            check_saved_tensors(saved, {kind: self.host.fp32(kind, i) for kind in FP32_KINDS},
+                                f"host state of the parameter of shape {tuple(param.shape)}")
+        check_in_flight_jobs(state.get("in_flight_jobs"), state.get("in_flight") or [])
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what state_dict() returned (call validate() first). After a worker died
+        """Restore what state_dict() returned (check_state_dict() it first). After a worker died
         mid-work this is the roll-back: every host buffer is overwritten and a new worker
         starts."""
         if self.torn:
@@ -354,31 +319,22 @@ class HostPipeline:
             self.torn = []
             self._queue.clear()
         self.drain()
-        self._queue.clear()
-        self._staged = None
-        self._sum_slot = self._staging_slot = self._install_slot = 0
-        self._staging_reader = [None] * self.layout.staging_slots
-        self._install_reader = [DONE] * self.layout.install_slots
+        self._start_over()
         for i, s in enumerate(state["params"]):
             for kind in FP32_KINDS:
                 self.host.fp32(kind, i).copy_(s[kind])
             self.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
             self.host_step[i], self.num_grads[i] = s["host_step"], s["num_grads"]
-        self.in_flight = None
         if state["in_flight"] is not None:
             # The update is done; its install buffer is rebuilt from the values it produced.
-            jobs = [HostJob(*job) for job in state.get("in_flight_jobs") or []]
-            if not jobs:   # saved without its jobs: install the values themselves
-                jobs = [HostJob(i, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) for i in state["in_flight"]]
+            jobs = [HostJob(*job) for job in state.get("in_flight_jobs") or []] or [
+                HostJob(i, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) for i in state["in_flight"]]
             self.host.publish(jobs, 0)
             self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0,
                               "jobs": jobs}
             self._install_slot = 1 % self.layout.install_slots
 
-    # -- size and lifecycle -----------------------------------------------------------------------
-    def nbytes(self) -> int:
-        return self.host.nbytes()
-
+    # -- lifecycle --------------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
         return sum(self.host.arena.views[n].numel() * self.host.arena.views[n].element_size()
                    for n in self.layout.dma_regions()) if self.transfers.cuda else 0
@@ -387,3 +343,41 @@ class HostPipeline:
         self.runner.close()
         self.transfers.close()
         self.host.arena.close_fd()
+
+
+def copy_rows_to_params(pipe: HostPipeline, slot: int, indices: list[int]) -> Ticket:
+    """Queue install[slot]'s values of `indices` into their parameters, every rank's rows;
+    returns the copies' Ticket."""
+    start = time.perf_counter()
+    host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
+    pairs, nbytes, gathers = [], 0, []
+    what = "installing host-updated rows"
+    for i in indices:
+        param = host_view(pipe.params[i].data)
+        values = host.typed("install", slot, i)
+        if partition.active and partition.on_device:
+            # NCCL: this rank's rows to the device, then all ranks gather there.
+            own = partition.own_rows_buffer(param.shape[0], param)
+            pairs.append((own[: values.shape[0]], values))
+            gathers.append((param, own))
+            nbytes += values.numel() * values.element_size()
+            continue
+        if partition.active:  # gloo: every rank's rows, gathered in host memory
+            values = partition.gather_rows(values, param.shape[0], what)
+        pairs.append((param, values))
+        nbytes += param.numel() * param.element_size()
+    ticket = transfers.to_device(pairs)
+    for param, own in gathers:   # ordered after the copies (to_device's event)
+        partition.gather_rows_into(param, own, what)
+    pipe.timer.moved(h2d=nbytes)
+    pipe.timer.offload(time.perf_counter() - start)
+    return ticket
+
+
+def check_in_flight_jobs(jobs, matrices: list[int]) -> None:
+    """A saved in-flight update's jobs (None for states saved without them) fit its matrices."""
+    if jobs is not None and not (
+            isinstance(jobs, list) and [j[0] for j in jobs if len(j) == 9] == list(matrices)
+            and all(isinstance(x, (int, float)) for j in jobs for x in j)):
+        raise ValueError("'in_flight_jobs' must hold one [matrix, step, num_grads, lr, beta1, "
+                         "beta2, eps, weight_decay, lookahead] per in-flight matrix")

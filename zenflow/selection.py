@@ -64,28 +64,44 @@ class SelectionSchedule:
         self.windows_since_check = 0
         self.last_retained = 1.0
 
+    @classmethod
+    def for_settings(cls, settings, owner: str) -> "SelectionSchedule":
+        """The schedule that a ZenFlowSettings asks for (`owner` names the optimizer in errors)."""
+        if settings.select_interval == "auto":
+            return cls(drift_threshold=settings.reselect_threshold)
+        if settings.select_strategy == "epoch":
+            if settings.steps_per_epoch is None:
+                raise ValueError(f"{owner}: select_strategy=\"epoch\" with select_interval="
+                                 f"{settings.select_interval} needs steps_per_epoch")
+            return cls(every_steps=settings.select_interval * settings.steps_per_epoch)
+        return cls(every_steps=settings.select_interval)
+
     def selected(self, step: int) -> None:
         self.last_selection_step = step
         self.check_gap = 1
         self.windows_since_check = 0
 
-    def wants_check(self, step: int) -> bool:
+    def window_passed(self) -> None:
+        """Count a window boundary since the last drift check (the checks back off in windows)."""
+        if self.drift_threshold is not None:
+            self.windows_since_check += 1
+
+    def check_due(self, step: int) -> bool:
         """Whether this window boundary should look at the selection (cheap, no tensors)."""
         if self.every_steps is not None:
             return step - self.last_selection_step >= self.every_steps
-        self.windows_since_check += 1
         return self.windows_since_check >= self.check_gap
 
-    def due(self, retained: float | None) -> bool:
-        """Given the retained-mass figure (None for interval schedules), is reselection due?"""
-        if self.every_steps is not None:
-            return True
+    def reselection_due(self, retained: float | None) -> bool:
+        """Given the retained-importance figure (None for interval schedules), is it time?"""
+        return self.every_steps is not None or retained < self.drift_threshold
+
+    def drift_checked(self, retained: float) -> None:
+        """A drift check found `retained`: while the selection stays good, check less often."""
         self.windows_since_check = 0
         self.last_retained = retained
-        if retained < self.drift_threshold:
-            return True
-        self.check_gap = min(self.max_check_gap, self.check_gap * 2)
-        return False
+        if retained >= self.drift_threshold:
+            self.check_gap = min(self.max_check_gap, self.check_gap * 2)
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("last_selection_step", "check_gap",

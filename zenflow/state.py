@@ -1,149 +1,172 @@
-"""The one state format of ZenFlowAdamW and OffloadAdamW, composed from the parts' own state.
+"""The one state format of ZenFlowAdamW and OffloadAdamW, composed from its parts' own state.
 
-    {"state": {param index: per-parameter state},      # as torch.optim numbers parameters
-     "param_groups": [... as torch.optim ...],
-     "zenflow": {counters, selection schedule, window, host pipeline bookkeeping}}
+    {"state": {param number: per-parameter state},     # numbered as torch.optim numbers them
+     "param_groups": [... as torch.optim, "params" as numbers ...],
+     "zenflow": {"optimizer": its class name, the StepCounters' fields,
+                 "selection": the ColumnSelector's, "window": the window's,
+                 "in_flight", "in_flight_jobs": the host pipeline's update in flight,
+                 "topk_ratio", "overlap_step", "world_size", "rank": what it must match}}
 
-A parameter whose state lives on the host has {"kind": "host", "host": {master, exp_avg,
-exp_avg_sq, grad_sum, host_step, num_grads}, "device": {index, master, exp_avg, exp_avg_sq,
-step}} (the device part holds its selected columns); a vector updated on the device has {"kind":
-"vector", master, exp_avg, exp_avg_sq, step}. Loading checks everything against this optimizer
-before changing anything.
+A parameter whose state lives on the host saves {"kind": "host", "host": the HostPipeline's state
+of it, "device": its DeviceColumns'}; a vector updated on the device saves {"kind": "vector",
+**its DeviceVector's}. Every part writes and reads its own piece; loading checks every piece
+before any part changes. torch's state-dict hooks (Optimizer.register_state_dict_pre_hook and
+the three others) run around saving and loading as they do for any torch optimizer.
 """
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, fields
+
 import torch
 
-_DEVICE_KINDS = ("index", "master", "exp_avg", "exp_avg_sq")
-_VECTOR_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+@dataclass
+class StepCounters:
+    """What the optimizer counts, saved with its state."""
+    step: int = 0            # optimizer steps taken (skipped ones not counted)
+    window_steps: int = 0    # steps accumulated in the current window
+    skipped_steps: int = 0
+    num_windows: int = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
 
 
-def _index_of(opt) -> dict:
+def check_saved_tensors(saved, expected: dict[str, torch.Tensor], what: str = "") -> None:
+    """Raise ValueError unless the dict `saved` holds a tensor of each `expected` one's shape."""
+    for name, have in expected.items():
+        got = saved.get(name) if isinstance(saved, dict) else None
+        if not isinstance(got, torch.Tensor) or got.shape != have.shape:
+            shown = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            where = f"{what}: " if what else ""
+            raise ValueError(f"{where}saved {name} is {shown}, expected {tuple(have.shape)}")
+
+
+def _numbers(opt) -> dict:
+    """Each parameter's number, as torch.optim numbers them in a state dict."""
     return {p: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
 
 
-def device_bytes(opt) -> int:
-    """Bytes of optimizer state the optimizer keeps on the device (columns and vectors)."""
-    total = 0
-    for m in opt._host_params:
-        total += sum(getattr(m.columns, k).numel() * getattr(m.columns, k).element_size()
-                     for k in (*_DEVICE_KINDS, "grad"))
-    for v in opt._device_params:
-        owned = [v.state.exp_avg, v.state.exp_avg_sq]
-        if v.state.master.data_ptr() != v.param.data_ptr():
-            owned.append(v.state.master)
-        total += sum(t.numel() * t.element_size() for t in owned)
-    return total
-
-
-def optimizer_state_dict(opt) -> dict:
-    index_of = _index_of(opt)
-    host = opt._pipeline.state_dict()           # drains the host first
+def compose(opt) -> dict:
+    """The state of `opt` from its parts (the host pipeline drains first)."""
+    number = _numbers(opt)
+    host = opt._pipeline.state_dict()
     state = {}
     for m in opt._host_params:
-        cols = m.columns
-        state[index_of[m.param]] = {
-            "kind": "host", "host": host["params"][m.index],
-            "device": {"step": cols.step, **{k: getattr(cols, k).clone() for k in _DEVICE_KINDS}}}
-    for v in opt._device_params:
-        state[index_of[v.param]] = {"kind": "vector", "step": v.state.step,
-                                    **{k: getattr(v.state, k).clone() for k in _VECTOR_KINDS}}
+        state[number[m.param]] = {"kind": "host", "host": host["params"][m.host_index],
+                                  "device": m.selected.state_dict()}
+    for v in opt._vector_params:
+        state[number[v.param]] = {"kind": "vector", **v.state.state_dict()}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [index_of[p] for p in g["params"]]} for g in opt.param_groups]
+               "params": [number[p] for p in g["params"]]} for g in opt.param_groups]
     return {"state": state, "param_groups": groups, "zenflow": {
-        "optimizer": opt._NAME, "step": opt._step, "window_steps": opt._window_steps,
-        "selected": opt._selected, "in_flight": host["in_flight"],
-        "in_flight_jobs": host["in_flight_jobs"],
-        "skipped_steps": opt.skipped_steps, "num_reselections": opt.num_reselections,
-        "num_windows": opt.num_windows, "schedule": opt._schedule.state_dict(),
-        "window": opt._window.state_dict(), "topk_ratio": opt.topk_ratio,
-        "overlap_step": opt.overlap_step, "world_size": opt._partition.world_size,
+        "optimizer": opt._NAME, **opt.counters.state_dict(),
+        "selection": opt._selector.state_dict(), "window": opt._window.state_dict(),
+        "in_flight": host["in_flight"], "in_flight_jobs": host["in_flight_jobs"],
+        "topk_ratio": opt.settings.topk_ratio,
+        "overlap_step": opt.settings.overlap_step, "world_size": opt._partition.world_size,
         "rank": opt._partition.rank}}
 
 
-def _fail(opt, message: str):
-    raise ValueError(f"{opt._NAME}: load_state_dict: {message}")
+def check(opt, state_dict: dict) -> None:
+    """Raise ValueError, naming the optimizer, unless `state_dict` fits `opt`; changes nothing."""
+    try:
+        _check(opt, state_dict)
+    except ValueError as exc:
+        raise ValueError(f"{opt._NAME}: load_state_dict: {exc}") from None
 
 
-def _check_shape(opt, param, saved: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(expected.shape):
-        got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
-        _fail(opt, f"saved {what} of the parameter of shape {tuple(param.shape)} is {got}, "
-                   f"expected {tuple(expected.shape)}")
-
-
-def validate(opt, state_dict: dict) -> dict:
+def _check(opt, state_dict: dict) -> None:
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("zenflow"), dict):
-        _fail(opt, "got a state dict without the 'zenflow' section; it was not saved by "
-                   "ZenFlowAdamW or OffloadAdamW")
+        raise ValueError("got a state dict without the 'zenflow' section; it was not saved by "
+                         "ZenFlowAdamW or OffloadAdamW")
     saved = state_dict["zenflow"]
     if saved.get("optimizer", opt._NAME) != opt._NAME:
-        _fail(opt, f"the state was saved by {saved['optimizer']}, not {opt._NAME}")
-    groups = state_dict.get("param_groups", [])
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
-        _fail(opt, f"saved param groups have sizes {[len(g['params']) for g in groups]}, this "
-                   f"optimizer's have {[len(g['params']) for g in opt.param_groups]}")
-    if saved.get("world_size", 1) != opt._partition.world_size:
-        _fail(opt, f"the state was saved by rank {saved.get('rank', 0)} of "
-                   f"{saved.get('world_size', 1)}, but this run has {opt._partition.world_size} "
-                   "rank(s); each rank holds only its share of the host state, so resume on the "
-                   "same number of ranks")
-    if saved.get("rank", 0) != opt._partition.rank:
-        _fail(opt, f"this is rank {opt._partition.rank} but the state belongs to rank "
-                   f"{saved.get('rank', 0)}")
-    if saved["topk_ratio"] != opt.topk_ratio:
-        _fail(opt, f"saved topk_ratio {saved['topk_ratio']} differs from this optimizer's "
-                   f"{opt.topk_ratio}")
-    index_of = _index_of(opt)
-    states = state_dict["state"]
+        raise ValueError(f"the state was saved by {saved['optimizer']}, not {opt._NAME}")
+    sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+    if sizes != [len(g["params"]) for g in opt.param_groups]:
+        raise ValueError(f"saved param groups have sizes {sizes}, this optimizer's have "
+                         f"{[len(g['params']) for g in opt.param_groups]}")
+    world_size, rank = saved.get("world_size", 1), saved.get("rank", 0)
+    if world_size != opt._partition.world_size:
+        raise ValueError(f"the state was saved by rank {rank} of {world_size}, but this run has "
+                         f"{opt._partition.world_size} rank(s); each rank holds only its share of "
+                         "the host state, so resume on the same number of ranks")
+    if rank != opt._partition.rank:
+        raise ValueError(f"this is rank {opt._partition.rank} but the state belongs to rank {rank}")
+    if saved["topk_ratio"] != opt.settings.topk_ratio:
+        raise ValueError(f"saved topk_ratio {saved['topk_ratio']} differs from this optimizer's "
+                         f"{opt.settings.topk_ratio}")
+    number, states = _numbers(opt), state_dict["state"]
     for m in opt._host_params:
-        s = states.get(index_of[m.param])
-        if not isinstance(s, dict) or s.get("kind") != "host":
-            _fail(opt, f"no host state saved for the parameter of shape {tuple(m.param.shape)}")
-        for k in ("index", "master"):
-            _check_shape(opt, m.param, s["device"][k], getattr(m.columns, k), f"device {k}")
-    for v in opt._device_params:
-        s = states.get(index_of[v.param])
-        if not isinstance(s, dict) or s.get("kind") != "vector":
-            _fail(opt, f"no vector state saved for the parameter of shape {tuple(v.param.shape)}")
-        for k in _VECTOR_KINDS:
-            _check_shape(opt, v.param, s[k], getattr(v.state, k), k)
-    jobs = saved.get("in_flight_jobs")
-    if jobs is not None and not (
-            isinstance(jobs, list) and len(jobs) == len(saved.get("in_flight") or [])
-            and all(isinstance(j, (list, tuple)) and len(j) == 9
-                    and all(isinstance(x, (int, float)) for x in j) for j in jobs)):
-        _fail(opt, "'in_flight_jobs' must list one [matrix, step, num_grads, lr, beta1, beta2, "
-                   "eps, weight_decay, lookahead] per in-flight matrix")
-    opt._pipeline.validate({"params": [states[index_of[m.param]]["host"]
-                                       for m in opt._host_params]}, opt._NAME)
+        saved = _saved_piece(states.get(number[m.param]), "host", m.param)
+        m.selected.check_state_dict(saved["device"], f"the selected columns of the parameter of "
+                                                     f"shape {tuple(m.param.shape)}")
+    for v in opt._vector_params:
+        v.state.check_state_dict(_saved_piece(states.get(number[v.param]), "vector", v.param),
+                                 f"the parameter of shape {tuple(v.param.shape)}")
+    opt._pipeline.check_state_dict(
+        {"params": [states[number[m.param]]["host"] for m in opt._host_params],
+         "in_flight": state_dict["zenflow"].get("in_flight"),
+         "in_flight_jobs": state_dict["zenflow"].get("in_flight_jobs")})
+
+
+def _saved_piece(saved, kind: str, param) -> dict:
+    if not isinstance(saved, dict) or saved.get("kind") != kind:
+        raise ValueError(f"no {kind} state saved for the parameter of shape {tuple(param.shape)}")
     return saved
 
 
-def load_optimizer_state_dict(opt, state_dict: dict) -> None:
-    saved = validate(opt, state_dict)
-    index_of = _index_of(opt)
-    states = state_dict["state"]
-    opt._pipeline.load_state_dict({"params": [states[index_of[m.param]]["host"]
+def _load(opt, state_dict: dict) -> None:
+    check(opt, state_dict)
+    number, states, saved = _numbers(opt), state_dict["state"], state_dict["zenflow"]
+    opt._pipeline.load_state_dict({"params": [states[number[m.param]]["host"]
                                               for m in opt._host_params],
                                    "in_flight": saved["in_flight"],
                                    "in_flight_jobs": saved.get("in_flight_jobs")})
     for m in opt._host_params:
-        s = states[index_of[m.param]]["device"]
-        m.columns.step = s["step"]
-        for k in _DEVICE_KINDS:
-            setattr(m.columns, k, s[k].to(device=opt.device, dtype=getattr(m.columns, k).dtype,
-                                          copy=True))
-    for v in opt._device_params:
-        s = states[index_of[v.param]]
-        v.state.step = s["step"]
-        for k in _VECTOR_KINDS:
-            getattr(v.state, k).copy_(s[k])
+        m.selected.load_state_dict(states[number[m.param]]["device"])
+    for v in opt._vector_params:
+        v.state.load_state_dict(states[number[v.param]])
     for group, saved_group in zip(opt.param_groups, state_dict["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    opt._step, opt._window_steps = saved["step"], saved["window_steps"]
-    opt._selected = saved["selected"]
-    opt.skipped_steps = saved["skipped_steps"]
-    opt.num_reselections, opt.num_windows = saved["num_reselections"], saved["num_windows"]
-    opt._schedule.load_state_dict(saved["schedule"])
+    opt.counters.load_state_dict(saved)
+    opt._selector.load_state_dict(saved["selection"])
     opt._window.load_state_dict(saved["window"])
+    # The weights as they are now (usually just loaded from the same checkpoint) belong with
+    # this state; only later outside writes are adopted.
+    opt._outside_writes.forget()
+
+
+def save(opt) -> dict:
+    """opt.state_dict(): compose() after adopting weights written outside the optimizer, with
+    torch's state_dict pre-hooks before and post-hooks after (a post-hook may return a new dict),
+    as torch.optim.Optimizer.state_dict runs them."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    opt._outside_writes.adopt(opt._selector.has_chosen)
+    state_dict = compose(opt)
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        result = post_hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def load(opt, state_dict: dict) -> None:
+    """opt.load_state_dict(): restore what save() returned, checked first, so that a failed
+    load leaves `opt` as it was; torch's load_state_dict pre-hooks run before (each may return
+    a new dict) and post-hooks after, as torch.optim.Optimizer.load_state_dict runs them."""
+    if isinstance(state_dict, dict):
+        state_dict = state_dict.copy()   # shallow, as torch does
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+    _load(opt, state_dict)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)

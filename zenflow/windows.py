@@ -24,6 +24,7 @@ window is chosen over a stall, up to `max_steps`.
 from __future__ import annotations
 
 import math
+import time
 
 
 class FixedWindow:
@@ -43,8 +44,9 @@ class FixedWindow:
         self.reason = f"fixed interval {self.steps}"
         return window_steps >= self.steps
 
-    def ended(self) -> None:
-        pass
+    def ended(self, steps: int) -> None:
+        """The window ended after `steps` steps."""
+        self.last_interval = steps
 
     def state_dict(self) -> dict:
         return {}
@@ -99,7 +101,9 @@ class AutoWindow:
                        f"after {window_steps} steps (floor {floor})")
         return True
 
-    def ended(self) -> None:
+    def ended(self, steps: int) -> None:
+        """The window ended after `steps` steps: the deferred columns start afresh."""
+        self.last_interval = steps
         self.pending_importance = 0.0
 
     def state_dict(self) -> dict:
@@ -108,3 +112,28 @@ class AutoWindow:
     def load_state_dict(self, state: dict) -> None:
         self.pending_importance = state["pending_importance"]
         self.last_interval = state["last_interval"]
+
+
+class StepPeriod:
+    """The time between step() calls, a moving average: how fast the device covers a host
+    update (AutoWindow.hide_steps)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._last = None
+
+    def tick(self) -> None:
+        """A step starts now."""
+        now = time.perf_counter()
+        if self._last is not None:
+            period = now - self._last
+            self.seconds = period if self.seconds == 0.0 else 0.8 * self.seconds + 0.2 * period
+        self._last = now
+
+
+def window_for(settings) -> FixedWindow | AutoWindow:
+    """The window that a ZenFlowSettings asks for."""
+    if settings.update_interval == "auto":
+        return AutoWindow(settings.auto_ratio, *settings.auto_update_bounds,
+                          overlap=settings.overlap_step)
+    return FixedWindow(settings.update_interval)

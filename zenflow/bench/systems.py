@@ -117,12 +117,10 @@ def build_offload(model, spec):
 
 
 def _build_zenflow(model, spec, overlap: bool):
+    # spec["zenflow"] is the zenflow block DeepSpeed's ZenFlow gets too: ZenFlowSettings fields.
     from zenflow import ZenFlowAdamW
-    zf = spec["zenflow"]
     opt = ZenFlowAdamW(model.parameters(), **_adam_kwargs(spec),
-                       topk_ratio=zf["topk_ratio"], select_strategy=zf["select_strategy"],
-                       select_interval=zf["select_interval"], update_interval=zf["update_interval"],
-                       full_warm_up_rounds=zf["full_warm_up_rounds"], overlap_step=overlap)
+                       **dict(spec["zenflow"], overlap_step=overlap))
     return _TorchOptimizerRunner(model, opt)
 
 
