@@ -35,14 +35,15 @@ SYSTEMS = {
     "AdamW": ("adamw", {}),
     "OffloadAdamW": ("offload", {}),
     "ZenFlow default": ("zenflow", {}),
-    "ZenFlow all-auto": ("zenflow", dict(update_interval="auto")),
+    "ZenFlow U=auto": ("zenflow", dict(update_interval="auto")),
     "ZenFlow sync": ("zenflow", dict(overlap_step=False)),
     "ZenFlow sync, window credit": ("zenflow", dict(overlap_step=False,
                                                     deferred_credit="window")),
+    "ZenFlow U=1, lookahead 1": ("zenflow", dict(update_interval=1, install_lookahead=1.0)),
     "ZenFlow k=0.05 (the seeds' ratio)": ("zenflow", dict(topk_ratio=0.05)),
     "ZenFlow k=0.2": ("zenflow", dict(topk_ratio=0.2)),
 }
-DEFAULT_SYSTEMS = list(SYSTEMS)[:6]
+DEFAULT_SYSTEMS = list(SYSTEMS)[:7]
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,12 @@ def plot(result: dict, path: Path) -> None:
         ax.set_yticks(range(len(names)), names, fontsize=8)
         lo, hi = min(means), max(means)
         ax.set_xlim(lo - 0.2 * (hi - lo + 1e-3), hi + 0.2 * (hi - lo + 1e-3))
+        if "AdamW" in summary:
+            base = summary["AdamW"][key]["mean"]
+            ax.axvline(base, color="k", lw=0.8, label="AdamW")
+            if key == "new_loss":
+                ax.axvline(1.01 * base, color="tab:red", ls="--", lw=0.8, label="AdamW + 1%")
+            ax.legend(fontsize=8, loc="lower right")
         ax.set_xlabel("loss (nats/byte), mean ± std over seeds")
         ax.set_title(title)
         ax.invert_yaxis()
