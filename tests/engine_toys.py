@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-# The exact block from ../shared/seeds/003_55d6cd5f497e29f2.txt (DeepSpeed's ZenFlow tutorial).
+# The exact zenflow block of DeepSpeed's ZenFlow tutorial.
 SEED_ZERO_BLOCK = {
     "zero_optimization": {
         "stage": 2,

@@ -42,7 +42,9 @@ def test_empty_zenflow_block_has_deepspeed_defaults():
     assert z.model_dump() == {
         "topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto",
         "update_interval": "auto", "overlap_step": False, "offload": False, "auto_ratio": 0.99,
-        "full_warm_up_rounds": 0, "pt_reserved_cores_perc": 0.5, "steps_per_epoch": None}
+        "full_warm_up_rounds": 0, "pt_reserved_cores_perc": 0.5, "steps_per_epoch": None,
+        # ours, not DeepSpeed's: the constructor's defaults
+        "deferred_credit": "mean", "install_lookahead": 0.0}
     cfg = parse_config(with_(zero_optimization={"stage": 2, "zenflow": {}}), world_size=1)
     assert cfg.optimizer_kind == "zenflow"
 
@@ -368,3 +370,11 @@ def test_a_huge_select_interval_means_never_reselect_and_is_accepted():
                                           '<= 1000000000, got 10000000000'):
         parse_config(with_(zero_optimization={"zenflow": {"select_interval": 10**10}}),
                      world_size=1)
+
+
+def test_zenflow_block_sets_the_window_options():
+    z = ZenFlowSection(deferred_credit="window", install_lookahead=0.5)
+    settings = z.settings(max_grad_norm=None)
+    assert settings.deferred_credit == "window" and settings.install_lookahead == 0.5
+    with pytest.raises(ValueError, match="deferred_credit"):
+        ZenFlowSection(deferred_credit="sum")

@@ -5,7 +5,7 @@ import torch
 
 import zenflow
 from conftest import MODELS
-from test_equivalence import HP, STEPS, assert_models_close, matrices, train, vectors
+from test_equivalence import HP, assert_models_close, train, train_accumulating
 from test_reference import random_case, run_pair
 
 
@@ -20,21 +20,7 @@ def test_topk_zero_window_credit_is_accumulation_at_scaled_lr(model_name, interv
                               overlap_step=False, deferred_credit="window") as opt:
         train(model, loss_fn, opt)
 
-    vec_opt = torch.optim.AdamW(vectors(twin), **HP)
-    mat_opt = torch.optim.AdamW(matrices(twin), **{**HP, "lr": HP["lr"] * interval})
-    sums = [torch.zeros_like(p) for p in matrices(twin)]
-    for t in range(STEPS):
-        twin.zero_grad()
-        loss_fn(twin, t).backward()
-        vec_opt.step()
-        for s, p in zip(sums, matrices(twin)):
-            s += p.grad
-        if (t + 1) % interval == 0:
-            for s, p in zip(sums, matrices(twin)):
-                p.grad = s / interval
-            mat_opt.step()
-            for s in sums:
-                s.zero_()
+    train_accumulating(twin, loss_fn, interval, matrix_lr=HP["lr"] * interval)
     assert_models_close(model, twin)
 
 

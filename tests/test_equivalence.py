@@ -66,22 +66,27 @@ def test_topk_zero_is_gradient_accumulation(model_name, interval):
                               update_interval=interval, overlap_step=False) as opt:
         train(model, loss_fn, opt)
 
-    vec_opt = torch.optim.AdamW(vectors(twin), **HP)
-    mat_opt = torch.optim.AdamW(matrices(twin), **HP)
-    sums = [torch.zeros_like(p) for p in matrices(twin)]
+    train_accumulating(twin, loss_fn, interval)
+    assert_models_close(model, twin)
+
+
+def train_accumulating(model, loss_fn, interval, matrix_lr=HP["lr"]):
+    """torch AdamW: vectors every step; matrices every `interval` steps on the mean gradient."""
+    vec_opt = torch.optim.AdamW(vectors(model), **HP)
+    mat_opt = torch.optim.AdamW(matrices(model), **{**HP, "lr": matrix_lr})
+    sums = [torch.zeros_like(p) for p in matrices(model)]
     for t in range(STEPS):
-        twin.zero_grad()
-        loss_fn(twin, t).backward()
+        model.zero_grad()
+        loss_fn(model, t).backward()
         vec_opt.step()
-        for s, p in zip(sums, matrices(twin)):
+        for s, p in zip(sums, matrices(model)):
             s += p.grad
         if (t + 1) % interval == 0:
-            for s, p in zip(sums, matrices(twin)):
+            for s, p in zip(sums, matrices(model)):
                 p.grad = s / interval
             mat_opt.step()
             for s in sums:
                 s.zero_()
-    assert_models_close(model, twin)
 
 
 @pytest.mark.parametrize("model_name", MODELS)

@@ -13,9 +13,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from zenflow.config_input import validation_problems
-from zenflow.rules import (Betas, Eps, Exponent, Flag, Fraction, Iteration, LearningRate,
-                           LossScale, MinLossScale, NonNegFloat, NonNegInt, PosInt, Ratio,
-                           SelectInterval, SelectStrategy, UpdateInterval, WeightDecay)
+from zenflow.rules import (Betas, DeferredCredit, Eps, Exponent, Flag, Fraction, Iteration,
+                           LearningRate, Lookahead, LossScale, MinLossScale, NonNegFloat,
+                           NonNegInt, PosInt, Ratio, SelectInterval, SelectStrategy,
+                           UpdateInterval, WeightDecay)
 from zenflow.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 
 
@@ -58,6 +59,9 @@ class ZenFlowSection(_Section):
     full_warm_up_rounds: NonNegInt = DEFAULTS.full_warm_up_rounds
     pt_reserved_cores_perc: Fraction = DEFAULTS.pt_reserved_cores_perc
     steps_per_epoch: Optional[PosInt] = DEFAULTS.steps_per_epoch
+    # Ours, not DeepSpeed's (docs/semantics.md, "Window end").
+    deferred_credit: DeferredCredit = DEFAULTS.deferred_credit
+    install_lookahead: Lookahead = DEFAULTS.install_lookahead
 
     def settings(self, max_grad_norm: Optional[float]) -> ZenFlowSettings:
         """The optimizer's settings: these keys, the clipping norm, and defaults for the rest."""

@@ -1,0 +1,34 @@
+"""benchmarks/finetune_quality.py runs end to end (tiny sizes) and reports what it claims."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_quick_run_writes_a_summary_with_offload_equal_to_adamw(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_quality.py"), "--quick",
+                    "--quiet", "--seeds", "0", "--systems", "AdamW", "OffloadAdamW",
+                    "ZenFlow default", "--zenflow", '{"update_interval": 1, "overlap_step": false}',
+                    "--out", str(tmp_path), "--name", "q"],
+                   check=True, env=env, timeout=300, cwd=tmp_path)
+    result = json.loads((tmp_path / "q.json").read_text())
+    summary = result["summary"]
+    assert set(summary) == {"AdamW", "OffloadAdamW", "ZenFlow default",
+                            "ZenFlow update_interval=1 overlap_step=False"}
+    assert (tmp_path / "q.png").exists()
+    assert list((tmp_path / "cache" / "zenflow" / "finetune_quality").glob("pretrained-*.pt"))
+    adamw = summary["AdamW"]["new_loss"]["mean"]
+    # OffloadAdamW is AdamW, and so is ZenFlow with U=1 and no overlap (docs/semantics.md).
+    assert summary["OffloadAdamW"]["new_loss"]["mean"] == pytest.approx(adamw, rel=1e-5)
+    assert summary["ZenFlow update_interval=1 overlap_step=False"]["new_loss"]["mean"] == \
+        pytest.approx(adamw, rel=1e-5)
+    assert summary["OffloadAdamW"]["new_gap_pct"] == pytest.approx(0.0, abs=1e-3)
+    assert all(r["new_loss"] > 0 and r["old_loss"] > 0 for r in result["runs"])
