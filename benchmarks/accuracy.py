@@ -106,7 +106,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
         part = result[key]
-        names = [n for n in SYSTEMS if part["runs"][n]]
+        names = [n for n in SYSTEMS if part["runs"].get(n)]
         for x, name in enumerate(names):
             vals = [r["metric"] for r in part["runs"][name]]
             ax.scatter([x] * len(vals), vals, color="C0", alpha=0.6)
