@@ -33,15 +33,16 @@ from zenflow.finetune.experiments import BBCExperiment, BBCSetting, LMExperiment
 SYSTEMS = {
     "AdamW": ("adamw", {}),
     "OffloadAdamW": ("offload", {}),
+    "ZenFlowAdamW defaults": ("zenflow", {}),
+    # The defaults before 2026-11-22 (DeepSpeed's paper setting) and DeepSpeed's all-auto.
     "ZenFlowAdamW k=0.1 U=4 overlap": ("zenflow", dict(topk_ratio=0.1, update_interval=4,
-                                                        overlap_step=True)),
-    "ZenFlowAdamW all-auto": ("zenflow-auto", dict(topk_ratio=0.1, overlap_step=True)),
+                                                        overlap_step=True, install_lookahead=0.0)),
+    "ZenFlowAdamW all-auto": ("zenflow-auto", dict(topk_ratio=0.1, overlap_step=True,
+                                                   auto_ratio=0.99, install_lookahead=0.0)),
     "ZenFlowAdamW U=1 lookahead 1": ("zenflow", dict(update_interval=1, install_lookahead=1.0)),
     "ZenFlowAdamW sync window credit": ("zenflow", dict(overlap_step=False,
                                                          deferred_credit="window")),
 }
-ZENFLOW = "ZenFlowAdamW k=0.1 U=4 overlap"
-
 
 def spread(values: list[float]) -> dict:
     if not values:

@@ -2,10 +2,11 @@
 
 Runs `zenflow bench`'s harness (zenflow/bench/: each round and system in a fresh child process,
 systems rotated every round, medians over update windows, JSON with the machine named, step-time
-and timeline plots) on four systems and the project's GPT (zenflow/bench/model.py):
-torch.optim.AdamW (fused, no offload), zenflow.OffloadAdamW (synchronous ZeRO-Offload) and
-ZenFlowAdamW with overlap_step off and on. The model is wide and each step sees few tokens, so
-the step is optimizer-bound.
+and timeline plots) on five systems and the project's GPT (zenflow/bench/model.py):
+torch.optim.AdamW (fused, no offload), zenflow.OffloadAdamW (synchronous ZeRO-Offload),
+ZenFlowAdamW with U=4 and overlap_step off and on, and ZenFlowAdamW with its own defaults
+(windows as short as the host keeps up with). The model is wide and each step sees few tokens,
+so the step is optimizer-bound.
 
 What this adds to `zenflow bench`: the stall per step of each system, counting all of
 OffloadAdamW's step() as stall (it is host AdamW and copies that training waits for), how much
@@ -37,7 +38,7 @@ from zenflow.bench import cli, harness, plots
 from zenflow.bench.model import GPT, GPTConfig, TokenStream
 from zenflow.bench.systems import BUILDERS
 
-SYSTEMS = ["adamw", "offload", "zenflow-sync", "zenflow"]
+SYSTEMS = ["adamw", "offload", "zenflow-sync", "zenflow", "zenflow-defaults"]
 # GPT-2-shaped, 117.6M parameters, batch 1 x 32 tokens: the step, not the model, dominates.
 DEFAULTS = dict(systems=",".join(SYSTEMS), n_layer=8, n_embd=1024, n_head=16, vocab_size=8192,
                 seq_len=32, batch_size=1, dtype="float32", warmup=4, steps=8, rounds=6,
@@ -79,7 +80,7 @@ def stall_per_step(report: dict) -> dict[str, dict[str, float | None]]:
         rows[name] = {"time_per_step_s": summary["window_step_s"]["median"], "step_s": step,
                       "stall_s": stall}
     offload_stall = rows.get("offload", {}).get("stall_s")
-    for name in ("zenflow-sync", "zenflow"):
+    for name in ("zenflow-sync", "zenflow", "zenflow-defaults"):
         stall = rows.get(name, {}).get("stall_s")
         if stall is not None and offload_stall:
             rows[name]["stall_cut_vs_offload"] = 1 - stall / offload_stall

@@ -29,8 +29,8 @@ def test_auto_interval_flushes_sometimes_and_stays_in_bounds(model_name):
     make, loss_fn = MODELS[model_name]
     model = make()
     opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1,
-                               update_interval="auto", auto_update_bounds=(2, 6),
-                               overlap_step=False)
+                               update_interval="auto", auto_ratio=0.99,
+                               auto_update_bounds=(2, 6), overlap_step=False)
     train(opt, model, loss_fn, 60)
     lengths = window_lengths(opt.decisions)
     assert 0 < opt.num_windows < 60
@@ -45,7 +45,7 @@ def test_auto_interval_follows_the_deferred_share():
         gen = torch.Generator().manual_seed(0)
         p = torch.zeros(16, 40, requires_grad=True)
         opt = zenflow.ZenFlowAdamW([p], lr=1e-3, topk_ratio=0.1, update_interval="auto",
-                                   auto_update_bounds=(1, 32), overlap_step=False,
+                                   auto_ratio=0.99, auto_update_bounds=(1, 32), overlap_step=False,
                                    select_interval=10 ** 6)
         for t in range(96):
             g = torch.randn(16, 40, generator=gen) * deferred_scale

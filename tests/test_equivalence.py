@@ -95,7 +95,7 @@ def test_topk_zero_overlap_is_delayed_adamw(model_name):
     make, loss_fn = MODELS[model_name]
     model, twin = make(), make()
     with zenflow.ZenFlowAdamW(model.parameters(), **HP, topk_ratio=0.0, update_interval=1,
-                              overlap_step=True) as opt:
+                              overlap_step=True, install_lookahead=0.0) as opt:
         train(model, loss_fn, opt)
 
     shadow = [p.detach().clone().requires_grad_() for p in matrices(twin)]

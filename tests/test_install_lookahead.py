@@ -42,8 +42,10 @@ def test_synchronize_installs_the_exact_values(overlap):
             before = [p.detach().clone() for p in params]
             opt.synchronize()
             ref.synchronize()
-            assert any(not torch.equal(a, p) for a, p in zip(before, params)), \
-                "synchronize() changed nothing: the weights were not ahead"
+            changed = any(not torch.equal(a, p) for a, p in zip(before, params))
+            # With overlap the installed weights led the host's values; without, nothing is
+            # stale, nothing leads, and synchronize() has nothing to change.
+            assert changed == overlap, f"synchronize() changed the weights: {changed}"
         for i, (p, r) in enumerate(zip(params, ref_params)):
             torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"step {t}, param {i}: {m}")
@@ -51,15 +53,34 @@ def test_synchronize_installs_the_exact_values(overlap):
 
 
 def test_lookahead_leads_along_the_step():
-    """A steady gradient: the installed weights are one step ahead of the host's values."""
+    """A steady gradient: an update installed one window late is one step ahead of the host's
+    value it came from; synchronize() shows the host's values themselves."""
     w = torch.nn.Parameter(torch.zeros(4, 8))
     with zenflow.ZenFlowAdamW([w], lr=1e-2, weight_decay=0.0, topk_ratio=0.0, update_interval=2,
-                              overlap_step=False, install_lookahead=1.0) as opt:
+                              overlap_step=True, install_lookahead=1.0, worker=False) as opt:
+        for _ in range(4):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        # window 1's host value is -0.01; installed at the end of window 2, leading by a step
+        torch.testing.assert_close(w.detach(), torch.full_like(w, -2e-2))
+        w.grad = torch.ones_like(w)
+        opt.step()
+        opt.synchronize()   # window 2's host value, -0.02, without a lead
+        torch.testing.assert_close(w.detach(), torch.full_like(w, -2e-2))
+        w.grad = torch.ones_like(w)
+        opt.step()          # window 3 ends: window 2's update was installed, now in flight: 3
+        opt.synchronize()
+        torch.testing.assert_close(w.detach(), torch.full_like(w, -3e-2))
+
+
+def test_lookahead_leaves_a_synchronous_install_alone():
+    """Without overlap nothing is stale, so nothing leads: the installed weights are the host's."""
+    w = torch.nn.Parameter(torch.zeros(4, 8))
+    with zenflow.ZenFlowAdamW([w], lr=1e-2, weight_decay=0.0, topk_ratio=0.0, update_interval=2,
+                              overlap_step=False, install_lookahead=1.0, worker=False) as opt:
         for _ in range(2):
             w.grad = torch.ones_like(w)
             opt.step()
-        torch.testing.assert_close(w.detach(), torch.full_like(w, -2e-2))
-        opt.synchronize()
         torch.testing.assert_close(w.detach(), torch.full_like(w, -1e-2))
 
 

@@ -187,8 +187,10 @@ def _mlp_batch(step, dtype=torch.float32, size=16):
     return torch.randn(size, 12, generator=g).to(dtype), torch.randn(size, 5, generator=g).to(dtype)
 
 
+# No lookahead: a scaled loss's fp16 backward rounds differently from the plain one (the fp32 host
+# state differs by ~1e-7), which fp16 weights hide but a lookahead's extra step can show.
 ZF = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, overlap_step=True, select_strategy="step",
-          select_interval=6)
+          select_interval=6, install_lookahead=0.0)
 
 
 def test_user_clipping_before_step_equals_max_grad_norm():

@@ -89,7 +89,7 @@ def test_overlap_with_worker_matches_reference(seed):
 def test_topk0_interval1_overlap_is_one_step_delayed_adamw():
     model, ref_model = _model(3), _model(3)
     opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, topk_ratio=0.0,
-                               update_interval=1, overlap_step=True)
+                               update_interval=1, overlap_step=True, install_lookahead=0.0)
     adamw = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
     previous = [p.detach().clone() for p in ref_model.parameters()]
     with opt:

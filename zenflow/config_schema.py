@@ -43,7 +43,7 @@ class ZenFlowSection(_Section):
     """The keys of DeepSpeed's zenflow block: each is the ZenFlowSettings field of that name,
     checked by the same rule. A key left out takes DeepSpeed 0.19's default, so that a DeepSpeed
     config trains here as it does under DeepSpeed: ZenFlowSettings' default, except for
-    update_interval and overlap_step (marked)."""
+    update_interval, overlap_step and auto_ratio (marked)."""
 
     # DeepSpeed's `offload` moves the selected columns' state to the host; ours is ~10% of the
     # model in fp32 on the device, so the key is accepted and has no effect.
@@ -55,7 +55,7 @@ class ZenFlowSection(_Section):
     update_interval: UpdateInterval = "auto"    # DeepSpeed's default
     overlap_step: Flag = False                  # DeepSpeed's default
     offload: Flag = False
-    auto_ratio: Ratio = DEFAULTS.auto_ratio
+    auto_ratio: Optional[Ratio] = 0.99          # DeepSpeed's default
     full_warm_up_rounds: NonNegInt = DEFAULTS.full_warm_up_rounds
     pt_reserved_cores_perc: Fraction = DEFAULTS.pt_reserved_cores_perc
     steps_per_epoch: Optional[PosInt] = DEFAULTS.steps_per_epoch

@@ -43,13 +43,15 @@ from zenflow.worker import split_cores
 log = logging.getLogger("zenflow")
 
 
-def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings) -> tuple:
+def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings,
+                                delayed: bool) -> tuple:
     """(lr, beta1, beta2, eps, weight_decay, lookahead) of a window's host update of a matrix in
-    `group` that summed `num_grads` gradients (docs/semantics.md, "Window end")."""
+    `group` that summed `num_grads` gradients (docs/semantics.md, "Window end"). Only an update
+    installed one window later (`delayed`) leads with the lookahead: nothing else is stale."""
     lr, *rest = group_hyperparameters(group)
     if settings.deferred_credit == "window":
         lr *= num_grads
-    return (lr, *rest, settings.install_lookahead)
+    return (lr, *rest, settings.install_lookahead if delayed else 0.0)
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -95,7 +97,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  steps_per_epoch: int | None = DEFAULTS.steps_per_epoch,
                  pt_reserved_cores_perc: float = DEFAULTS.pt_reserved_cores_perc,
                  reselect_threshold: float = DEFAULTS.reselect_threshold,
-                 auto_ratio: float = DEFAULTS.auto_ratio,
+                 auto_ratio: float | None = DEFAULTS.auto_ratio,
                  auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,
                  worker: bool = DEFAULTS.worker, process_group=None):
         self._closed = True          # until the worker exists, close() has nothing to do
@@ -203,7 +205,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
                               if m.param in grads and m.host_owns_columns(chosen)})
         device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
-        if not warming_up and isinstance(self._window, AutoWindow):
+        if not warming_up and isinstance(self._window, AutoWindow) and self._window.threshold:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
             if present:
                 self._window.observe(*importance_split(present, norms, clip_coef))
@@ -255,7 +257,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         with `synchronous` install that too before returning."""
         self._install_in_flight()
         self._pipeline.end_window([host_update_hyperparameters(
-            m.group, self._pipeline.num_grads[m.host_index], self.settings)
+            m.group, self._pipeline.num_grads[m.host_index], self.settings, not synchronous)
             for m in self._host_params])
         if synchronous:
             self._install_in_flight()
@@ -290,7 +292,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         earlier than the overlap schedule would make it."""
         self._outside_writes.adopt(self._selector.has_chosen)
         self._install_in_flight()
-        if self.settings.install_lookahead and self.counters.num_windows:
+        if (self.settings.install_lookahead and self.settings.overlap_step
+                and self.counters.num_windows):
             # The installed weights lead the host's values by the lookahead: show the values.
             chosen = self._selector.has_chosen
             self._write_selected_over(self._pipeline.install_masters(

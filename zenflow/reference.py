@@ -42,7 +42,7 @@ class ReferenceZenFlow:
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  topk_ratio=0.1, update_interval=4, full_warm_up_rounds=0, overlap_step=False,
                  max_grad_norm=None, importance="l2", select_interval=None,
-                 deferred_credit="mean", install_lookahead=0.0):
+                 deferred_credit="mean", install_lookahead=1.0):
         self.params = list(params)
         self.lr, (self.beta1, self.beta2), self.eps, self.wd = lr, betas, eps, weight_decay
         self.topk_ratio, self.update_interval = topk_ratio, update_interval
@@ -87,13 +87,13 @@ class ReferenceZenFlow:
         for p, s in zip(self.params, self.state):
             if p.ndim < 2:
                 continue
-            if self.lookahead and "last_lr" in s:
+            if s.get("lookahead"):
                 # The weights lead the master by `lookahead` of the step the moments point to.
                 bias1 = 1 - self.beta1 ** s["host_count"]
                 bias2 = 1 - self.beta2 ** s["host_count"]
                 direction = s["v"].sqrt() / math.sqrt(bias2) + self.eps
                 direction = s["m"] / direction / bias1 + self.wd * s["master"]
-                shown = direction * (-self.lookahead * s["last_lr"]) + s["master"]
+                shown = direction * (-s["lookahead"] * s["last_lr"]) + s["master"]
                 self._write(p, dict(master=shown), ~s["on_device"])
             else:
                 self._write(p, s, ~s["on_device"])
@@ -203,6 +203,8 @@ class ReferenceZenFlow:
                 # "window": the deferred columns move as far as acc_n steps at this rate would.
                 lr = self.lr * (s["acc_n"] if self.deferred_credit == "window" else 1)
                 s["last_lr"] = lr
+                # Only an update installed one window later leads: nothing else is stale.
+                s["lookahead"] = self.lookahead if self.overlap and not warming_up else 0.0
                 new = adamw_update(s["master"][:, cols], s["acc"][:, cols] / s["acc_n"],
                                    s["m"][:, cols], s["v"][:, cols], s["host_count"], lr,
                                    self.beta1, self.beta2, self.eps, self.wd)

@@ -83,9 +83,13 @@ class ZenFlowSettings(_Arguments):
     # Steps (or epochs) between reselections, or "auto": reselect when the selected columns hold
     # less than `reselect_threshold` of the importance the best columns would hold.
     select_interval: SelectInterval = "auto"
-    # Steps per host window, or "auto": end a window when the deferred columns' summed gradient
-    # reaches one important step (zenflow/windows.py), within `auto_update_bounds`.
-    update_interval: UpdateInterval = 4
+    # Steps per host window, or "auto": with overlap_step, end a window as soon as the host has
+    # finished the previous one's update (and, with `auto_ratio`, once the deferred columns'
+    # summed gradient reaches one important step), within `auto_update_bounds`
+    # (zenflow/windows.py). Measured on a fine-tune (benchmarks/finetune_quality.py): a window's
+    # delay and its single host step both cost quality, so the default makes windows as short as
+    # the host keeps up with, which never stalls; a slow host gets longer windows, up to 16 steps.
+    update_interval: UpdateInterval = "auto"
     # Initial steps that update every parameter fully, on the host.
     full_warm_up_rounds: NonNegInt = 0
     # Install each window's host update one window later, hiding the host's work.
@@ -106,7 +110,10 @@ class ZenFlowSettings(_Arguments):
     # weights that miss the update in flight; leading them by the step the moments predict
     # makes those gradients less stale. The host's values stay exact: synchronize() installs
     # them and state_dict() holds them.
-    install_lookahead: Lookahead = 0.0
+    # Only updates installed one window later (overlap_step=True, after warm-up) lead; the
+    # default 1.0 removes most of what a one-step delay costs (measured: +1.6% -> +0.3% held-out
+    # loss against AdamW on the fine-tune).
+    install_lookahead: Lookahead = 1.0
     # Steps per epoch, for select_strategy="epoch" (the engine takes it from its dataloader).
     steps_per_epoch: Optional[PosInt] = None
     # Share of the cores left to the training process; the host worker gets the rest.
@@ -116,8 +123,9 @@ class ZenFlowSettings(_Arguments):
     # of the best columns' importance when nothing has drifted (measured: MiniLM fine-tuned on
     # BBC News, batch 16; a GPT from scratch), so 0.6 fires on drift, not on noise.
     reselect_threshold: Fraction = 0.6
-    # The update_interval="auto" threshold (DeepSpeed's key and default).
-    auto_ratio: Ratio = 0.99
+    # The update_interval="auto" importance threshold (DeepSpeed's key; its default, 0.99, is the
+    # JSON block's), or None: no importance threshold, the host's speed alone ends windows.
+    auto_ratio: Optional[Ratio] = None
     # (min, max) window length for update_interval="auto".
     auto_update_bounds: IntervalBounds = (1, 16)
     # Run the host side in a worker process (False: in the training process, synchronously;

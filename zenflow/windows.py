@@ -20,6 +20,11 @@ Bounds: windows are at least `min_steps` and at most `max_steps` long. With over
 is also at least as long as it takes to hide the host update behind the device's steps
 (host seconds / step seconds, measured), and it ends early only if the host is ready: a longer
 window is chosen over a stall, up to `max_steps`.
+
+With `threshold=None` (ZenFlowAdamW's default) there is no importance criterion: a window ends as
+soon as those bounds allow, so windows are as short as the host keeps up with. Short windows are
+what fine-tuning quality asks for (a window's update reaches the device one window late, as one
+AdamW step; benchmarks/finetune_quality.py), and waiting for the host keeps the step stall-free.
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ class FixedWindow:
 class AutoWindow:
     """Ends a window when the deferred columns' summed gradient reaches one important step."""
 
-    def __init__(self, threshold: float = 0.99, min_steps: int = 1, max_steps: int = 16,
+    def __init__(self, threshold: float | None = 0.99, min_steps: int = 1, max_steps: int = 16,
                  overlap: bool = True):
         self.threshold = threshold
         self.min_steps = min_steps
@@ -93,12 +98,15 @@ class AutoWindow:
         floor = max(self.min_steps, min(self.max_steps, self.hide_steps(host_seconds, step_seconds)))
         if window_steps < floor:
             return False
-        if self.pending_importance < self.threshold:
+        if self.threshold is not None and self.pending_importance < self.threshold:
             return False
         if self.overlap and not host_ready:
             return False  # ending now would stall on the previous window; keep accumulating
-        self.reason = (f"deferred importance {self.pending_importance:.3g} >= {self.threshold} "
-                       f"after {window_steps} steps (floor {floor})")
+        if self.threshold is None:
+            self.reason = f"host ready after {window_steps} steps (floor {floor})"
+        else:
+            self.reason = (f"deferred importance {self.pending_importance:.3g} >= "
+                           f"{self.threshold} after {window_steps} steps (floor {floor})")
         return True
 
     def ended(self, steps: int) -> None:

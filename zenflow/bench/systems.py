@@ -26,6 +26,7 @@ SYSTEMS: dict[str, tuple[str, bool]] = {
     "offload": ("zenflow OffloadAdamW", False),
     "zenflow-sync": ("zenflow ZenFlowAdamW, overlap off", False),
     "zenflow": ("zenflow ZenFlowAdamW, overlap on", False),
+    "zenflow-defaults": ("zenflow ZenFlowAdamW, its own defaults (host-paced windows)", False),
     "ds-offload": ("DeepSpeed ZeRO-Offload (stage 2)", True),
     "ds-zenflow": ("DeepSpeed ZenFlow (stage 2)", True),
 }
@@ -132,6 +133,13 @@ def build_zenflow(model, spec):
     return _build_zenflow(model, spec, overlap=True)
 
 
+def build_zenflow_defaults(model, spec):
+    # Not the shared zenflow block: the package's defaults (update_interval "auto" with no
+    # importance threshold, lookahead 1), which DeepSpeed has no equivalent of.
+    from zenflow import ZenFlowAdamW
+    return _TorchOptimizerRunner(model, ZenFlowAdamW(model.parameters(), **_adam_kwargs(spec)))
+
+
 class _DeepSpeedRunner:
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -217,6 +225,7 @@ BUILDERS = {
     "offload": build_offload,
     "zenflow-sync": build_zenflow_sync,
     "zenflow": build_zenflow,
+    "zenflow-defaults": build_zenflow_defaults,
     "ds-offload": build_ds_offload,
     "ds-zenflow": build_ds_zenflow,
 }

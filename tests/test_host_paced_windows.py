@@ -1,0 +1,122 @@
+"""The default windows: as short as the host keeps up with, installed with the lookahead.
+
+ZenFlowAdamW's defaults are update_interval="auto" with auto_ratio=None (no importance threshold:
+a window ends once the host has finished the previous one's update) and install_lookahead=1.0,
+which applies only to updates installed one window later. Checked on the Llama-shaped model
+(226 matrices) against the reference, given the optimizer's decisions.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zenflow
+from test_adaptive import window_lengths
+from test_real_scale import batch, llama
+from zenflow.config import parse_config
+from zenflow.reference import ReferenceZenFlow
+from zenflow.windows import AutoWindow
+
+
+def test_without_a_threshold_a_window_ends_when_the_host_is_ready():
+    w = AutoWindow(None, min_steps=1, max_steps=16, overlap=True)
+    assert w.should_end(1, host_ready=True, host_seconds=0.0, step_seconds=0.1)
+    assert "host ready" in w.reason
+    assert not w.should_end(1, host_ready=False, host_seconds=0.0, step_seconds=0.1)
+    assert w.should_end(16, host_ready=False, host_seconds=0.0, step_seconds=0.1)  # max_steps
+    # the host needs 2.5 steps: never end before 3 steps, even if it reports ready
+    assert not w.should_end(2, host_ready=True, host_seconds=0.25, step_seconds=0.1)
+    assert w.should_end(3, host_ready=True, host_seconds=0.25, step_seconds=0.1)
+    # without overlap every step ends a window (nothing to hide: ZeRO-Offload's schedule)
+    sync = AutoWindow(None, min_steps=1, max_steps=16, overlap=False)
+    assert sync.should_end(1, host_ready=False, host_seconds=5.0, step_seconds=0.1)
+
+
+def test_the_defaults_are_host_paced_windows_with_the_lookahead():
+    settings = zenflow.ZenFlowAdamW([torch.nn.Parameter(torch.zeros(2, 2))], worker=False).settings
+    assert (settings.update_interval, settings.auto_ratio) == ("auto", None)
+    assert settings.install_lookahead == 1.0 and settings.overlap_step
+    # a DeepSpeed config keeps DeepSpeed's importance threshold; null asks for ours
+    def zenflow_block(block):
+        config = {"train_batch_size": 8, "zero_optimization": {"stage": 2, "zenflow": block}}
+        return parse_config(config, world_size=1).zero_optimization.zenflow
+
+    assert zenflow_block({}).auto_ratio == 0.99
+    assert zenflow_block({"auto_ratio": None}).auto_ratio is None
+
+
+def replay(opt, model, ref, steps, ready=None):
+    """Train `model` with `opt`; feed the reference the same gradients and the optimizer's
+    decisions; the weights must agree after every step."""
+    ref_params = ref.params
+    for t in range(steps):
+        x, y = batch(t)
+        model(x, y).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        before = len(opt.decisions)
+        opt.step()
+        opt.zero_grad()
+        kinds = {kind for _, kind in opt.decisions[before:]}
+        ref.step(grads, flush="flush" in kinds, reselect="reselect" in kinds)
+        for p, r in zip(model.parameters(), ref_params):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+    opt.synchronize()
+    ref.synchronize()
+    for p, r in zip(model.parameters(), ref_params):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+
+
+def test_an_inline_host_gives_one_step_windows_equal_to_the_reference():
+    """In process the host is always ready: every window is one step, installed one step late
+    with the lookahead (deterministic)."""
+    model = llama()
+    ref = ReferenceZenFlow([p.detach().clone() for p in model.parameters()], lr=3e-3,
+                           update_interval=10 ** 6, overlap_step=True, install_lookahead=1.0)
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=3e-3, worker=False) as opt:
+        replay(opt, model, ref, steps=8)
+        assert window_lengths(opt.decisions) == [1] * 8
+
+
+def test_a_busy_host_lengthens_the_window_and_the_update_lands_whole():
+    """While the host is busy the window keeps accumulating; when it ends, the previous update is
+    installed whole (the reference, given the same decisions, agrees)."""
+    model = llama()
+    ref = ReferenceZenFlow([p.detach().clone() for p in model.parameters()], lr=3e-3,
+                           update_interval=10 ** 6, overlap_step=True, install_lookahead=1.0)
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=3e-3, worker=False,
+                              auto_update_bounds=(1, 5), select_interval=10 ** 6) as opt:
+        busy_at = {2, 4, 5}   # steps at whose end the host is still working
+        opt._pipeline.ready = lambda: (opt.counters.step not in busy_at
+                                       or opt._pipeline.in_flight is None)
+        replay(opt, model, ref, steps=10)
+        lengths = window_lengths(opt.decisions)
+    assert lengths == [1, 1, 2, 3, 1, 1, 1]
+
+
+@pytest.mark.parametrize("worker", [True, False])
+def test_with_the_worker_the_decisions_replay_exactly(worker):
+    """The worker's timing decides the windows; whatever it decides, the weights are the
+    reference's for those decisions."""
+    model = llama(seed=1)
+    ref = ReferenceZenFlow([p.detach().clone() for p in model.parameters()], lr=3e-3,
+                           update_interval=10 ** 6, overlap_step=True, install_lookahead=1.0)
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=3e-3, worker=worker) as opt:
+        replay(opt, model, ref, steps=6)
+        assert all(1 <= n <= 16 for n in window_lengths(opt.decisions))
+
+
+def test_the_lookahead_leaves_synchronous_installs_exact():
+    """Nothing is stale without overlap: with the default lookahead, k=0 and U=1 is AdamW."""
+    model, reference = llama(), llama()
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.0, update_interval=1,
+                              overlap_step=False, worker=False) as opt:
+        assert opt.settings.install_lookahead == 1.0
+        for t in range(4):
+            for m, o in ((model, opt), (reference, adamw)):
+                x, y = batch(t)
+                m(x, y).backward()
+                o.step()
+                o.zero_grad()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
