@@ -120,3 +120,25 @@ def test_the_lookahead_leaves_synchronous_installs_exact():
                 o.zero_grad()
             for p, q in zip(model.parameters(), reference.parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_slow_install_lengthens_the_window():
+    """Installing a window's update is a copy the device waits for: windows grow until it takes
+    at most INSTALL_BUDGET of their time."""
+    from zenflow.windows import INSTALL_BUDGET
+    w = AutoWindow(None, min_steps=1, max_steps=16, overlap=True)
+    install = 4 * INSTALL_BUDGET * 0.1      # four steps' budget
+    assert w.hide_steps(0.0, 0.1, install) == 4
+    assert not w.should_end(3, True, 0.0, 0.1, install)
+    assert w.should_end(4, True, 0.0, 0.1, install)
+    assert w.hide_steps(0.35, 0.1, install) == 4 and w.hide_steps(0.45, 0.1, install) == 5
+
+
+def test_the_install_time_is_measured():
+    from zenflow.accelerator import Transfers
+    transfers = Transfers(torch.device("cpu"))
+    assert transfers.last_install_seconds == 0.0
+    dst, src = torch.zeros(1 << 22), torch.ones(1 << 22)
+    transfers.to_device([(dst, src)])
+    assert transfers.last_install_seconds > 0.0 and torch.equal(dst, src)
+    transfers.close()

@@ -12,7 +12,8 @@ instead of waiting:
 - to_device: the copies run on a second side stream after everything queued so far on the
   current stream (the destinations are free), and the current stream waits for them with an
   event: compute queued after step() is ordered after the install, and the Python thread never
-  blocks. The ticket says when the host sources may be overwritten.
+  blocks. The ticket says when the host sources may be overwritten; `last_install_seconds` how
+  long the last install took (on CUDA from timing events, read once they have completed).
 
 The device is always passed explicitly (never the implicit current device), so a rank that
 trains on cuda:3 never opens a context on cuda:0. On a CPU "device" (CPU-only torch, or the
@@ -117,6 +118,8 @@ class Transfers:
         self._pinned: list[int] = []
         self._copy_cores = None if self.cuda else copy_cores
         self._copier = None       # the CPU copy thread, started at the first copy
+        self._install_seconds = 0.0
+        self._install_events = None   # (start, end) timing events of a CUDA install in flight
         if self.cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
@@ -164,18 +167,33 @@ class Transfers:
         """device_dst.copy_(host_src) for each pair; the current stream waits for it, the Python
         thread does not."""
         if not self.cuda:
+            start = time.perf_counter()
             for dst, src in pairs:
                 dst.copy_(src)
+            self._install_seconds = time.perf_counter() - start
             return DONE
         current = self._current()
         self._h2d.wait_stream(current)          # earlier work on the destinations is done
+        began, installed = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         with torch.cuda.stream(self._h2d):
+            began.record(self._h2d)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
                 dst.record_stream(self._h2d)
-        installed = self._h2d.record_event()
+            installed.record(self._h2d)
         current.wait_event(installed)
+        self._install_events = (began, installed)
         return Ticket(installed)
+
+    @property
+    def last_install_seconds(self) -> float:
+        """How long the last completed to_device batch took (0 before the first). Never waits:
+        on CUDA an install still in flight leaves the previous one's time."""
+        if self._install_events is not None and self._install_events[1].query():
+            began, installed = self._install_events
+            self._install_seconds = began.elapsed_time(installed) / 1000.0
+            self._install_events = None
+        return self._install_seconds
 
     def pin(self, tensors: list[torch.Tensor]) -> None:
         """Page-lock host buffers in place (cudaHostRegister: they live in shared memory, which

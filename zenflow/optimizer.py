@@ -239,9 +239,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return 1.0 if grad_scale is None else float(grad_scale)
 
     def _window_ends(self) -> bool:
+        # In process (worker=False) nothing overlaps the step, so no timing paces the windows:
+        # they are reproducible.
+        timings = (self._runner.last_update_seconds, self._step_period.seconds,
+                   self._pipeline.transfers.last_install_seconds) if self.settings.worker else ()
         ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
-                                       self._runner.last_update_seconds,
-                                       self._step_period.seconds)
+                                       *(timings or (0.0, 0.0, 0.0)))
         if isinstance(self._window, AutoWindow):
             # Timings differ between ranks; every rank must end the window at the same step.
             ends = self._partition.any(ends, "agreeing on the end of a host window")

@@ -18,8 +18,9 @@ of the gathered selected columns), so no extra pass over the gradients is needed
 
 Bounds: windows are at least `min_steps` and at most `max_steps` long. With overlap, the window
 is also at least as long as it takes to hide the host update behind the device's steps
-(host seconds / step seconds, measured), and it ends early only if the host is ready: a longer
-window is chosen over a stall, up to `max_steps`.
+(host seconds / step seconds, measured) and long enough that installing its result, a copy the
+device waits for, takes at most INSTALL_BUDGET of the window's time; and it ends early only if
+the host is ready: a longer window is chosen over a stall, up to `max_steps`.
 
 With `threshold=None` (ZenFlowAdamW's default) there is no importance criterion: a window ends as
 soon as those bounds allow, so windows are as short as the host keeps up with. Short windows are
@@ -30,6 +31,12 @@ from __future__ import annotations
 
 import math
 import time
+
+# The share of the device's time that installing host updates may take (with overlap). On a GPU
+# the install is a host-to-device copy of the deferred columns that compute waits for: one
+# window of a 7B model in bf16 is ~12.6 GB, ~0.25-0.5 s over PCIe, so one-step windows would
+# spend 15-30% of a 1.7 s step copying. 5% is the stall this project allows a step.
+INSTALL_BUDGET = 0.05
 
 
 class FixedWindow:
@@ -45,7 +52,7 @@ class FixedWindow:
         pass
 
     def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
-                   step_seconds: float) -> bool:
+                   step_seconds: float, install_seconds: float = 0.0) -> bool:
         self.reason = f"fixed interval {self.steps}"
         return window_steps >= self.steps
 
@@ -84,18 +91,23 @@ class AutoWindow:
             return
         self.pending_importance += deferred / math.sqrt(selected_sq / selected_cols)
 
-    def hide_steps(self, host_seconds: float, step_seconds: float) -> int:
-        """Steps the device needs to cover one host update (overlap only)."""
-        if not self.overlap or host_seconds <= 0.0 or step_seconds <= 0.0:
+    def hide_steps(self, host_seconds: float, step_seconds: float,
+                   install_seconds: float = 0.0) -> int:
+        """Steps a window needs (overlap only) to cover one host update with the device's steps
+        and to keep installing its result within INSTALL_BUDGET of the window's time."""
+        if not self.overlap or step_seconds <= 0.0:
             return 1
-        return math.ceil(host_seconds / step_seconds)
+        cover = math.ceil(host_seconds / step_seconds)
+        install = math.ceil(install_seconds / (INSTALL_BUDGET * step_seconds))
+        return max(1, cover, install)
 
     def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
-                   step_seconds: float) -> bool:
+                   step_seconds: float, install_seconds: float = 0.0) -> bool:
         if window_steps >= self.max_steps:
             self.reason = f"reached max_steps={self.max_steps}"
             return True
-        floor = max(self.min_steps, min(self.max_steps, self.hide_steps(host_seconds, step_seconds)))
+        floor = max(self.min_steps, min(self.max_steps, self.hide_steps(
+            host_seconds, step_seconds, install_seconds)))
         if window_steps < floor:
             return False
         if self.threshold is not None and self.pending_importance < self.threshold:
