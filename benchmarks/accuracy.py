@@ -78,17 +78,22 @@ def run_all(exp, seeds, systems, progress) -> dict:
     return {"runs": runs, "summary": summary, "errors": errors}
 
 
+def compared(part: dict | None, name: str) -> bool:
+    """Whether `part` (a task's results) has runs of both `name` and AdamW."""
+    return bool(part) and all(part["summary"].get(n, {}).get("n") for n in (name, "AdamW"))
+
+
 def verdicts(bbc: dict | None, lm: dict | None) -> dict:
+    """Each system against AdamW, for the systems that ran."""
     out = {}
-    for name in SYSTEMS:
-        if name == "AdamW":
-            continue
+    ran = {name for part in (bbc, lm) if part for name in part["summary"]}
+    for name in [n for n in SYSTEMS if n in ran and n != "AdamW"]:
         v = {}
-        if bbc and bbc["summary"][name].get("n") and bbc["summary"]["AdamW"].get("n"):
+        if compared(bbc, name):
             d = 100 * (bbc["summary"][name]["mean"] - bbc["summary"]["AdamW"]["mean"])
             v["bbc_accuracy_diff_points"] = d
             v["bbc_within_0.5_points"] = d >= -0.5  # better than AdamW also passes
-        if lm and lm["summary"][name].get("n") and lm["summary"]["AdamW"].get("n"):
+        if compared(lm, name):
             rel = lm["summary"][name]["mean"] / lm["summary"]["AdamW"]["mean"] - 1
             v["lm_loss_rel_diff_percent"] = 100 * rel
             v["lm_within_1_percent"] = rel <= 0.01

@@ -16,7 +16,7 @@ from zenflow.finetune.models import perplexity
 from zenflow.finetune.optim import OPTIMIZERS
 from zenflow.finetune.train import plot_loss_curves
 
-ZENFLOW = dict(topk_ratio=0.1, update_interval=4, overlap_step=True)
+ZENFLOW = dict(topk_ratio=0.1)   # the package defaults otherwise
 
 
 def main(argv=None) -> int:

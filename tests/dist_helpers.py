@@ -90,6 +90,20 @@ def _ddp(rank, world, overlap, steps, worker, result):
     opt.close()
 
 
+def _ddp_defaults(rank, world, steps, result):
+    """ZenFlowAdamW's own defaults: each rank's host paces the windows; the ranks must agree."""
+    model = torch.nn.parallel.DistributedDataParallel(make_mlp())
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=3e-3) as opt:
+        for t in range(steps):
+            x, y = my_share(t, rank, world)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.synchronize()
+        result["decisions"] = list(opt.decisions)
+        result["weights"] = _weights(model)
+
+
 def _checked(rank, world, overlap, steps, out_dir, options, result):
     """The engine under intercepted collectives with a declared backend (collective_check.py):
     selection, reselection with handoff, windows, installs, a checkpoint and a resume."""
@@ -142,6 +156,8 @@ def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_di
     try:
         if mode == "ddp":
             _ddp(rank, world, overlap, steps, worker, result)
+        elif mode == "ddp_defaults":
+            _ddp_defaults(rank, world, steps, result)
         elif mode == "checked":
             _checked(rank, world, overlap, steps, out_dir, options, result)
         elif mode == "torchrun":

@@ -84,6 +84,17 @@ def test_ddp_matches_single_process_and_partitions_host_state(tmp_path, world, o
                                                    "installing host-updated rows"}
 
 
+def test_host_paced_windows_end_on_every_rank_at_once(tmp_path):
+    """The default windows follow each rank's own host; the ranks still end every window at the
+    same step and keep identical weights."""
+    ranks = run_ranks(tmp_path, "ddp_defaults")
+    assert_ok(ranks)
+    flushes = [[s for s, kind in r["decisions"] if kind == "flush"] for r in ranks]
+    assert len(flushes[0]) >= 2 and flushes[0] == flushes[1]
+    assert ranks[0]["decisions"] == ranks[1]["decisions"]
+    assert_same(ranks[0]["weights"], ranks[1]["weights"], exact=True)
+
+
 def test_the_bare_optimizer_refuses_to_train_alone_when_launched_with_ranks(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but torch.distributed is not "

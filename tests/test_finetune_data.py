@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +205,16 @@ def test_lm_experiment_trains_and_scores_held_out_plays():
     # Same seed, same data and init: the first step's loss is the same for both optimizers.
     assert a.train.losses[0] == pytest.approx(b.train.losses[0], rel=1e-6)
     assert 0 < a.metric < 6.0 and len(a.train.losses) == 3
+
+
+def test_accuracy_verdicts_cover_the_systems_that_ran():
+    """benchmarks/accuracy.py --systems AdamW <one other> must report, not crash at the end."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy.py"
+    spec = importlib.util.spec_from_file_location("accuracy_bench", path)
+    accuracy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accuracy)
+    bbc = {"summary": {"AdamW": {"n": 3, "mean": 0.9670},
+                       "ZenFlowAdamW defaults": {"n": 3, "mean": 0.9655}}}
+    out = accuracy.verdicts(bbc, None)
+    assert list(out) == ["ZenFlowAdamW defaults"]
+    assert out["ZenFlowAdamW defaults"]["bbc_accuracy_diff_points"] == pytest.approx(-0.15)

@@ -24,7 +24,7 @@ import torch
 SEED = 0
 DEMO_STEPS = 300
 RUNS = (("AdamW", "adamw", {}),
-        ("ZenFlowAdamW", "zenflow", dict(topk_ratio=0.1, update_interval=4, overlap_step=True)))
+        ("ZenFlowAdamW", "zenflow", dict(topk_ratio=0.1)))   # the package defaults otherwise
 
 
 def stall_of(r: dict) -> str:

@@ -246,8 +246,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
                                        *(timings or (0.0, 0.0, 0.0)))
         if isinstance(self._window, AutoWindow):
-            # Timings differ between ranks; every rank must end the window at the same step.
-            ends = self._partition.any(ends, "agreeing on the end of a host window")
+            # Timings differ between ranks; every rank must end the window at the same step, and
+            # only once every rank's host is ready (so that none waits). max_steps and the
+            # importance threshold are the same on every rank.
+            ends = not self._partition.any(not ends, "agreeing on the end of a host window")
         return ends
 
     def _decided(self, what: str) -> None:

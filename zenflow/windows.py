@@ -68,7 +68,8 @@ class FixedWindow:
 
 
 class AutoWindow:
-    """Ends a window when the deferred columns' summed gradient reaches one important step."""
+    """Ends a window within its bounds once the host is ready and, with a threshold, once the
+    deferred columns' summed gradient reaches one important step."""
 
     def __init__(self, threshold: float | None = 0.99, min_steps: int = 1, max_steps: int = 16,
                  overlap: bool = True):
