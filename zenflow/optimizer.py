@@ -239,12 +239,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return 1.0 if grad_scale is None else float(grad_scale)
 
     def _window_ends(self) -> bool:
-        # In process (worker=False) nothing overlaps the step, so no timing paces the windows:
-        # they are reproducible.
-        timings = (self._runner.last_update_seconds, self._step_period.seconds,
-                   self._pipeline.transfers.last_install_seconds) if self.settings.worker else ()
+        host_s = step_s = install_s = 0.0
+        if self.settings.worker:   # in process nothing overlaps the step: nothing to pace
+            host_s, step_s = self._runner.last_update_seconds, self._step_period.seconds
+            install_s = self._pipeline.transfers.last_install_seconds
         ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
-                                       *(timings or (0.0, 0.0, 0.0)))
+                                       host_s, step_s, install_s)
         if isinstance(self._window, AutoWindow):
             # Timings differ between ranks; every rank must end the window at the same step, and
             # only once every rank's host is ready (so that none waits). max_steps and the
