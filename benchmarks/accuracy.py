@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from zenflow.bench.harness import machine_info
 from zenflow.finetune.experiments import BBCExperiment, BBCSetting, LMExperiment, LMSetting
 
 SYSTEMS = {
@@ -123,7 +123,8 @@ def plot(result: dict, path: Path) -> None:
                                           for n in names], fontsize=8)
         ax.set_ylabel(label)
         ax.set_title(f"{label}\n(dots: seeds; red: mean +- std)", fontsize=9)
-    fig.suptitle(f"Accuracy parity on {platform.node()} ({os.cpu_count()} CPUs)", fontsize=10)
+    m = result["machine"]
+    fig.suptitle(f"Accuracy parity on {m['cpu']} ({m['cores']} CPUs)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -144,9 +145,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     systems = {n: SYSTEMS[n] for n in args.systems}
-    result = {"machine": {"node": platform.node(), "platform": platform.platform(),
-                          "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "device": "cuda" if torch.cuda.is_available() else "cpu"},
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {"machine": {**machine_info(device), "node": platform.node(), "device": device},
               "seeds": args.seeds, "systems": {n: {"optimizer": k, **kw} for n, (k, kw) in systems.items()}}
     t0 = time.perf_counter()
     if "bbc" in args.tasks:

@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from zenflow.bench.harness import machine_info
 from zenflow.bench.model import GPT, GPTConfig
 from zenflow.finetune.optim import make_optimizer
 
@@ -247,15 +247,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    info = machine_info("cpu")
+    return f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
 
 
 def main(argv=None) -> int:

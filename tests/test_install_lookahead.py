@@ -52,35 +52,41 @@ def test_synchronize_installs_the_exact_values(overlap):
     opt.close()
 
 
+def steady(overlap: bool):
+    """One matrix, U=2, no device columns, lookahead 1, and a step() that feeds it a gradient of
+    ones (each AdamW step then moves it by exactly -lr = -0.01)."""
+    w = torch.nn.Parameter(torch.zeros(4, 8))
+    opt = zenflow.ZenFlowAdamW([w], lr=1e-2, weight_decay=0.0, topk_ratio=0.0, update_interval=2,
+                               overlap_step=overlap, install_lookahead=1.0, worker=False)
+
+    def step(n: int = 1) -> None:
+        for _ in range(n):
+            w.grad = torch.ones_like(w)
+            opt.step()
+    return w, opt, step
+
+
 def test_lookahead_leads_along_the_step():
     """A steady gradient: an update installed one window late is one step ahead of the host's
     value it came from; synchronize() shows the host's values themselves."""
-    w = torch.nn.Parameter(torch.zeros(4, 8))
-    with zenflow.ZenFlowAdamW([w], lr=1e-2, weight_decay=0.0, topk_ratio=0.0, update_interval=2,
-                              overlap_step=True, install_lookahead=1.0, worker=False) as opt:
-        for _ in range(4):
-            w.grad = torch.ones_like(w)
-            opt.step()
+    w, opt, step = steady(overlap=True)
+    with opt:
+        step(4)
         # window 1's host value is -0.01; installed at the end of window 2, leading by a step
         torch.testing.assert_close(w.detach(), torch.full_like(w, -2e-2))
-        w.grad = torch.ones_like(w)
-        opt.step()
+        step()
         opt.synchronize()   # window 2's host value, -0.02, without a lead
         torch.testing.assert_close(w.detach(), torch.full_like(w, -2e-2))
-        w.grad = torch.ones_like(w)
-        opt.step()          # window 3 ends: window 2's update was installed, now in flight: 3
+        step()              # window 3 ends: window 2's update was installed, now in flight: 3
         opt.synchronize()
         torch.testing.assert_close(w.detach(), torch.full_like(w, -3e-2))
 
 
 def test_lookahead_leaves_a_synchronous_install_alone():
     """Without overlap nothing is stale, so nothing leads: the installed weights are the host's."""
-    w = torch.nn.Parameter(torch.zeros(4, 8))
-    with zenflow.ZenFlowAdamW([w], lr=1e-2, weight_decay=0.0, topk_ratio=0.0, update_interval=2,
-                              overlap_step=False, install_lookahead=1.0, worker=False) as opt:
-        for _ in range(2):
-            w.grad = torch.ones_like(w)
-            opt.step()
+    w, opt, step = steady(overlap=False)
+    with opt:
+        step(2)
         torch.testing.assert_close(w.detach(), torch.full_like(w, -1e-2))
 
 
