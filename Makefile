@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m zenflow.demo
+	$(PY) -m zenflow.tools.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -43,5 +43,5 @@ deepspeed: $(STAMP)
 	VENV=$(VENV) ./scripts/install_deepspeed.sh
 
 bench-cpu: $(STAMP)
-	$(PY) -m zenflow.cli bench --preset cpu-small \
+	$(PY) -m zenflow.tools.cli bench --preset cpu-small \
 		--json benchmarks/results/cpu-small.json --plot benchmarks/results/cpu-small.png

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from zenflow.bench.harness import machine_info
-from zenflow.finetune.experiments import BBCExperiment, BBCSetting, LMExperiment, LMSetting
+from zenflow.tools.bench.harness import machine_info
+from zenflow.tools.finetune.experiments import BBCExperiment, BBCSetting, LMExperiment, LMSetting
 
 SYSTEMS = {
     "AdamW": ("adamw", {}),

@@ -1,6 +1,6 @@
 """Fine-tuning quality: does ZenFlow fine-tune a pretrained causal LM as well as AdamW?
 
-A byte-level GPT (zenflow.bench.model.GPT: 4 layers, width 128, context 64) is pretrained with
+A byte-level GPT (zenflow.tools.bench.model.GPT: 4 layers, width 128, context 64) is pretrained with
 AdamW on Shakespeare (cached after the first run), then fine-tuned on BBC News text with each
 optimizer, over several seeds (the seed sets the batch order; the pretrained weights and the data
 split never change). Each run is scored after `synchronize()` on held-out BBC articles (the new
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from zenflow.bench.harness import machine_info
-from zenflow.bench.model import GPT, GPTConfig
-from zenflow.finetune.optim import make_optimizer
+from zenflow.tools.bench.harness import machine_info
+from zenflow.tools.bench.model import GPT, GPTConfig
+from zenflow.tools.finetune.optim import make_optimizer
 
 MODEL = GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=256, seq_len=64)
 
@@ -69,7 +69,7 @@ class Setting:
 def corpora() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{'old': Shakespeare (train, test), 'new': BBC News (train, test)} as uint8 byte tensors.
     Held-out text is whole plays / whole articles never seen in training."""
-    from zenflow.finetune.data import bbc_news_articles, shakespeare_bytes, split_by_article
+    from zenflow.tools.finetune.data import bbc_news_articles, shakespeare_bytes, split_by_article
 
     def as_tensor(data: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()

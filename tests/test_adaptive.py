@@ -4,11 +4,11 @@ import random
 
 import pytest
 import torch
+from conftest import MODELS
 
 import zenflow
-from conftest import MODELS
-from zenflow.reference import ReferenceZenFlow
-from zenflow.windows import AutoWindow
+from zenflow.optim.reference import ReferenceZenFlow
+from zenflow.optim.windows import AutoWindow
 
 
 def window_lengths(decisions, warm_up=0):

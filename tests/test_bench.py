@@ -5,9 +5,9 @@ import struct
 import pytest
 import torch
 
-from zenflow.bench import cli, harness
-from zenflow.bench.model import GPT, GPTConfig, TokenStream
-from zenflow.bench.systems import SYSTEMS, system_unavailable_reason
+from zenflow.tools.bench import cli, harness
+from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
+from zenflow.tools.bench.systems import SYSTEMS, system_unavailable_reason
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab-size", "64",
         "--seq-len", "8", "--batch-size", "2", "--steps", "2", "--warmup", "1", "--rounds", "1",
@@ -110,7 +110,7 @@ def test_bench_runs_available_systems_and_writes_json_and_png(tmp_path, capsys):
 
 def test_deepspeed_config_matches_the_seed_block():
     pytest.importorskip("deepspeed")
-    from zenflow.bench.systems import deepspeed_config
+    from zenflow.tools.bench.systems import deepspeed_config
     spec, _, _ = cli.build_spec(_args(["--topk-ratio", "0.05", "--update-interval", "4"]))
     cfg = deepspeed_config(spec, zenflow=True)
     zf = cfg["zero_optimization"]["zenflow"]

@@ -6,12 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import engine_toys as toys
 import pytest
 import torch
 
-import engine_toys as toys
-from zenflow.checkpoint import CheckpointError
-from zenflow.engine import initialize
+from zenflow.engine.checkpoint import CheckpointError
+from zenflow.engine.engine import initialize
 
 TESTS = str(Path(__file__).resolve().parent)
 FP16 = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 3}

@@ -7,16 +7,20 @@ import random
 import threading
 from pathlib import Path
 
+import engine_toys as toys
 import numpy as np
 import pytest
+import test_checkpoint as tc
 import torch
 
-import engine_toys as toys
-import test_checkpoint as tc
-from zenflow import checkpoint
-from zenflow.checkpoint_lock import TagLock
-from zenflow.checkpoint import CheckpointError, read_checkpoint, verify_checkpoint, \
-    write_checkpoint
+from zenflow.engine import checkpoint
+from zenflow.engine.checkpoint import (
+    CheckpointError,
+    read_checkpoint,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from zenflow.engine.checkpoint_lock import TagLock
 
 STAGES = ["written", "staged", "retired", "committed", "latest"]
 # Which version the tag holds after an overwrite stopped at each stage: before the old

@@ -3,9 +3,9 @@ multi-rank save and resume run in tests/test_distributed.py."""
 import pytest
 import torch
 
-from zenflow.checkpoint import CheckpointError, read_checkpoint
-from zenflow.checkpoint_shards import write_sharded_checkpoint
 from zenflow.distributed import Partition
+from zenflow.engine.checkpoint import CheckpointError, read_checkpoint
+from zenflow.engine.checkpoint_shards import write_sharded_checkpoint
 
 
 def test_each_share_is_moved_in_and_listed_in_the_manifest(tmp_path):

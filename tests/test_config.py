@@ -9,11 +9,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from engine_toys import SEED_ZERO_BLOCK
-from zenflow.cli import main as cli_main
-from zenflow.config import (ConfigError, ZenFlowSection, load_config_dict, optimizer_kwargs,
-                            parse_config, resolved_settings)
+
+from zenflow.config.deepspeed_json import (
+    ConfigError,
+    ZenFlowSection,
+    load_config_dict,
+    optimizer_kwargs,
+    parse_config,
+    resolved_settings,
+)
+from zenflow.tools.cli import main as cli_main
 
 BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
@@ -223,11 +229,11 @@ def test_check_config_cli_in_a_subprocess(tmp_path):
     good.write_text(json.dumps(with_(**SEED_ZERO_BLOCK)))
     bad.write_text(json.dumps(with_(zero_optimization={"stage": 3})))
     env = dict(os.environ, WORLD_SIZE="1")
-    ok = subprocess.run([sys.executable, "-m", "zenflow.cli", "check-config", str(good)],
+    ok = subprocess.run([sys.executable, "-m", "zenflow.tools.cli", "check-config", str(good)],
                         capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     assert "zenflow.ZenFlowAdamW" in ok.stdout and "topk_ratio: 0.05" in ok.stdout
-    fail = subprocess.run([sys.executable, "-m", "zenflow.cli", "check-config", str(bad)],
+    fail = subprocess.run([sys.executable, "-m", "zenflow.tools.cli", "check-config", str(bad)],
                           capture_output=True, text=True, env=env)
     assert fail.returncode == 1
     assert "zero_optimization.stage is 3, which is not supported" in fail.stderr
@@ -345,7 +351,8 @@ def test_dict_config_nested_too_deeply_or_cyclic():
 
 def test_initialize_accepts_numpy_scalars_and_refuses_tensors_before_building(tmp_path):
     from engine_toys import make_model
-    from zenflow.engine import initialize
+
+    from zenflow.engine.engine import initialize
 
     cfg = {"train_batch_size": np.int64(8), "gradient_clipping": np.float32(1.0),
            "optimizer": {"type": "AdamW", "params": {"lr": np.float64(1e-2)}}}

@@ -3,11 +3,11 @@ save_16bit_model install ZenFlow's in-flight host update, while the saving run i
 exactly as if it had not saved, and a resumed run matches an uninterrupted one."""
 import copy
 
+import engine_toys as toys
 import pytest
 import torch
 
-import engine_toys as toys
-from zenflow.engine import initialize
+from zenflow.engine.engine import initialize
 
 # The seed block (update_interval 4, overlap_step on) without reselection, which installs early:
 # after 6 steps the window that ended at step 4 is in flight (it would be installed at step 8).

@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import engine_toys as toys
 import pytest
 import torch
 
-import engine_toys as toys
 import zenflow
 from zenflow import comm
-from zenflow.config import ConfigError, parse_config
-from zenflow.engine import initialize
+from zenflow.config.deepspeed_json import ConfigError, parse_config
+from zenflow.engine.engine import initialize
 
 TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "ds_getting_started.py"
@@ -283,7 +283,7 @@ def test_data_parallel_rules_no_sync_boundary_and_evaluation_warning(make_engine
     import zenflow.distributed
     engine = make_engine(toys.config("zenflow", batch_size=8, micro=4))
     two_ranks = zenflow.distributed.Partition(rank=0, world_size=2)
-    monkeypatch.setattr(zenflow.engine.Partition, "from_group", classmethod(lambda cls: two_ranks))
+    monkeypatch.setattr(zenflow.engine.engine.Partition, "from_group", classmethod(lambda cls: two_ranks))
     x, y = toys.batch(0, 4)
     with engine.no_sync():
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))

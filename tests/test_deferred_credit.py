@@ -2,11 +2,11 @@
 number of gradients in the window (docs/semantics.md, "Window end")."""
 import pytest
 import torch
-
-import zenflow
 from conftest import MODELS
 from test_equivalence import HP, assert_models_close, train, train_accumulating
 from test_reference import random_case, run_pair
+
+import zenflow
 
 
 @pytest.mark.parametrize("model_name", MODELS)

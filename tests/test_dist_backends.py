@@ -6,10 +6,10 @@ no tensor may reach a group anywhere its backend does not take it. Declaring the
 GPUs before (`.cpu()` before the norm exchange, host install buffers gathered, CPU flags)."""
 import pytest
 import torch
+from dist_helpers import single_process_run
+from test_distributed import STEPS, assert_ok, assert_same, run_ranks
 
 import zenflow.distributed as zd
-from test_distributed import STEPS, assert_ok, assert_same, run_ranks
-from dist_helpers import single_process_run
 
 pytestmark = pytest.mark.slow
 

@@ -3,11 +3,11 @@ shares and an exact resume, load_module_only across world sizes, and a torchrun-
 that never calls init_process_group."""
 import pytest
 import torch
-
-import zenflow
 from conftest import make_mlp
 from dist_helpers import engine_config, single_process_run
 from test_distributed import STEPS, assert_ok, assert_same, rows_of, run_ranks
+
+import zenflow
 
 pytestmark = pytest.mark.slow
 

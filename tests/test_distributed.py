@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import zenflow
 from conftest import make_mlp
 from dist_helpers import rank_main, single_process_run
+
+import zenflow
 
 pytestmark = pytest.mark.slow
 STEPS = 20

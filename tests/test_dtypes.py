@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.reference import ReferenceZenFlow
+from zenflow.optim.reference import ReferenceZenFlow
 
 SHAPES = [(8, 10), (6, 4, 2), (10,)]
 
@@ -40,7 +40,8 @@ def test_low_precision_params_keep_fp32_masters(dtype, overlap):
             assert entry["host"]["master"].dtype == torch.float32
             assert entry["device"]["master"].dtype == torch.float32
             assert entry["device"]["exp_avg_sq"].dtype == torch.float32
-            assert isinstance(entry["device"]["step"], int) and entry["device"]["step"] == 300  # starts at the host count (1)
+            # the device count starts at the host count (1)
+            assert isinstance(entry["device"]["step"], int) and entry["device"]["step"] == 300
             assert isinstance(entry["host"]["host_step"], int)
             master = full_master(entry)
         else:

@@ -2,14 +2,14 @@
 import logging
 import math
 
+import engine_toys as toys
 import pytest
 import torch
 
-import engine_toys as toys
-from zenflow.config import ConfigError
-from zenflow.engine import initialize
-from zenflow.loss_scaler import LossScaler
-from zenflow.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zenflow.config.deepspeed_json import ConfigError
+from zenflow.engine.engine import initialize
+from zenflow.engine.loss_scaler import LossScaler
+from zenflow.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ import copy
 
 import pytest
 import torch
+from conftest import MODELS
 
 import zenflow
-from conftest import MODELS
 
 STEPS = 24
 TOL = dict(rtol=1e-5, atol=1e-6)

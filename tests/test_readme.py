@@ -1,4 +1,5 @@
-"""README.md's code, checked: its Python runs, its commands name real things, its tables are true.
+"""The code of README.md and docs/*.md, checked: its Python runs, its commands name real things,
+its tables are true.
 
 A fenced block is steered by an HTML comment on the line right before it:
 
@@ -31,6 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!--\s*readme-test:\s*(\w+)\s*(.*?)\s*-->")
 PYTHON_TIMEOUT_S = 120
 
@@ -39,18 +41,19 @@ PYTHON_TIMEOUT_S = 120
 class Block:
     lang: str
     text: str
-    line: int                  # README line of the block's first line of code
+    line: int                  # line of the block's first line of code in its document
     marker: str | None = None  # skip / file / run
     argument: str = ""         # the marker's argument: why skipped, or the file name
+    doc: Path = README         # the document it is in
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang})"
+        return f"{self.doc.relative_to(ROOT)}:{self.line} ({self.lang})"
 
 
-def readme_blocks() -> list[Block]:
+def readme_blocks(doc: Path = README) -> list[Block]:
     blocks: list[Block] = []
     marker = None
-    lines = README.read_text().splitlines()
+    lines = doc.read_text().splitlines()
     i = 0
     while i < len(lines):
         stripped = lines[i].strip()
@@ -58,7 +61,7 @@ def readme_blocks() -> list[Block]:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
             kind, argument = marker.groups() if marker else (None, "")
             blocks.append(Block(stripped[3:].strip(), "\n".join(lines[i + 1:end]), i + 2, kind,
-                                argument))
+                                argument, doc))
             marker, i = None, end + 1
             continue
         if stripped:  # a marker steers only the block right after it
@@ -67,7 +70,7 @@ def readme_blocks() -> list[Block]:
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [block for doc in DOCS for block in readme_blocks(doc)]
 
 
 def of_lang(lang: str, marker: str | None = "any") -> list[Block]:
@@ -81,9 +84,10 @@ def commands(block: Block) -> list[list[str]]:
             if argv]
 
 
-def written_files(tmp_path: Path) -> None:
+def written_files(tmp_path: Path, doc: Path) -> None:
     for block in of_lang("json", "file") + of_lang("python", "file"):
-        (tmp_path / block.argument).write_text(block.text + "\n")
+        if block.doc == doc:
+            (tmp_path / block.argument).write_text(block.text + "\n")
 
 
 def env_for_examples() -> dict[str, str]:
@@ -101,12 +105,20 @@ def test_readme_has_blocks_and_every_marker_is_known():
             assert block.argument, f"{block}: say why it is skipped"
 
 
-def test_readme_links_stay_inside_the_repository():
-    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text()):
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_readme_links_stay_inside_the_repository(doc):
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):
         if re.match(r"https?://", target):
             continue
-        assert (ROOT / target).resolve().is_relative_to(ROOT), f"link outside the repo: {target}"
-        assert (ROOT / target).exists(), f"link to a missing file: {target}"
+        path = (doc.parent / target).resolve()
+        assert path.is_relative_to(ROOT), f"{doc.name}: link outside the repo: {target}"
+        assert path.exists(), f"{doc.name}: link to a missing file: {target}"
+
+
+def test_readme_is_short_and_says_the_limits_first():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 220, "README.md is for reading top to bottom: move detail to docs/"
+    assert text.index("Nothing has run on a GPU") < text.index("## "), "the limits belong on the first screen"
 
 
 # --- python blocks ---------------------------------------------------------------------------------
@@ -114,7 +126,7 @@ def test_readme_links_stay_inside_the_repository():
 @pytest.mark.slow
 @pytest.mark.parametrize("block", of_lang("python", None), ids=str)
 def test_python_block_runs_on_cpu(block, tmp_path):
-    written_files(tmp_path)
+    written_files(tmp_path, block.doc)
     proc = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, env=env_for_examples(),
                           capture_output=True, text=True, timeout=PYTHON_TIMEOUT_S)
     assert proc.returncode == 0, f"{block} failed:\n{proc.stdout}\n{proc.stderr}"
@@ -134,7 +146,7 @@ def extras() -> set[str]:
 
 
 def check_pip(args: list[str]) -> None:
-    from zenflow.optional_deps import NO_DEPS_REQUIREMENT
+    from zenflow.tools.optional_deps import NO_DEPS_REQUIREMENT
     assert args[0] == "install", args
     no_deps = "--no-deps" in args
     for requirement in (a for a in args[1:] if not a.startswith("-")):
@@ -150,7 +162,7 @@ def check_pip(args: list[str]) -> None:
 
 def zenflow_parser(command: str) -> argparse.ArgumentParser:
     """The subcommand's own parser, as `zenflow` builds it (without the logging options)."""
-    from zenflow.cli import SUBCOMMANDS
+    from zenflow.tools.cli import SUBCOMMANDS
     assert command in SUBCOMMANDS, f"zenflow has no subcommand {command!r}"
     parser = argparse.ArgumentParser(prog=f"zenflow {command}")
     importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
@@ -183,7 +195,7 @@ def test_bash_commands_name_real_targets_modules_and_flags(block):
 
 @pytest.mark.parametrize("block", of_lang("bash", "run"), ids=str)
 def test_run_block_prints_what_the_readme_shows(block, tmp_path):
-    written_files(tmp_path)
+    written_files(tmp_path, block.doc)
     following = BLOCKS[BLOCKS.index(block) + 1]
     expected = following.text.splitlines() if following.lang == "text" else []
     output = ""
@@ -200,8 +212,8 @@ def test_run_block_prints_what_the_readme_shows(block, tmp_path):
 # --- the knobs table -------------------------------------------------------------------------------
 
 def knobs_table() -> dict[str, tuple[str, str]]:
-    """argument -> (constructor default, JSON default), from the table under "## The knobs"."""
-    section = README.read_text().split("## The knobs", 1)[1].split("\n## ", 1)[0]
+    """argument -> (constructor default, JSON default), from the table of docs/knobs.md."""
+    section = (ROOT / "docs" / "knobs.md").read_text().split("# The knobs", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -217,7 +229,7 @@ def literal(cell: str):
 
 def test_knobs_table_defaults_are_the_code_defaults(tmp_path, capsys):
     import zenflow
-    from zenflow.cli import main
+    from zenflow.tools.cli import main
     table = knobs_table()
     signature = inspect.signature(zenflow.ZenFlowAdamW.__init__).parameters
     knobs = {n for n, p in signature.items() if p.kind is p.KEYWORD_ONLY} - {"process_group"}

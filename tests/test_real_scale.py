@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import zenflow
-from zenflow import arena
-from zenflow.bench.model import GPT, GPTConfig, TokenStream
+from zenflow.host import arena
+from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
 
 LLAMA = GPTConfig(arch="llama", n_layer=32, n_embd=32, n_head=4, vocab_size=64, seq_len=8)
 
@@ -103,7 +103,7 @@ def test_bf16_gradients_cross_in_bf16():
 
 _FD_LIMITED = textwrap.dedent("""
     import resource, torch, zenflow
-    from zenflow.bench.model import GPT, GPTConfig, TokenStream
+    from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     model = GPT(GPTConfig(arch="llama", n_layer=32, n_embd=32, n_head=4, vocab_size=64, seq_len=8))
     opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, update_interval=2)
@@ -136,7 +136,7 @@ _SCRIPT = textwrap.dedent("""
         opt.step()
         opt.zero_grad()
     opt.synchronize()
-    from zenflow.worker import _ForkServer
+    from zenflow.host.worker import _ForkServer
     print("pids", opt._runner.pid, _ForkServer.get().process.pid, flush=True)
 """)
 

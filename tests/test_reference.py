@@ -1,11 +1,11 @@
-"""ZenFlowAdamW against zenflow.reference on random settings and random gradient sequences."""
+"""ZenFlowAdamW against zenflow.optim.reference on random settings and random gradient sequences."""
 import random
 
 import pytest
 import torch
 
 import zenflow
-from zenflow.reference import ReferenceZenFlow
+from zenflow.optim.reference import ReferenceZenFlow
 
 SHAPES = [(7, 9), (5, 3, 2), (11,), (4, 12), (6,), (3, 1)]
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from zenflow.accelerator import Ticket, Transfers
-from zenflow.cli import main
-from zenflow.selftest import SECTIONS, run_selftest
+from zenflow.host.transfers import Ticket, Transfers
+from zenflow.tools.cli import main
+from zenflow.tools.selftest import SECTIONS, run_selftest
 
 
 @pytest.mark.slow   # the whole selftest: ~20-30 s on two cores

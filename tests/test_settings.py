@@ -4,8 +4,8 @@ import inspect
 import pytest
 
 import zenflow
-from zenflow.config import ZenFlowSection, optimizer_kwargs, parse_config
-from zenflow.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
+from zenflow.config.deepspeed_json import ZenFlowSection, optimizer_kwargs, parse_config
+from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 
 
 def test_constructor_keywords_are_the_settings_fields_with_their_defaults():

@@ -3,9 +3,9 @@ import io
 
 import pytest
 import torch
+from conftest import MODELS
 
 import zenflow
-from conftest import MODELS
 
 KW = dict(lr=2e-3, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=4)
 

@@ -3,9 +3,9 @@ import copy
 
 import pytest
 import torch
+from conftest import MODELS
 
 import zenflow
-from conftest import MODELS
 
 
 def fresh():

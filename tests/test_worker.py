@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.reference import ReferenceZenFlow
-from zenflow.worker import WorkerHostRunner, split_cores
-from zenflow.host import HostJob, HostLayout, HostState
+from zenflow.host.buffers import HostJob, HostLayout, HostState
+from zenflow.host.cores import split_cores
+from zenflow.host.worker import WorkerHostRunner
+from zenflow.optim.reference import ReferenceZenFlow
 
 
 def _model(seed: int, bias: bool = True) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """`python -m zenflow ...` is the `zenflow` command."""
 import sys
 
-from zenflow.cli import main
+from zenflow.tools.cli import main
 
 sys.exit(main())

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-
 HOST_BACKENDS = ("gloo", "mpi")   # backends whose collectives take CPU tensors
 _CPU = torch.device("cpu")
 
@@ -78,7 +77,7 @@ class Partition:
     device: torch.device = _CPU   # where tensors handed to this group's collectives live
 
     @classmethod
-    def from_group(cls, group=None, device: torch.device | str | None = None) -> "Partition":
+    def from_group(cls, group=None, device: torch.device | str | None = None) -> Partition:
         """`device`: the rank's device (the optimizer's); collectives of a device backend (NCCL)
         use it (default: the current CUDA device, which init_distributed set from LOCAL_RANK),
         those of gloo/mpi the CPU."""
@@ -206,14 +205,3 @@ class Partition:
         out = own_padded.new_empty((per_rank * self.world_size, *own_padded.shape[1:]))
         self._all_gather(what, out, own_padded)
         matrix.copy_(out[: matrix.shape[0]])
-
-
-def local_rank_share(cores: list[int]) -> list[int]:
-    """This process's share of the machine's cores when several ranks run on one machine
-    (torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE): ranks never share a worker core."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_world <= 1 or len(cores) < local_world:
-        return cores
-    per_rank = len(cores) // local_world
-    return cores[local_rank * per_rank:(local_rank + 1) * per_rank]

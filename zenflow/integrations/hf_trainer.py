@@ -9,7 +9,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("ZenFlowTrainerCallback needs transformers, which is not installed: "
                       "pip install 'transformers>=4.41'") from exc
 
-from zenflow.integrations import synchronize
+from zenflow.integrations.find import synchronize
 
 
 class ZenFlowTrainerCallback(TrainerCallback):

@@ -12,7 +12,7 @@ except ImportError:  # pragma: no cover - the older package name
         raise ImportError("ZenFlowLightningCallback needs Lightning, which is not installed: "
                           "pip install 'lightning>=2.2'") from exc
 
-from zenflow.integrations import find_optimizers
+from zenflow.integrations.find import find_optimizers
 
 
 class ZenFlowLightningCallback(Callback):

@@ -1,0 +1,80 @@
+"""AdamW arithmetic shared by the device and host sides.
+
+Every AdamW update in the package goes through `adamw_`, which calls PyTorch's fused kernel
+(CPU and CUDA). The kernel updates fp32 tensors in place; the caller owns the integer step count
+and passes the count *after* this update, so counts never live in a low-precision float.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+           exp_avg_sqs: list[torch.Tensor], step: int, *, lr: float, beta1: float, beta2: float,
+           eps: float, weight_decay: float, grad_divisor: float = 1.0) -> None:
+    """One AdamW update of same-device fp32 tensors that share `step` (1-based, after this update).
+
+    `grad_divisor` divides every gradient first (the host passes the window length to turn a
+    gradient sum into its mean without a separate pass). Gradients may be overwritten.
+    """
+    if not params:
+        return
+    device = params[0].device
+    steps = [torch.tensor(float(step), dtype=torch.float32, device=device)] * len(params)
+    divisor = None
+    if grad_divisor != 1.0:
+        divisor = torch.tensor(float(grad_divisor), dtype=torch.float32, device=device)
+    if _has_fused(device):
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1,
+                            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                            maximize=False, grad_scale=divisor, found_inf=None)
+        return
+    # Devices without the fused kernel: the same arithmetic with foreach ops.
+    if divisor is not None:
+        torch._foreach_div_(grads, grad_divisor)
+    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias1)
+
+
+def adamw_lookahead(out: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, step: int, *, lr: float, beta1: float,
+                    beta2: float, eps: float, weight_decay: float, fraction: float) -> None:
+    """out = param moved `fraction` of the way along the AdamW step its moments point to now
+    (the next step's direction with no new gradient), in out's dtype. param and moments are fp32
+    and unchanged; `step` is the count the moments were last updated with."""
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    direction = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
+    torch.div(exp_avg, direction, out=direction).div_(bias1)
+    direction.add_(param, alpha=weight_decay)
+    out.copy_(direction.mul_(-fraction * lr).add_(param))
+
+
+def _has_fused(device: torch.device) -> bool:
+    return device.type in ("cpu", "cuda")
+
+
+def moment_rescale(beta: float, from_step: int, to_step: int) -> float:
+    """Factor that keeps a bias-corrected Adam moment unchanged when its step count changes.
+
+    A moment m with count a has the bias-corrected value m / (1 - beta^a). Handing it to a side
+    whose count is b, it must become m * (1 - beta^b) / (1 - beta^a). A moment that was never
+    updated (a == 0) is zero and stays zero; a side that has never stepped (b == 0) cannot hold a
+    bias-corrected value, so the moment is dropped there (the optimizer avoids this case by
+    starting the device count at the host count).
+    """
+    if from_step == 0 or to_step == 0:
+        return 0.0
+    if from_step == to_step:
+        return 1.0
+    return (1.0 - beta ** to_step) / (1.0 - beta ** from_step)

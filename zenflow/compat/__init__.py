@@ -1,0 +1,1 @@
+"""Names that other libraries' client scripts import."""

@@ -1,0 +1,152 @@
+"""ZenFlow's settings: one validated object with one set of defaults.
+
+`ZenFlowSettings` holds the knobs of ZenFlowAdamW, which reads them from `self.settings` and
+nowhere else. The constructor builds it from its keyword arguments (`from_arguments`), the
+DeepSpeed JSON config from `zero_optimization.zenflow` (`ZenFlowConfig.zenflow_settings()`, which
+zenflow.initialize and `zenflow finetune --config` build their optimizer from); fine-tuning and
+the benchmark hand their options to the constructor. Each value is checked by its rule in
+`zenflow.config.rules`, the same rule for every entry point; a broken one raises a TypeError or
+ValueError that names the argument, the value and what is allowed.
+
+`AdamWHyperparameters` is the same for the AdamW numbers of a param group (torch.optim.AdamW's
+defaults), which torch keeps per group and reads at each step.
+
+To add an option: declare it below with its rule type and default, and say in a comment what
+it does; add the keyword to `ZenFlowAdamW.__init__` with the default `DEFAULTS.<name>` and pass
+it on to `from_arguments` (tests/test_settings.py checks that the two agree); read it in the
+optimizer as `self.settings.<name>`. If DeepSpeed's JSON block should accept it too, add the key
+to `ZenFlowSection` in config_schema.py. Torch-free, like the config.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from zenflow.config.rules import (
+    ERROR_TYPE,
+    Betas,
+    DeferredCredit,
+    Eps,
+    Flag,
+    Fraction,
+    Importance,
+    IntervalBounds,
+    LearningRate,
+    Lookahead,
+    NonNegInt,
+    PosInt,
+    Positive,
+    Ratio,
+    SelectInterval,
+    SelectStrategy,
+    UpdateInterval,
+    WeightDecay,
+)
+
+
+def _name(loc: tuple) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f"{'.' if i else ''}{p}"
+                   for i, p in enumerate(loc))
+
+
+def argument_error(owner: str, exc: ValidationError) -> Exception:
+    """The first problem of `exc` as the exception a Python caller expects: a TypeError for a
+    value of the wrong type (or an unknown argument), a ValueError for a wrong value."""
+    err = exc.errors()[0]
+    name = _name(err["loc"])
+    if err["type"] == ERROR_TYPE:
+        ctx = err["ctx"]
+        kind = TypeError if ctx["type_error"] else ValueError
+        return kind(f"{owner}: {name}{ctx['where']} {ctx['python']}")
+    if err["type"] == "extra_forbidden":
+        return TypeError(f"{owner}: {name} is not one of its settings")
+    return ValueError(f"{owner}: {name}: {err['msg']}")
+
+
+class _Arguments(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @classmethod
+    def from_arguments(cls, owner: str, **arguments):
+        """Validate keyword arguments of `owner` (a class name, said first in every error)."""
+        try:
+            return cls.model_validate(arguments)
+        except ValidationError as exc:
+            raise argument_error(owner, exc) from None
+
+    def replace(self, **changes):
+        """A copy with `changes`, validated."""
+        return self.from_arguments(type(self).__name__, **{**self.model_dump(), **changes})
+
+
+class AdamWHyperparameters(_Arguments):
+    """The AdamW numbers of one param group, with torch.optim.AdamW's defaults."""
+
+    lr: LearningRate = 1e-3
+    betas: Betas = (0.9, 0.999)
+    eps: Eps = 1e-8
+    weight_decay: WeightDecay = 1e-2
+
+
+class ZenFlowSettings(_Arguments):
+    """The knobs of ZenFlowAdamW (docs/semantics.md says what each one means for a step)."""
+
+    # Fraction of each matrix's columns (input channels) updated on the device every step.
+    topk_ratio: Fraction = 0.1
+    # When to choose the columns again: "step" (every `select_interval` steps), "epoch" (every
+    # `select_interval` epochs of `steps_per_epoch` steps) or "auto" (= "step").
+    select_strategy: SelectStrategy = "auto"
+    # Steps (or epochs) between reselections, or "auto": reselect when the selected columns hold
+    # less than `reselect_threshold` of the importance the best columns would hold.
+    select_interval: SelectInterval = "auto"
+    # Steps per host window, or "auto": with overlap_step, end a window as soon as the host has
+    # finished the previous one's update (and, with `auto_ratio`, once the deferred columns'
+    # summed gradient reaches one important step), within `auto_update_bounds`
+    # (zenflow/optim/windows.py). Measured on a fine-tune (benchmarks/finetune_quality.py): a window's
+    # delay and its single host step both cost quality, so the default makes windows as short as
+    # the host keeps up with, which never stalls; a slow host gets longer windows, up to 16 steps.
+    update_interval: UpdateInterval = "auto"
+    # Initial steps that update every parameter fully, on the host.
+    full_warm_up_rounds: NonNegInt = 0
+    # Install each window's host update one window later, hiding the host's work.
+    overlap_step: Flag = True
+    # Clip gradients to this global L2 norm inside step() (None: no clipping).
+    max_grad_norm: Positive | None = None
+    # Column importance: "l2" or "l1" norm of the column's gradient.
+    importance: Importance = "l2"
+    # How a window's host step credits the deferred columns: "mean" (ZenFlow's and DeepSpeed's),
+    # one AdamW step on the window's mean gradient; "window", the same step at the learning rate
+    # times the gradients the window summed, so they move about as far as AdamW would have.
+    # Measured on a fine-tune (benchmarks/finetune_quality.py): "window" closes most of the gap
+    # to AdamW with overlap_step=False; with the one-window-stale installs of overlap_step=True
+    # its larger steps overshoot unless windows are short.
+    deferred_credit: DeferredCredit = "mean"
+    # Install the deferred columns this fraction of the next host step ahead of the host's
+    # values (0: the values). With overlap_step=True the device computes its gradients on
+    # weights that miss the update in flight; leading them by the step the moments predict
+    # makes those gradients less stale. The host's values stay exact: synchronize() installs
+    # them and state_dict() holds them.
+    # Only updates installed one window later (overlap_step=True, after warm-up) lead; the
+    # default 1.0 removes most of what a one-step delay costs (measured: +1.6% -> +0.3% held-out
+    # loss against AdamW on the fine-tune).
+    install_lookahead: Lookahead = 1.0
+    # Steps per epoch, for select_strategy="epoch" (the engine takes it from its dataloader).
+    steps_per_epoch: PosInt | None = None
+    # Share of the cores left to the training process; the host worker gets the rest.
+    pt_reserved_cores_perc: Fraction = 0.5
+    # Retained-importance fraction under which select_interval="auto" reselects. One step's
+    # gradient is noisy: a few steps after a fresh selection the selected columns hold 0.66-0.81
+    # of the best columns' importance when nothing has drifted (measured: MiniLM fine-tuned on
+    # BBC News, batch 16; a GPT from scratch), so 0.6 fires on drift, not on noise.
+    reselect_threshold: Fraction = 0.6
+    # The update_interval="auto" importance threshold (DeepSpeed's key; its default, 0.99, is the
+    # JSON block's), or None: no importance threshold, the host's speed alone ends windows.
+    auto_ratio: Ratio | None = None
+    # (min, max) window length for update_interval="auto".
+    auto_update_bounds: IntervalBounds = (1, 16)
+    # Run the host side in a worker process (False: in the training process, synchronously;
+    # for debugging and for machines without a spare core).
+    worker: Flag = True
+
+
+DEFAULTS = ZenFlowSettings()
+ADAMW_DEFAULTS = AdamWHyperparameters()

@@ -1,0 +1,340 @@
+"""Atomic checkpoint directories with a manifest of file sizes and SHA-256 checksums.
+
+A checkpoint is `<save_dir>/<tag>/` holding some files and `manifest.json`. It is written into a
+hidden staging directory next to it, every file is fsynced, the manifest is written last, and
+only then does it take the tag's name (a rename is atomic on one file system); a tag being
+overwritten is first renamed away and deleted only after the new one holds its name. The
+`latest` file, which names the newest tag as in DeepSpeed, is replaced atomically afterwards.
+Saves of one tag hold a lock (`checkpoint_lock.TagLock`), so concurrent savers take turns. A
+crash at any point leaves either the previous checkpoint or the complete new one (an
+interrupted overwrite is finished or undone by the next save or load of that tag), and a
+directory that was damaged later (truncated copy, missing file) fails verification on load.
+
+Every file is read with torch.load(weights_only=True) and written only if such a load accepts
+it: a checkpoint holds tensors and plain data, and loading one never runs code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zenflow.engine.checkpoint_lock import CheckpointError, TagLock
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = "zenflow-checkpoint/1"
+_STAGED = re.compile(r"^\.(?P<tag>.+)\.(?P<kind>tmp|new|old)-[0-9a-f]{32}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_file_name(name) -> str:
+    if not isinstance(name, str) or not name or name in (".", "..", MANIFEST) \
+            or "/" in name or os.sep in name or name.startswith("."):
+        raise ValueError(f"a checkpoint file name must be a plain file name (no '/', not "
+                         f"starting with '.', not {MANIFEST!r}), got {name!r}")
+    return name
+
+
+def check_tag(tag: str) -> str:
+    tag = str(tag)
+    if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or os.sep in tag \
+            or tag == LATEST:
+        raise ValueError(f"checkpoint tag must be a plain directory name (no '/', not starting "
+                         f"with '.', not {LATEST!r}), got {tag!r}")
+    return tag
+
+
+def _fault_point(stage: str) -> None:
+    """Test seam: tests replace this to crash or interrupt a save at each stage."""
+
+
+def _leftovers(save_dir: Path, tag: str) -> dict[str, list[Path]]:
+    """This tag's staging directories by kind: 'tmp' (partial), 'new' (complete, not yet
+    committed) and 'old' (the replaced version, being deleted); newest first."""
+    out: dict[str, list[Path]] = {"tmp": [], "new": [], "old": []}
+    for entry in save_dir.iterdir():
+        m = _STAGED.match(entry.name)
+        if m and m.group("tag") == tag:
+            out[m.group("kind")].append(entry)
+    for paths in out.values():
+        paths.sort(key=lambda q: q.stat().st_mtime_ns if q.exists() else 0, reverse=True)
+    return out
+
+
+def _recover(save_dir: Path, tag: str) -> None:
+    """Finish or undo an interrupted save of `tag` (the caller holds the tag's lock).
+
+    If the tag directory is missing, the newest complete new version takes its name (roll
+    forward), else the retired old one gets it back (roll back). Then every staging directory
+    of the tag is deleted.
+    """
+    final = save_dir / tag
+    found = _leftovers(save_dir, tag)
+    if not os.path.lexists(final):
+        for candidate in found["new"] + found["old"]:
+            if (candidate / MANIFEST).is_file():
+                os.rename(candidate, final)
+                _fsync_dir(save_dir)
+                break
+    for paths in found.values():
+        for path in paths:
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _save_object(path: Path, obj: Any) -> None:
+    """torch.save straight to the file (no second copy in memory), fsynced; refuses anything a
+    weights-only load would refuse (found by reading back only the file's pickle)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    if unsafe:
+        name = path.name
+        raise CheckpointError(
+            f"cannot save {name}: it holds {', '.join(sorted(set(unsafe)))}, which a "
+            f"weights-only load refuses; checkpoints hold only tensors and plain Python data "
+            f"(numbers, strings, lists, tuples, dicts), e.g. client_state={{'epoch': 3}}")
+
+
+def _write_file(path: Path, data) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    tmp = save_dir / f".{LATEST}.tmp-{uuid.uuid4().hex}"
+    try:
+        _write_file(tmp, tag.encode())
+        os.replace(tmp, save_dir / LATEST)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(save_dir)
+
+
+def save_file(path: Path, obj: Any) -> dict:
+    """Write one checkpoint file outside write_checkpoint (another rank's share, say); returns
+    its manifest entry, for write_checkpoint's `prewritten`."""
+    _check_file_name(path.name)
+    _save_object(path, obj)
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, Any],
+                     meta: dict | None = None, *, update_latest: bool = True,
+                     prewritten: dict[str, tuple[Path, dict]] | None = None) -> Path:
+    """Save each object with torch.save as `<name>` inside `<save_dir>/<tag>/`, atomically.
+
+    Holding the tag's lock: the files go into `.<tag>.tmp-*` (each checked to be weights-only
+    loadable; if one is not, nothing else changes), which is renamed
+    `.<tag>.new-*` once complete; an existing `<tag>` is renamed `.<tag>.old-*`, the new one
+    takes its name, `latest` is replaced, and the old one is deleted. An interruption at any
+    point is undone or finished at once (or, after a crash, by the next save or load), so
+    `<tag>`, and the tag that `latest` names, is always a complete checkpoint.
+
+    `prewritten` maps more file names to (a file on the same file system, its save_file entry):
+    they are moved in unread (data parallel: each rank wrote its own share).
+    """
+    tag = check_tag(tag)
+    prewritten = prewritten or {}
+    for name in (*objects, *prewritten):
+        _check_file_name(name)
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    final = save_dir / tag
+    with TagLock(save_dir, tag):
+        _recover(save_dir, tag)
+        ident = uuid.uuid4().hex
+        tmp = save_dir / f".{tag}.tmp-{ident}"
+        try:
+            os.mkdir(tmp)
+            files = {}
+            for name, obj in objects.items():
+                _save_object(tmp / name, obj)
+                files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            for name, (src, entry) in prewritten.items():
+                if not Path(src).is_file() or Path(src).stat().st_size != entry["size"]:
+                    raise CheckpointError(f"{str(src)!r}, written by another rank, is missing or "
+                                          "incomplete here: ranks must share the save directory")
+                os.rename(src, tmp / name)
+                files[name] = dict(entry)
+            manifest = {"format": FORMAT, "tag": tag, "files": files, "meta": meta or {}}
+            _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            _fault_point("written")
+            staged = save_dir / f".{tag}.new-{ident}"
+            os.rename(tmp, staged)
+            _fsync_dir(save_dir)
+            _fault_point("staged")
+            old = None
+            if os.path.lexists(final):
+                old = save_dir / f".{tag}.old-{ident}"
+                os.rename(final, old)
+                _fault_point("retired")
+            os.rename(staged, final)
+            _fsync_dir(save_dir)
+            _fault_point("committed")
+            if update_latest:
+                _write_latest(save_dir, tag)
+                _fault_point("latest")
+            if old is not None:
+                shutil.rmtree(old)
+        except BaseException:
+            _recover(save_dir, tag)
+            raise
+    return final
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> str:
+    load_dir = Path(load_dir)
+    if tag is not None:
+        return check_tag(tag)
+    latest = load_dir / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"no checkpoint to load: {str(latest)!r} does not exist "
+                              f"(pass tag= to load a specific checkpoint)")
+    try:
+        return check_tag(latest.read_bytes().decode("utf-8").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"{str(latest)!r} must hold the name of a checkpoint directory, "
+                              f"got {latest.read_bytes()[:80]!r}") from None
+
+
+def _bad_manifest(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {str(path)!r} has an unreadable {MANIFEST}: {problem}; "
+                           f"refusing to load it")
+
+
+def _manifest(path: Path) -> dict:
+    """Read and check the structure of `<path>/manifest.json`."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
+        raise _bad_manifest(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") \
+            from None
+    if not isinstance(manifest, dict):
+        raise _bad_manifest(path, f"it must hold a JSON object, got {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT:
+        raise _bad_manifest(path, f"format must be {FORMAT!r}, got {manifest.get('format')!r}")
+    files, meta = manifest.get("files"), manifest.get("meta", {})
+    if not isinstance(files, dict):
+        raise _bad_manifest(path, f"files must be an object mapping file names to their size and "
+                                  f"sha256, got {type(files).__name__}")
+    if not isinstance(meta, dict):
+        raise _bad_manifest(path, f"meta must be an object, got {type(meta).__name__}")
+    for name, entry in files.items():
+        try:
+            _check_file_name(name)
+        except ValueError as exc:
+            raise _bad_manifest(path, str(exc)) from None
+        if not isinstance(entry, dict):
+            raise _bad_manifest(path, f"files[{name!r}] must be an object with size and sha256, "
+                                      f"got {entry!r:.80}")
+        size, digest = entry.get("size"), entry.get("sha256")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise _bad_manifest(path, f"files[{name!r}].size must be a byte count (an integer "
+                                      f">= 0), got {size!r:.80}")
+        if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise _bad_manifest(path, f"files[{name!r}].sha256 must be 64 hex digits, got "
+                                      f"{digest!r:.80}")
+    return dict(manifest, meta=meta)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check the manifest against the files on disk; return the manifest or raise."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST} "
+                              f"(the save was interrupted or the directory was not written by "
+                              f"zenflow); refusing to load it")
+    manifest = _manifest(path)
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
+        size = file.stat().st_size
+        if size != expected["size"]:
+            raise CheckpointError(f"checkpoint {str(path)!r} is truncated or damaged: {name} has "
+                                  f"{size} bytes, the manifest says {expected['size']}")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {str(path)!r} is damaged: the SHA-256 of {name} "
+                                  f"does not match the manifest")
+    return manifest
+
+
+def load_object(path: str | os.PathLike, map_location=None) -> Any:
+    """torch.load with weights_only=True: tensors and plain data only, never code.
+
+    Anything else (a pickled callable, a foreign class) is refused with a CheckpointError
+    before a single object of the file is built.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"unsupported (GLOBAL [^ ]+|[^\n]*)", str(exc), re.IGNORECASE)
+        what = found.group(0) if found else str(exc).splitlines()[0]
+        raise CheckpointError(f"{str(path)!r} holds something other than tensors and plain data "
+                              f"({what}); zenflow loads checkpoints with weights_only=True and "
+                              f"never runs code from them; refusing to load it") from None
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointError(f"{str(path)!r} is not a readable torch.save file: "
+                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                              ) from None
+
+
+def read_checkpoint(load_dir: str | os.PathLike, tag: str | None, names: list[str],
+                    map_location=None) -> tuple[Path, dict, dict[str, Any]]:
+    """Verify `<load_dir>/<tag>` (tag from `latest` when None) and load the named files.
+
+    Every file is read with weights_only=True (see load_object); the checksums catch damage,
+    the weights-only loader refuses anything that could run code.
+    """
+    load_dir = Path(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    path = load_dir / tag
+    if not os.path.lexists(path) and load_dir.is_dir():
+        with TagLock(load_dir, tag, optional=True) as lock:
+            if lock.fd is not None:
+                _recover(load_dir, tag)  # finish an overwrite that a crash interrupted
+    # A shared lock: a save of this tag cannot swap the directory mid-read; other readers can.
+    with TagLock(load_dir, tag, optional=True, shared=True):
+        manifest = verify_checkpoint(path)
+        missing = [n for n in names if n not in manifest["files"]]
+        if missing:
+            raise CheckpointError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}")
+        objects = {n: load_object(path / n, map_location=map_location) for n in names}
+    return path, manifest, objects

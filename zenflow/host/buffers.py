@@ -1,0 +1,292 @@
+"""Host side of ZenFlow: where each matrix lives in the host buffers, and the arithmetic on them.
+
+The host keeps each matrix at full width [rows, in] (rows: this rank's share). It updates all
+columns each window and the optimizer installs only the columns the host owns: a device-owned
+column's host copy is dead weight until the column comes back, when the device's values overwrite
+it. Full width costs ~10% more host arithmetic than keeping only the unselected columns, but a
+gradient reaches the host as whole rows (one contiguous copy) and accumulating it is one
+streaming add instead of a column scatter.
+
+Buffers, all flat views of one `Arena`:
+
+    master, exp_avg, exp_avg_sq    fp32, every matrix back to back
+    grad_sum{slot}                 fp32; one per window in flight (two with overlap)
+    staging{slot}_{dtype}          the parameters' dtype: gradients on their way to the sums
+    install{slot}_{dtype}          the parameters' dtype: new values on their way to the device
+
+Matrices are laid out grouped by dtype, so each dtype's part of an fp32 buffer lines up with its
+staging and install buffers and a whole group is accumulated or converted in one flat pass.
+`HostState` is plain data plus the arena; the worker process rebuilds it from the arena's file
+descriptor and the layout, so the same code runs in or out of the training process.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from zenflow.adamw import adamw_, adamw_lookahead
+from zenflow.host.arena import Arena, Region
+
+_CHUNK = 1 << 20  # elements per pass of a dtype-converting add: the fp32 temporary stays in cache
+FP32_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class HostJob(NamedTuple):
+    """One matrix's host update for one window (everything the worker needs, nothing else)."""
+    matrix: int          # index into HostLayout.matrices
+    step: int            # the matrix's host step count after this update
+    num_grads: int       # gradients summed in the buffer; the update uses their mean
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
+
+
+@dataclass(frozen=True)
+class HostMatrix:
+    """Where one matrix (this rank's rows of it) sits in the host buffers."""
+    rows: int
+    cols: int
+    dtype: torch.dtype    # the parameter's dtype: staging and install buffers use it
+    offset: int           # first element in the fp32 buffers
+    typed_offset: int     # first element in its dtype's staging and install buffers
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    matrices: tuple[HostMatrix, ...]        # in the order the optimizer numbers them
+    groups: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, fp32 offset, numel), contiguous
+    sum_slots: int
+    staging_slots: int = 1
+    install_slots: int = 1
+
+    @classmethod
+    def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
+              staging_slots: int = 1) -> HostLayout:
+        """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
+        order = sorted(range(len(shapes)), key=lambda i: (_dtype_name(shapes[i][2]), i))
+        placed: dict[int, HostMatrix] = {}
+        groups, offset = [], 0
+        for i in order:
+            rows, cols, dtype = shapes[i]
+            if not groups or groups[-1][0] != dtype:
+                groups.append([dtype, offset, 0])
+            group = groups[-1]
+            placed[i] = HostMatrix(rows, cols, dtype, offset, group[2])
+            group[2] += rows * cols
+            offset += rows * cols
+        return cls(tuple(placed[i] for i in range(len(shapes))),
+                   tuple(tuple(g) for g in groups), sum_slots, staging_slots)
+
+    @property
+    def numel(self) -> int:
+        return sum(g[2] for g in self.groups)
+
+    def regions(self) -> list[tuple[str, torch.dtype, int]]:
+        fp32 = [*FP32_KINDS, *(f"grad_sum{s}" for s in range(self.sum_slots))]
+        out = [(name, torch.float32, self.numel) for name in fp32]
+        for dtype, _, numel in self.groups:
+            for kind, slots in (("staging", self.staging_slots), ("install", self.install_slots)):
+                for s in range(slots):
+                    out.append((f"{kind}{s}_{_dtype_name(dtype)}", dtype, numel))
+        return out
+
+    def dma_regions(self) -> list[str]:
+        """The buffers that device copies read or write: the only ones worth page-locking."""
+        return [f"{kind}{s}_{_dtype_name(d)}" for d, _, _ in self.groups
+                for kind, slots in (("staging", self.staging_slots),
+                                    ("install", self.install_slots)) for s in range(slots)]
+
+
+class HostState:
+    """Typed views of the host buffers of one optimizer, and the host arithmetic over them."""
+
+    def __init__(self, arena: Arena, layout: HostLayout):
+        self.arena = arena
+        self.layout = layout
+
+    @classmethod
+    def allocate(cls, layout: HostLayout, owner: str = "ZenFlowAdamW",
+                 available: int | None = None) -> HostState:
+        return cls(Arena.create(layout.regions(), owner, available), layout)
+
+    @classmethod
+    def attach(cls, layout: HostLayout, regions: list[Region], size: int, fd: int) -> HostState:
+        return cls(Arena.attach(regions, size, fd), layout)
+
+    def nbytes(self) -> int:
+        """Bytes of host state (the arena rounds each buffer up to whole pages on top)."""
+        return sum(r.nbytes for r in self.arena.regions)
+
+    # -- views --------------------------------------------------------------------------------
+    def fp32(self, kind: str, i: int) -> torch.Tensor:
+        """[rows, cols] view of matrix i in an fp32 buffer ("master", "grad_sum0", ...)."""
+        m = self.layout.matrices[i]
+        return self.arena.views[kind][m.offset:m.offset + m.numel].view(m.rows, m.cols)
+
+    def typed(self, kind: str, slot: int, i: int) -> torch.Tensor:
+        """[rows, cols] view of matrix i in a staging or install buffer (the param's dtype)."""
+        m = self.layout.matrices[i]
+        flat = self.arena.views[f"{kind}{slot}_{_dtype_name(m.dtype)}"]
+        return flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
+
+    def _runs(self, matrices: list[int]) -> list[tuple[int, int, torch.dtype]]:
+        """Maximal runs (fp32 offset, numel, dtype) covering `matrices`, merged where adjacent."""
+        runs: list[list] = []
+        for i in sorted(matrices, key=lambda i: self.layout.matrices[i].offset):
+            m = self.layout.matrices[i]
+            if m.numel == 0:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == m.offset and runs[-1][2] == m.dtype:
+                runs[-1][1] += m.numel
+            else:
+                runs.append([m.offset, m.numel, m.dtype])
+        return [tuple(r) for r in runs]
+
+    def _typed_run(self, kind: str, slot: int, offset: int, numel: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        start = next(g[1] for g in self.layout.groups if g[0] == dtype)
+        flat = self.arena.views[f"{kind}{slot}_{_dtype_name(dtype)}"]
+        return flat[offset - start:offset - start + numel]
+
+    # -- the arithmetic -----------------------------------------------------------------------
+    def accumulate(self, staging_slot: int, sum_slot: int, scale: float, added: list[int],
+                   fresh: list[int]) -> None:
+        """grad_sum[sum_slot] += scale * staging[staging_slot] in fp32 for the `added` matrices;
+        = for the `fresh` ones (the window's first gradient: their sums hold stale bytes)."""
+        sums = self.arena.views[f"grad_sum{sum_slot}"]
+        for matrices, add in ((added, True), (fresh, False)):
+            for offset, numel, dtype in self._runs(matrices):
+                total = sums[offset:offset + numel]
+                grad = self._typed_run("staging", staging_slot, offset, numel, dtype)
+                step = numel if dtype == torch.float32 else _CHUNK
+                for start in range(0, numel, step):
+                    part, g = total[start:start + step], grad[start:start + step].float()
+                    if add:
+                        part.add_(g, alpha=scale)
+                    else:
+                        torch.mul(g, scale, out=part)
+
+    def update(self, jobs: list[HostJob], sum_slot: int, install_slot: int) -> None:
+        """AdamW on each job's matrix with the mean of its gradient sum, then the new values (with
+        a lookahead, the values that fraction of the next step further), in the parameters'
+        dtype, into install[install_slot]. The sums are consumed (left stale).
+
+        Jobs sharing hyperparameters, step and window length go to the fused kernel together, as
+        flat runs where their matrices are adjacent (usually: one run per dtype).
+        """
+        groups: dict[tuple, list[int]] = {}
+        for job in jobs:
+            groups.setdefault(tuple(job[1:]), []).append(job.matrix)
+        v = self.arena.views
+        sums = v[f"grad_sum{sum_slot}"]
+        for key, matrices in groups.items():
+            step, num_grads, lr, beta1, beta2, eps, weight_decay, _ = key
+            runs = [r for r in self._runs(matrices) if r[1]]
+            cut = [slice(offset, offset + numel) for offset, numel, _ in runs]
+            adamw_([v["master"][s] for s in cut], [sums[s] for s in cut],
+                   [v["exp_avg"][s] for s in cut], [v["exp_avg_sq"][s] for s in cut], step,
+                   lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                   grad_divisor=float(num_grads))
+        self.publish(jobs, install_slot)
+
+    def publish(self, jobs: list[HostJob], install_slot: int) -> None:
+        """install[install_slot] = what `jobs` install: each matrix's host values, or with a
+        lookahead those values that fraction of the next step further (from the moments the
+        update left). Also rebuilds an in-flight update's install buffer after a load."""
+        groups: dict[tuple, list[int]] = {}
+        for job in jobs:
+            key = (job.step, job.lr, job.beta1, job.beta2, job.eps, job.weight_decay, job.lookahead)
+            groups.setdefault(key if job.lookahead else (), []).append(job.matrix)
+        v = self.arena.views
+        for key, matrices in groups.items():
+            if not key:
+                self.copy_masters(matrices, install_slot)
+                continue
+            step, lr, beta1, beta2, eps, weight_decay, lookahead = key
+            for offset, numel, dtype in self._runs(matrices):
+                out = self._typed_run("install", install_slot, offset, numel, dtype)
+                for start in range(0, numel, _CHUNK):   # bounded temporaries
+                    part = slice(offset + start, offset + min(numel, start + _CHUNK))
+                    adamw_lookahead(out[start:start + _CHUNK], v["master"][part],
+                                    v["exp_avg"][part], v["exp_avg_sq"][part], step, lr=lr,
+                                    beta1=beta1, beta2=beta2, eps=eps,
+                                    weight_decay=weight_decay, fraction=lookahead)
+
+    def copy_masters(self, matrices: list[int], install_slot: int) -> None:
+        """install[install_slot] = the master values of `matrices`, in the parameters' dtype."""
+        for offset, numel, dtype in self._runs(matrices):
+            self._typed_run("install", install_slot, offset, numel, dtype).copy_(
+                self.arena.views["master"][offset:offset + numel])
+
+
+def run_command(host: HostState, command: tuple) -> None:
+    """Carry out ("accumulate", staging_slot, sum_slot, scale, added, fresh) or ("update",
+    sum_slot, install_slot, jobs) on `host` (the worker and the inline runner both use this)."""
+    if command[0] == "accumulate":
+        host.accumulate(*command[1:])
+    else:
+        _, sum_slot, install_slot, jobs = command
+        host.update(jobs, sum_slot, install_slot)
+
+
+def command_matrices(command: tuple) -> list[int]:
+    """The matrices whose host state a command writes (torn if it dies half-way)."""
+    if command[0] == "accumulate":
+        return [*command[4], *command[5]]
+    return [job.matrix for job in command[3]]
+
+
+class InlineHostRunner:
+    """Runs host commands in the calling process, at once. The worker runner has the same methods
+    (see zenflow/host/worker.py for the commands)."""
+
+    def __init__(self, host: HostState):
+        self.host = host
+        self.busy_seconds = 0.0
+        self.updates: list[tuple[float, float]] = []  # (start, end) of each update, last 10k
+        self._seq = 0
+
+    def send(self, command: tuple) -> int:
+        start = time.perf_counter()
+        run_command(self.host, command)
+        end = time.perf_counter()
+        self.busy_seconds += end - start
+        if command[0] == "update":
+            self.updates.append((start, end))
+            del self.updates[:-10_000]
+        self._seq += 1
+        return self._seq
+
+    def done(self, seq: int) -> bool:
+        return True
+
+    def wait(self, seq: int | None = None) -> float:
+        return 0.0
+
+    @property
+    def last_update_seconds(self) -> float:
+        # In process, nothing overlaps the update: there is no host time to hide.
+        return 0.0
+
+    def check(self) -> None:
+        """Raise if the runner can no longer run commands (never, in process)."""
+
+    def unfinished(self) -> list[tuple]:
+        return []
+
+    def close(self) -> None:
+        pass

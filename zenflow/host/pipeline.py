@@ -1,0 +1,389 @@
+"""The host side of one optimizer step: staging, accumulation, window end, install.
+
+    stage(grads)        copy this step's gradient rows of host-owned matrices to a staging buffer
+                        (on CUDA: queued on a side stream; the Python thread does not wait)
+    accumulate(scale)   tell the host to add that buffer, times `scale`, to the window's sums
+    end_window(jobs)    tell the host to run AdamW on the window's mean gradient
+    install()           wait for that update and copy the new values to the parameters
+
+The training thread does no host arithmetic: the worker (or, with worker=False, the inline
+runner) does the adds and the AdamW. Commands go out in order through a small queue in which
+each command may wait for a copy to finish (a `Ticket`): the worker is told to read a staging
+buffer only once its bytes have landed, and to overwrite an install buffer only once the device
+has read it. Where copies land within the step (the CPU), one staging buffer is enough: the
+worker adds a step's gradients during the next forward and backward. Where they land later (CUDA:
+the step returns with the copy in flight, and the worker hears of it at the next step), two
+staging buffers alternate, so the worker has a whole step to add one before it is reused. One
+install buffer is enough: it is copied long before the next update is due. A slow host shows up
+as stall in stats(), never as a race.
+With overlap, two gradient-sum slots alternate: one window fills one while the host's update of
+the previous window reads the other.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from zenflow.distributed import Partition
+from zenflow.host.buffers import (
+    FP32_KINDS,
+    HostJob,
+    HostLayout,
+    HostState,
+    InlineHostRunner,
+    command_matrices,
+)
+from zenflow.host.telemetry import StepTimer
+from zenflow.host.transfers import DONE, Ticket, Transfers
+from zenflow.saved_state import check_saved_tensors
+
+log = logging.getLogger("zenflow")
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """The [rows, cols] view the host keeps of a parameter or gradient (vectors: one row)."""
+    return t.reshape(t.shape[0], -1) if t.ndim >= 2 else t.reshape(1, -1)
+
+
+class HostPipeline:
+    """Host state of a list of parameters (each viewed [rows, cols]) and its data path."""
+
+    def __init__(self, params: list[torch.Tensor], partition: Partition, device: torch.device,
+                 overlap: bool, worker_cores: list[int] | None, timer: StepTimer,
+                 owner: str, available_bytes: int | None = None):
+        self.params = params
+        self.partition = partition
+        self.rows = [partition.rows(host_view(p).shape[0]) for p in params]
+        self.timer = timer
+        shapes = [(len(range(host_view(p).shape[0])[r]), host_view(p).shape[1], p.dtype)
+                  for p, r in zip(params, self.rows)]
+        self.transfers = Transfers(device, copy_cores=worker_cores)
+        self.layout = HostLayout.build(shapes, sum_slots=2 if overlap else 1,
+                                       staging_slots=2 if self.transfers.copies_outlive_step else 1)
+        self.host = HostState.allocate(self.layout, owner, available_bytes)
+        self._load_masters(range(len(params)))
+        self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
+        self._worker_cores = worker_cores
+        self.runner = self._start_runner()
+        self.torn: list[int] = []   # parameters whose host state a dying worker left half-written
+
+        self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
+        self.num_grads = [0] * len(params)   # gradients summed in the current window
+        self._start_over()
+
+    def _start_over(self) -> None:
+        """No command queued, no buffer being read, no update in flight; every slot at 0."""
+        self._sum_slot = self._staging_slot = self._install_slot = 0
+        # seq of the accumulate reading each staging buffer; the copy reading each install buffer
+        self._staging_reader: list[int | None] = [None] * self.layout.staging_slots
+        self._install_reader: list[Ticket] = [DONE] * self.layout.install_slots
+        self._queue: deque = deque()     # (ticket, command, slot to mark) not yet sent
+        self._staged: tuple[int, list[int], Ticket] | None = None
+        self._last_copy: Ticket = DONE
+        self.in_flight: dict | None = None  # {"matrices", "seq", "install_slot"} of an update
+
+    # -- the worker -----------------------------------------------------------------------------
+    def _start_runner(self):
+        if self._worker_cores is None:
+            return InlineHostRunner(self.host)
+        from zenflow.host.worker import WorkerHostRunner
+        return WorkerHostRunner(self.host, self._worker_cores)
+
+    @contextmanager
+    def _worker_guard(self):
+        """A worker that died idle is replaced (no state is lost: it all lives in our mapping);
+        one that died mid-command leaves the parameters it was working on torn, and says so."""
+        from zenflow.host.worker import WorkerDied
+        try:
+            yield
+        except WorkerDied as exc:
+            unfinished = self.runner.unfinished()
+            self.runner.close()
+            if not unfinished:
+                log.warning("%s while idle; started a new worker (no host state was lost)", exc)
+                self.runner = self._start_runner()
+                # Everything the old worker was sent is done; its sequence numbers mean nothing
+                # to the new one (0 counts as done by any runner).
+                if self.in_flight is not None and self.in_flight["seq"] is not None:
+                    self.in_flight["seq"] = 0
+                self._staging_reader = [None] * self.layout.staging_slots
+                return
+            self.torn = sorted({i for c in unfinished for i in command_matrices(c)})
+            raise RuntimeError(
+                f"{exc}\nIt died in the middle of host work on {len(self.torn)} parameter(s) "
+                f"(host indices {self.torn[:10]}{'...' if len(self.torn) > 10 else ''}), whose "
+                "host state may be half-written. Roll back with load_state_dict() from the last "
+                "checkpoint: that restores every host buffer and starts a new worker.") from exc
+
+    def _need_worker(self) -> None:
+        if self.torn:
+            raise RuntimeError(f"the host state of parameters {self.torn[:10]} was left "
+                               "half-written by a dead worker; load_state_dict() from the last "
+                               "checkpoint to roll back")
+
+    # -- the command queue ----------------------------------------------------------------------
+    def _enqueue(self, ticket: Ticket, command: tuple, on_sent=None) -> None:
+        self._queue.append((ticket, command, on_sent))
+        self.flush(block=False)
+
+    def flush(self, block: bool, until=None) -> None:
+        """Send queued commands whose copies have finished (all of them, waiting, if block; or
+        with `until`, waiting only as long as until() is false)."""
+        while self._queue and (block or self._queue[0][0].done()) and not (until and until()):
+            ticket, command, on_sent = self._queue[0]
+            self.timer.stall(ticket.wait())
+            with self._worker_guard():
+                seq = self.runner.send(command)
+                self._queue.popleft()
+                if on_sent is not None:
+                    on_sent(seq)
+
+    def drain(self) -> None:
+        """Wait until the host has done everything sent to it (before reading host state)."""
+        self._need_worker()
+        self.flush(block=True)
+        with self._worker_guard():
+            self.timer.stall(self.runner.wait())
+
+    def check(self) -> None:
+        """Raise if the worker died mid-work (replace it if it died idle); send whatever
+        became ready since the last step."""
+        self._need_worker()
+        with self._worker_guard():
+            self.runner.check()
+        self.flush(block=False)
+
+    # -- one step -------------------------------------------------------------------------------
+    def stage(self, grads: dict[int, torch.Tensor]) -> None:
+        """Start copying this step's gradient rows of parameters `grads` (index -> gradient)."""
+        start = time.perf_counter()
+        waited = 0.0
+        slot = self._staging_slot
+        if any(command[:2] == ("accumulate", slot) for _, command, _ in self._queue):
+            self.flush(block=True)     # the previous accumulate of this slot is still queued
+        reader = self._staging_reader[slot]
+        if reader is not None:
+            with self._worker_guard():
+                waited = self.runner.wait(reader)
+            self.timer.stall(waited)
+            self._staging_reader[slot] = None
+        pairs, nbytes = [], 0
+        for i, grad in grads.items():
+            src = host_view(grad)[self.rows[i]]
+            pairs.append((self.host.typed("staging", slot, i), src))
+            nbytes += src.numel() * src.element_size()
+        ticket = self.transfers.to_host(pairs)
+        self._staged = (slot, list(grads), ticket)
+        self._last_copy = ticket
+        self.timer.moved(d2h=nbytes)
+        self.timer.offload(time.perf_counter() - start - waited)
+
+    def accumulate(self, scale: float) -> None:
+        """Have the host add the staged gradients, times `scale`, to this window's sums."""
+        if self._staged is None:
+            return
+        slot, matrices, ticket = self._staged
+        self._staged = None
+        if not matrices:
+            return
+        fresh = [i for i in matrices if self.num_grads[i] == 0]
+        added = [i for i in matrices if self.num_grads[i] > 0]
+        for i in matrices:
+            self.num_grads[i] += 1
+
+        def sent(seq: int, slot=slot) -> None:
+            self._staging_reader[slot] = seq
+        self._enqueue(ticket, ("accumulate", slot, self._sum_slot, float(scale), added, fresh),
+                      sent)
+        self._staging_slot = (slot + 1) % self.layout.staging_slots
+
+    def end_window(self, hyperparameters: list[tuple]) -> bool:
+        """Hand the window's sums to the host: AdamW on the mean gradient with
+        `hyperparameters[i]` = (lr, beta1, beta2, eps, weight_decay, lookahead) for every
+        parameter that got a gradient. Returns whether any did. The caller installs the previous
+        window's update first (install()), per the overlap rule."""
+        assert self.in_flight is None, "install() the previous window first"
+        jobs = []
+        for i, n in enumerate(self.num_grads):
+            if n:
+                self.host_step[i] += 1
+                jobs.append(HostJob(i, self.host_step[i], n, *hyperparameters[i]))
+                self.num_grads[i] = 0
+        if not jobs:
+            return False
+        slot = self._install_slot
+        flight = {"matrices": [j.matrix for j in jobs], "seq": None, "install_slot": slot,
+                  "jobs": jobs}
+
+        def sent(seq: int) -> None:
+            flight["seq"] = seq
+        self._enqueue(self._install_reader[slot],
+                      ("update", self._sum_slot, slot, jobs), sent)
+        self.in_flight = flight
+        self._sum_slot = (self._sum_slot + 1) % self.layout.sum_slots
+        self._install_slot = (slot + 1) % self.layout.install_slots
+        return True
+
+    def adopt(self, indices: list[int]) -> None:
+        """Take the parameters' current values as the host master values of `indices` (weights
+        changed outside the optimizer); an in-flight update of theirs is no longer installed."""
+        self.drain()
+        self._load_masters(indices)
+        if self.in_flight is not None:
+            dropped = set(indices)
+            self.in_flight["matrices"] = [i for i in self.in_flight["matrices"] if i not in dropped]
+            self.in_flight["jobs"] = [j for j in self.in_flight["jobs"] if j.matrix not in dropped]
+
+    def _load_masters(self, indices) -> None:
+        """The host master values of `indices` := the parameters' current values (own rows)."""
+        for i in indices:
+            self.host.fp32("master", i).copy_(host_view(self.params[i].detach())[self.rows[i]])
+
+    def ready(self) -> bool:
+        """Whether no host update is in flight (never blocks)."""
+        if self.in_flight is None:
+            return True
+        self.flush(block=False)
+        seq = self.in_flight["seq"]
+        with self._worker_guard():
+            return seq is not None and self.runner.done(seq)
+        return False
+
+    def install(self) -> list[int]:
+        """Wait for the in-flight update and copy its new values into the parameters; returns the
+        indices installed (the caller writes its own newer columns over them)."""
+        if self.in_flight is None:
+            return []
+        flight, self.in_flight = self.in_flight, None
+        # Send the update if it is still queued, but not the commands after it: this step's
+        # accumulate may still be waiting for its copy, which install does not need.
+        self.flush(block=True, until=lambda: flight["seq"] is not None)
+        with self._worker_guard():
+            self.timer.stall(self.runner.wait(flight["seq"]))
+        self._install_reader[flight["install_slot"]] = copy_rows_to_params(
+            self, flight["install_slot"], flight["matrices"])
+        return flight["matrices"]
+
+    def install_masters(self, indices: list[int]) -> list[int]:
+        """Install the host values of `indices` themselves (updates installed with a lookahead
+        lead them), once the host has finished everything sent to it. Returns `indices`."""
+        assert self.in_flight is None, "install() the update in flight first"
+        self.drain()
+        slot = self._install_slot
+        self.timer.stall(self._install_reader[slot].wait())  # its last copy to the device landed
+        self.host.copy_masters(indices, slot)
+        self._install_reader[slot] = copy_rows_to_params(self, slot, indices)
+        self._install_slot = (slot + 1) % self.layout.install_slots
+        return indices
+
+    def fence(self) -> None:
+        """End of step(): later device work may not overwrite this step's gradient sources. (On
+        the CPU this waits for the copy thread: the part of the copy the step did not hide.)"""
+        start = time.perf_counter()
+        self.transfers.fence(self._last_copy)
+        self._last_copy = DONE
+        self.flush(block=False)   # the copy has landed: the worker may start adding it now
+        self.timer.offload(time.perf_counter() - start)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Host values, moments and the filling sums, per parameter; counters; the in-flight set.
+        Drains first, so the snapshot is consistent (the in-flight update is done, not installed)."""
+        self.drain()
+        per_param = []
+        for i in range(len(self.params)):
+            grad_sum = self.host.fp32(f"grad_sum{self._sum_slot}", i)
+            per_param.append({
+                **{kind: self.host.fp32(kind, i).clone() for kind in FP32_KINDS},
+                # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
+                "grad_sum": grad_sum.clone() if self.num_grads[i] else torch.zeros_like(grad_sum),
+                "host_step": self.host_step[i], "num_grads": self.num_grads[i]})
+        in_flight = jobs = None
+        if self.in_flight is not None:
+            in_flight = list(self.in_flight["matrices"])
+            jobs = [list(job) for job in self.in_flight["jobs"]]
+        return {"params": per_param, "in_flight": in_flight, "in_flight_jobs": jobs}
+
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ValueError unless `state`, as state_dict() returns it, fits these parameters."""
+        for i, (saved, param) in enumerate(zip(state["params"], self.params)):
+            check_saved_tensors(saved, {kind: self.host.fp32(kind, i) for kind in FP32_KINDS},
+                                f"host state of the parameter of shape {tuple(param.shape)}")
+        check_in_flight_jobs(state.get("in_flight_jobs"), state.get("in_flight") or [])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what state_dict() returned (check_state_dict() it first). After a worker died
+        mid-work this is the roll-back: every host buffer is overwritten and a new worker
+        starts."""
+        if self.torn:
+            self.runner.close()
+            self.runner = self._start_runner()
+            self.torn = []
+            self._queue.clear()
+        self.drain()
+        self._start_over()
+        for i, s in enumerate(state["params"]):
+            for kind in FP32_KINDS:
+                self.host.fp32(kind, i).copy_(s[kind])
+            self.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
+            self.host_step[i], self.num_grads[i] = s["host_step"], s["num_grads"]
+        if state["in_flight"] is not None:
+            # The update is done; its install buffer is rebuilt from the values it produced.
+            jobs = [HostJob(*job) for job in state.get("in_flight_jobs") or []] or [
+                HostJob(i, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) for i in state["in_flight"]]
+            self.host.publish(jobs, 0)
+            self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0,
+                              "jobs": jobs}
+            self._install_slot = 1 % self.layout.install_slots
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def pinned_bytes(self) -> int:
+        return sum(self.host.arena.views[n].numel() * self.host.arena.views[n].element_size()
+                   for n in self.layout.dma_regions()) if self.transfers.cuda else 0
+
+    def close(self) -> None:
+        self.runner.close()
+        self.transfers.close()
+        self.host.arena.close_fd()
+
+
+def copy_rows_to_params(pipe: HostPipeline, slot: int, indices: list[int]) -> Ticket:
+    """Queue install[slot]'s values of `indices` into their parameters, every rank's rows;
+    returns the copies' Ticket."""
+    start = time.perf_counter()
+    host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
+    pairs, nbytes, gathers = [], 0, []
+    what = "installing host-updated rows"
+    for i in indices:
+        param = host_view(pipe.params[i].data)
+        values = host.typed("install", slot, i)
+        if partition.active and partition.on_device:
+            # NCCL: this rank's rows to the device, then all ranks gather there.
+            own = partition.own_rows_buffer(param.shape[0], param)
+            pairs.append((own[: values.shape[0]], values))
+            gathers.append((param, own))
+            nbytes += values.numel() * values.element_size()
+            continue
+        if partition.active:  # gloo: every rank's rows, gathered in host memory
+            values = partition.gather_rows(values, param.shape[0], what)
+        pairs.append((param, values))
+        nbytes += param.numel() * param.element_size()
+    ticket = transfers.to_device(pairs)
+    for param, own in gathers:   # ordered after the copies (to_device's event)
+        partition.gather_rows_into(param, own, what)
+    pipe.timer.moved(h2d=nbytes)
+    pipe.timer.offload(time.perf_counter() - start)
+    return ticket
+
+
+def check_in_flight_jobs(jobs, matrices: list[int]) -> None:
+    """A saved in-flight update's jobs (None for states saved without them) fit its matrices."""
+    if jobs is not None and not (
+            isinstance(jobs, list) and [j[0] for j in jobs if len(j) == 9] == list(matrices)
+            and all(isinstance(x, (int, float)) for j in jobs for x in j)):
+        raise ValueError("'in_flight_jobs' must hold one [matrix, step, num_grads, lr, beta1, "
+                         "beta2, eps, weight_decay, lookahead] per in-flight matrix")

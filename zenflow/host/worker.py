@@ -1,0 +1,213 @@
+"""The host worker: a separate process that sums gradients and runs the host AdamW.
+
+Starting it: each worker is forked from a small server process (zenflow/host/forkserver.py), never
+from the training process and never by re-importing the user's script, and handed two file
+descriptors: the optimizer's host memory (zenflow/host/arena.py) and its end of a command socket.
+
+The protocol, in order on one socket:
+
+    parent -> worker   ("accumulate", seq, staging_slot, sum_slot, scale, added, fresh)
+                       ("update", seq, sum_slot, install_slot, jobs)
+                       ("close",)
+    worker -> parent   ("ready",)
+                       ("done", seq, start, end)       perf_counter() bounds of the work
+                       ("error", seq, traceback_text)
+
+Accumulates run as they arrive; an update runs on a second thread so the sums of the next window
+keep flowing in while it works (they go to the other sum slot). The worker ignores SIGINT and
+SIGTERM: the training process owns shutdown, so a scheduler's SIGTERM to the whole process group
+does not take the host state away before the training process's handler has saved it. It exits
+on "close", when its socket reaches end-of-file (the training process closed it or died) and
+when the training process no longer exists. The parent never blocks without a timeout: every wait
+polls briefly and checks the worker, so a dead worker becomes a RuntimeError naming the cause.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection
+
+from zenflow.host.forkserver import _ForkServer
+from zenflow.host.worker_main import _alive
+
+_POLL_S = 0.05          # how long one wait slice blocks before checking the process
+_CLOSE_TIMEOUT_S = 5.0  # how long close() waits for a clean exit before killing
+
+
+# ---------------------------------------------------------------------------- the parent's side
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is gone (its exit status is unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        hint = " (the out-of-memory killer sends SIGKILL)" if -code == signal.SIGKILL else ""
+        return f"was killed by signal {name}{hint}"
+    return f"exited with code {code} (see its traceback above)"
+
+
+class WorkerDied(RuntimeError):
+    """The worker process is gone (killed, out of memory) or failed in a command."""
+
+
+# Runners not yet closed, held weakly so that an optimizer can still be garbage collected; one
+# atexit hook closes whatever is left when the interpreter exits.
+_live_runners: weakref.WeakSet[WorkerHostRunner] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_runners() -> None:
+    for runner in list(_live_runners):
+        try:
+            runner.close()
+        except Exception:
+            pass
+
+
+class WorkerHostRunner:
+    """Runs host commands in a worker process; same methods as `InlineHostRunner`.
+
+    send() hands a command to the worker and returns its sequence number at once; wait(seq)
+    blocks until that command (and everything before it) is done and returns the seconds spent
+    blocked.
+    """
+
+    def __init__(self, host, cores: list[int] | None = None):
+        self.busy_seconds = 0.0
+        self.updates: list[tuple[float, float]] = []  # (start, end) of each update, last 10k
+        self._seq = 0
+        self._done_through = 0        # every command with seq <= this is done
+        self._finished: set[int] = set()
+        self._unfinished: dict[int, tuple] = {}   # seq -> command, until its "done" arrives
+        self._error: str | None = None
+        self._closed = False
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        init = {"layout": host.layout, "regions": host.arena.regions, "size": host.arena.size,
+                "cores": cores, "parent_pid": os.getpid()}
+        self._server = _ForkServer.get()
+        try:
+            self.pid = self._server.fork(theirs.fileno(), host.arena.fd, init)
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        _live_runners.add(self)
+
+    # -- receiving
+    def _fail(self, cause: str) -> None:
+        self._error = f"ZenFlow host worker (pid {self.pid}) {cause}"
+        raise WorkerDied(self._error)
+
+    def unfinished(self) -> list[tuple]:
+        """Commands sent but not reported done (after a death: the work it was doing)."""
+        return list(self._unfinished.values())
+
+    def _receive(self, timeout: float) -> bool:
+        """Handle at most one message, waiting up to `timeout`; False when none came. Raises if
+        the worker reported an error or is dead."""
+        if self._error is not None:
+            raise WorkerDied(self._error)
+        try:
+            message = self._conn.recv() if self._conn.poll(timeout) else None
+        except (EOFError, OSError):
+            self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
+        if message is None:
+            if not _alive(self.pid):
+                self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
+            return False
+        kind = message[0]
+        if kind == "done":
+            seq, start, end = message[1:]
+            self.busy_seconds += end - start
+            command = self._unfinished.pop(seq, None)
+            if command is not None and command[0] == "update":
+                self.updates.append((start, end))
+                del self.updates[:-10_000]
+            self._finished.add(seq)
+            while self._done_through + 1 in self._finished:
+                self._done_through += 1
+                self._finished.discard(self._done_through)
+        elif kind == "error":
+            self._fail(f"failed in a host command:\n{message[2]}")
+        return True
+
+    def check(self) -> None:
+        """Raise RuntimeError now if the worker died or reported an error; never blocks."""
+        if self._closed:
+            raise RuntimeError("ZenFlow host worker: used after close()")
+        while self._receive(0.0):
+            pass
+        if not _alive(self.pid):   # its socket may not have reached end-of-file yet
+            self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
+
+    # -- the runner interface
+    def send(self, command: tuple) -> int:
+        """Queue ("accumulate", ...) or ("update", ...) without its seq; returns the seq."""
+        self.check()
+        self._seq += 1
+        self._unfinished[self._seq] = command
+        try:
+            self._conn.send((command[0], self._seq, *command[1:]))
+        except (BrokenPipeError, OSError):
+            del self._unfinished[self._seq]   # never delivered: nothing of it was done
+            self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
+        return self._seq
+
+    def done(self, seq: int) -> bool:
+        self.check()
+        return seq <= self._done_through or seq in self._finished
+
+    def wait(self, seq: int | None = None) -> float:
+        """Block until command `seq` is done, or with no seq until every command sent is done
+        (commands finish out of order: an update runs beside later accumulates); returns the
+        seconds spent blocked."""
+        def finished() -> bool:
+            if seq is None:
+                return self._done_through >= self._seq
+            return seq <= self._done_through or seq in self._finished
+        self.check()
+        if finished():
+            return 0.0
+        start = time.perf_counter()
+        while not finished():
+            self._receive(_POLL_S)
+        return time.perf_counter() - start
+
+    @property
+    def last_update_seconds(self) -> float:
+        """How long the worker took for the last host update (0 before the first)."""
+        return self.updates[-1][1] - self.updates[-1][0] if self.updates else 0.0
+
+    def close(self) -> None:
+        """Stop the worker (asking first, then killing). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_runners.discard(self)
+        try:
+            self._conn.send(("close",))
+        except (BrokenPipeError, OSError):
+            pass
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        while _alive(self.pid) and time.monotonic() < deadline:
+            if self._server.exit_code(self.pid, _POLL_S) is not None:
+                break
+        if self._server.exit_code(self.pid, 0.0) is None and _alive(self.pid):
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._server.exit_code(self.pid, _CLOSE_TIMEOUT_S)
+        self._conn.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+

@@ -1,0 +1,135 @@
+"""Device side of ZenFlow: AdamW on the selected columns of every matrix and on every vector.
+
+All device state is fp32 (master values and both moments), whatever the parameter's dtype, and
+step counts are Python ints. A vector parameter that is already fp32 is its own master.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zenflow.adamw import adamw_
+from zenflow.optim import columns
+from zenflow.saved_state import check_saved_tensors
+
+
+class _SavedAdamState:
+    """state_dict() and load_state_dict() of fp32 AdamW state: the tensors named in `SAVED`
+    and the integer step count."""
+    SAVED: tuple[str, ...] = ()
+    step: int
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, **{name: getattr(self, name).clone() for name in self.SAVED}}
+
+    def check_state_dict(self, state: dict, what: str = "") -> None:
+        """Raise ValueError, saying `what` failed, unless load_state_dict(state) would fit."""
+        check_saved_tensors(state, {name: getattr(self, name) for name in self.SAVED}, what)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        for name in self.SAVED:
+            getattr(self, name).copy_(state[name])
+
+
+@dataclass
+class DeviceColumns(_SavedAdamState):
+    """The selected columns of one matrix: which they are and their fp32 AdamW state, on the
+    device."""
+    column_indices: torch.Tensor   # long [k], sorted ascending
+    master: torch.Tensor           # [out, k]
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int
+    grad: torch.Tensor             # [out, k] scratch for the gathered gradient columns
+
+    SAVED = ("column_indices", "master", "exp_avg", "exp_avg_sq")
+
+    @classmethod
+    def empty(cls, rows: int, k: int, device: torch.device, step: int) -> DeviceColumns:
+        def z():
+            return torch.zeros(rows, k, dtype=torch.float32, device=device)
+        return cls(torch.zeros(k, dtype=torch.long, device=device), z(), z(), z(), step, z())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*(getattr(self, name) for name in self.SAVED), self.grad))
+
+
+@dataclass
+class DeviceVector(_SavedAdamState):
+    """AdamW state of a vector parameter (bias, norm weight), always updated on the device."""
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int = 0
+
+    SAVED = ("master", "exp_avg", "exp_avg_sq")
+
+    @classmethod
+    def for_param(cls, param: torch.Tensor) -> DeviceVector:
+        master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
+        return cls(master, torch.zeros_like(master), torch.zeros_like(master))
+
+    def nbytes(self, param: torch.Tensor) -> int:
+        """Bytes it adds to the device (an fp32 parameter is its own master)."""
+        owned = [self.exp_avg, self.exp_avg_sq]
+        if self.master.data_ptr() != param.data_ptr():
+            owned.append(self.master)
+        return sum(t.numel() * t.element_size() for t in owned)
+
+
+class _Batch:
+    """Tensors that share hyperparameters and step count, for one fused kernel call."""
+
+    def __init__(self):
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
+
+    def add(self, master, grad, exp_avg, exp_avg_sq):
+        self.params.append(master)
+        self.grads.append(grad)
+        self.exp_avgs.append(exp_avg)
+        self.exp_avg_sqs.append(exp_avg_sq)
+
+
+def group_hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
+    """(lr, beta1, beta2, eps, weight_decay) as plain floats, read from the group at each use."""
+    beta1, beta2 = group["betas"]
+    return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+            float(group["weight_decay"]))
+
+
+def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, dict]],
+                vectors: list[tuple[torch.Tensor, torch.Tensor, DeviceVector, dict]],
+                clip_coef: float) -> None:
+    """One AdamW step of the selected columns and the vectors, then write them into the params.
+
+    `matrices` holds (param, grad, columns, group) and `vectors` (param, grad, state, group);
+    entries without a gradient are left out by the caller, exactly as torch.optim skips them.
+    """
+    batches: dict[tuple, _Batch] = {}
+    for param, grad, cols, group in matrices:
+        columns.gather_columns(columns.as_matrix(grad), cols.column_indices, out=cols.grad)
+        if clip_coef != 1.0:
+            cols.grad.mul_(clip_coef)
+        cols.step += 1
+        batches.setdefault((cols.step, *group_hyperparameters(group)), _Batch()).add(
+            cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq)
+    for param, grad, state, group in vectors:
+        g = grad.float()
+        if clip_coef != 1.0:
+            g = g * clip_coef
+        state.step += 1
+        batches.setdefault((state.step, *group_hyperparameters(group)), _Batch()).add(
+            state.master, g, state.exp_avg, state.exp_avg_sq)
+
+    for (step, lr, beta1, beta2, eps, weight_decay), b in batches.items():
+        adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, step, lr=lr, beta1=beta1,
+               beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+    for param, _, cols, _ in matrices:
+        columns.scatter_columns(columns.as_matrix(param.data), cols.column_indices, cols.master)
+    for param, _, state, _ in vectors:
+        if state.master.data_ptr() != param.data.data_ptr():
+            param.data.copy_(state.master)

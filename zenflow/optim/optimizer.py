@@ -1,0 +1,386 @@
+"""ZenFlowAdamW: AdamW that updates the important columns now and the rest asynchronously.
+
+One step, top to bottom (docs/semantics.md):
+
+    clip          global gradient norm; a non-finite norm skips the step untouched
+    select        at a window boundary: choose each matrix's top-k columns (first time, or when due)
+    stage         queue the copy of host-owned gradient rows to the host (no host arithmetic here)
+    device        AdamW on the selected columns and on every vector parameter, fp32 state
+    accumulate    tell the host to add the staged gradients to the window's fp32 sums
+    end window    every `update_interval` steps: the host runs AdamW with the mean gradient
+
+Warm-up steps (`full_warm_up_rounds`) are windows of one step with no column on the device.
+With `overlap_step`, a window's host update is installed at the end of the next window, so the
+host works while the device trains; otherwise it is installed before step() returns.
+
+The parts this class drives: `zenflow.optim.params` (each parameter, and where its state lives),
+`zenflow.optim.selector.ColumnSelector` (choosing the columns, and choosing again),
+`zenflow.host.pipeline.HostPipeline` (the host side: buffers, copies, the worker),
+`zenflow.optim.windows` (when a window ends); `zenflow.optim.state` saves and loads them all;
+`zenflow.config.settings` holds the knobs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
+from zenflow.distributed import Partition, environment_without_group
+from zenflow.host.cores import local_rank_share, split_cores
+from zenflow.host.pipeline import HostPipeline
+from zenflow.host.telemetry import StepTimer
+from zenflow.optim import param_checks as _checks
+from zenflow.optim import selection
+from zenflow.optim import state as state_format
+from zenflow.optim.clipping import clip_coefficient, gradient_norms
+from zenflow.optim.device_adam import group_hyperparameters
+from zenflow.optim.params import (
+    HostParam,
+    OutsideWrites,
+    device_state_bytes,
+    device_update,
+    importance_split,
+    present_gradients,
+    sort_params,
+)
+from zenflow.optim.selector import ColumnSelector
+from zenflow.optim.state import StepCounters
+from zenflow.optim.windows import AutoWindow, StepPeriod, window_for
+
+log = logging.getLogger("zenflow")
+
+
+def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings,
+                                delayed: bool) -> tuple:
+    """(lr, beta1, beta2, eps, weight_decay, lookahead) of a window's host update of a matrix in
+    `group` that summed `num_grads` gradients (docs/semantics.md, "Window end"). Only an update
+    installed one window later (`delayed`) leads with the lookahead: nothing else is stale."""
+    lr, *rest = group_hyperparameters(group)
+    if settings.deferred_credit == "window":
+        lr *= num_grads
+    return (lr, *rest, settings.install_lookahead if delayed else 0.0)
+
+
+class ZenFlowAdamW(torch.optim.Optimizer):
+    """AdamW with ZenFlow's importance-aware split between device and host.
+
+    Args:
+        params: parameters (or param groups with lr/betas/eps/weight_decay), all on one device.
+            Parameters that do not require grad are kept in the groups and skipped, as
+            torch.optim does; they cost no host memory.
+        lr, betas, eps, weight_decay: as in torch.optim.AdamW; read from param_groups at each use.
+        topk_ratio, select_strategy, select_interval, update_interval, full_warm_up_rounds,
+        overlap_step, max_grad_norm, importance, deferred_credit, install_lookahead,
+        steps_per_epoch, pt_reserved_cores_perc, reselect_threshold, auto_ratio,
+        auto_update_bounds, worker: ZenFlow's knobs, the fields
+            of `zenflow.ZenFlowSettings` (which says what each does and holds the defaults);
+            the optimizer keeps them, validated, as `self.settings`.
+        process_group: the torch.distributed group to partition the host state across (default:
+            the default group when torch.distributed is initialized). Gradients must already be
+            averaged across ranks (DDP or zenflow.initialize do it); the optimizer never reduces
+            them again.
+    """
+
+    _NAME = "ZenFlowAdamW"
+    _VECTORS_ON_HOST = False    # OffloadAdamW keeps every parameter on the host
+    # torch.amp.GradScaler then hands step() its scale and inf flag (self.grad_scale and
+    # self.found_inf) instead of unscaling the gradients in a separate pass, which it refuses to
+    # do for fp16 gradients: the unscale folds into the clipping factor the step applies anyway.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
+                 betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
+                 eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
+                 *, topk_ratio: float = DEFAULTS.topk_ratio,
+                 select_strategy: str = DEFAULTS.select_strategy,
+                 select_interval: int | str = DEFAULTS.select_interval,
+                 update_interval: int | str = DEFAULTS.update_interval,
+                 full_warm_up_rounds: int = DEFAULTS.full_warm_up_rounds,
+                 overlap_step: bool = DEFAULTS.overlap_step,
+                 max_grad_norm: float | None = DEFAULTS.max_grad_norm,
+                 importance: str = DEFAULTS.importance,
+                 deferred_credit: str = DEFAULTS.deferred_credit,
+                 install_lookahead: float = DEFAULTS.install_lookahead,
+                 steps_per_epoch: int | None = DEFAULTS.steps_per_epoch,
+                 pt_reserved_cores_perc: float = DEFAULTS.pt_reserved_cores_perc,
+                 reselect_threshold: float = DEFAULTS.reselect_threshold,
+                 auto_ratio: float | None = DEFAULTS.auto_ratio,
+                 auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,
+                 worker: bool = DEFAULTS.worker, process_group=None):
+        self._closed = True          # until the worker exists, close() has nothing to do
+        self.settings = ZenFlowSettings.from_arguments(
+            self._NAME, topk_ratio=topk_ratio, select_strategy=select_strategy,
+            select_interval=select_interval, update_interval=update_interval,
+            full_warm_up_rounds=full_warm_up_rounds, overlap_step=overlap_step,
+            max_grad_norm=max_grad_norm, importance=importance, deferred_credit=deferred_credit,
+            install_lookahead=install_lookahead, steps_per_epoch=steps_per_epoch,
+            pt_reserved_cores_perc=pt_reserved_cores_perc, reselect_threshold=reselect_threshold,
+            auto_ratio=auto_ratio, auto_update_bounds=auto_update_bounds, worker=worker)
+        schedule = selection.SelectionSchedule.for_settings(self.settings, self._NAME)
+        self._window = window_for(self.settings)
+        environment_without_group(self._NAME, process_group)
+        params = _checks.param_list(self._NAME, params)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.device = _checks.parameters(self._NAME,
+                                         [p for g in self.param_groups for p in g["params"]])
+        self._partition = Partition.from_group(process_group, self.device)
+        self._build(schedule)
+
+    def __getattr__(self, name: str):
+        """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in ZenFlowSettings.model_fields:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_pipeline"):
+            raise NotImplementedError(f"{self._NAME}: add_param_group after construction is not "
+                                      "supported; pass every group to the constructor")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        AdamWHyperparameters.from_arguments(self._NAME, **{k: group[k] for k in
+                                                          AdamWHyperparameters.model_fields})
+
+    def _build(self, schedule: selection.SelectionSchedule) -> None:
+        self._host_params, self._vector_params = sort_params(
+            self.param_groups, self.settings.topk_ratio, self._VECTORS_ON_HOST, self.device)
+        self._timer = StepTimer()
+        worker_cores = None
+        if self.settings.worker and self._host_params:
+            cores = local_rank_share(sorted(os.sched_getaffinity(0)))
+            worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
+        self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
+                                      self.device, self.settings.overlap_step, worker_cores,
+                                      self._timer, self._NAME)
+        self._closed = False
+        self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
+                                        self.device, self.settings.importance, schedule)
+        self.counters = StepCounters()
+        self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
+        self._step_period = StepPeriod()
+        self._consecutive_skips = 0
+        self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
+                                             self._pipeline, self._NAME)
+
+    @property
+    def _runner(self):
+        return self._pipeline.runner
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @property
+    def num_windows(self) -> int:
+        return self.counters.num_windows
+
+    @property
+    def num_reselections(self) -> int:
+        return self._selector.num_reselections
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._closed:
+            raise RuntimeError(f"{self._NAME}: step() after close()")
+        self._pipeline.check()  # a dead worker fails this step, not only the next window end
+        self._outside_writes.adopt(self._selector.has_chosen)
+        grads = present_gradients(self.param_groups, self.device, self._NAME)
+        if not grads:
+            return loss
+        self._timer.begin()
+        self._step_period.tick()
+        norms = dict(zip(grads, gradient_norms(list(grads.values()))))
+        scale = self._amp_scale()
+        clip_coef = None if scale is None else clip_coefficient(
+            list(norms.values()), self.settings.max_grad_norm, scale)
+        if clip_coef is None:
+            self._skip()
+            return loss
+        self._consecutive_skips = 0
+
+        count = self.counters
+        warming_up = count.step < self.settings.full_warm_up_rounds
+        if not warming_up and count.window_steps == 0:
+            self._select_columns(grads)
+        chosen = self._selector.has_chosen
+        self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
+                              if m.param in grads and m.host_owns_columns(chosen)})
+        device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
+        if not warming_up and isinstance(self._window, AutoWindow) and self._window.threshold:
+            present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
+            if present:
+                self._window.observe(*importance_split(present, norms, clip_coef))
+        self._pipeline.accumulate(clip_coef)
+        count.window_steps += 1
+        if warming_up or self._window_ends():
+            if not warming_up:
+                log.debug("step %d: end window: %s", count.step, self._window.reason)
+            self._end_window(synchronous=warming_up or not self.settings.overlap_step)
+        self._pipeline.fence()
+        count.step += 1
+        self._timer.end()
+        return loss
+
+    def _skip(self) -> None:
+        self.counters.skipped_steps += 1
+        self._consecutive_skips += 1
+        n = self._consecutive_skips
+        if n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
+            log.warning("%s: skipped step %d: the gradients are not finite (%d consecutive "
+                        "skipped steps, %d in all)", self._NAME, self.counters.step, n,
+                        self.counters.skipped_steps)
+        self._timer.end(skipped=True)
+
+    def _amp_scale(self) -> float | None:
+        """The loss scale of torch.amp.GradScaler, which sets self.grad_scale and self.found_inf
+        around step() (1.0 without one, or once unscale_() has run; None: it found inf/NaN)."""
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found_inf is not None and found_inf.item() > 0:
+            return None
+        return 1.0 if grad_scale is None else float(grad_scale)
+
+    def _window_ends(self) -> bool:
+        host_s = step_s = install_s = 0.0
+        if self.settings.worker:   # in process nothing overlaps the step: nothing to pace
+            host_s, step_s = self._runner.last_update_seconds, self._step_period.seconds
+            install_s = self._pipeline.transfers.last_install_seconds
+        ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
+                                       host_s, step_s, install_s)
+        if isinstance(self._window, AutoWindow):
+            # Timings differ between ranks; every rank must end the window at the same step, and
+            # only once every rank's host is ready (so that none waits). max_steps and the
+            # importance threshold are the same on every rank.
+            ends = not self._partition.any(not ends, "agreeing on the end of a host window")
+        return ends
+
+    def _decided(self, what: str) -> None:
+        self.decisions.append((self.counters.step, what))
+        del self.decisions[:-10_000]
+
+    # ------------------------------------------------------------------ windows and selection
+    def _end_window(self, synchronous: bool) -> None:
+        """Install the previous window's host update, hand this window's sums to the host, and
+        with `synchronous` install that too before returning."""
+        self._install_in_flight()
+        self._pipeline.end_window([host_update_hyperparameters(
+            m.group, self._pipeline.num_grads[m.host_index], self.settings, not synchronous)
+            for m in self._host_params])
+        if synchronous:
+            self._install_in_flight()
+        self._window.ended(self.counters.window_steps)
+        self.counters.window_steps = 0
+        self.counters.num_windows += 1
+        self._decided("flush")
+
+    def _install_in_flight(self) -> None:
+        """Wait for the host update in flight (if any), install it, and write the device's own,
+        newer columns back over it."""
+        self._write_selected_over(self._pipeline.install())
+
+    def _write_selected_over(self, installed: list[int]) -> None:
+        for i in installed:
+            m: HostParam = self._host_params[i]
+            if self._selector.has_chosen and m.k > 0:
+                m.param_from_selected()
+
+    def _select_columns(self, grads) -> None:
+        plan = self._selector.plan(self.counters.step, grads)
+        if plan is None:
+            return
+        if not plan.first:
+            self._install_in_flight()  # state can only move once the host is drained
+        self._selector.select(plan, self.counters.step)
+        self._decided("select" if plan.first else "reselect")
+
+    def synchronize(self) -> None:
+        """Wait for the in-flight host update and install it now (before evaluation or saving
+        the final model). Training continues correctly afterwards; the update is just visible
+        earlier than the overlap schedule would make it."""
+        self._outside_writes.adopt(self._selector.has_chosen)
+        self._install_in_flight()
+        if (self.settings.install_lookahead and self.settings.overlap_step
+                and self.counters.num_windows):
+            # The installed weights lead the host's values by the lookahead: show the values.
+            chosen = self._selector.has_chosen
+            self._write_selected_over(self._pipeline.install_masters(
+                [m.host_index for m in self._host_params if m.host_owns_columns(chosen)]))
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Stop the host worker and release its memory. Idempotent.
+
+        There is deliberately no __del__ here: frameworks wrap optimizers in objects that share
+        this one's __dict__ (Lightning's LightningOptimizer does), and such a wrapper's
+        collection must not stop the worker the real optimizer still uses. The runner stops
+        its worker when the runner itself is collected, and at interpreter exit."""
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._pipeline.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def stats(self) -> dict:
+        """Telemetry: counters, memory per parameter, per-step timings and bytes moved."""
+        return optimizer_stats(self)
+
+    def timeline(self) -> dict:
+        """Per-step records of the training process ({start, end, step_s, stall_s, offload_s,
+        d2h_bytes, h2d_bytes, skipped}) and the (start, end) of each host update, in
+        perf_counter() seconds, for plotting the two side by side."""
+        return {"steps": list(self._timer.records), "host_updates": list(self._runner.updates)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly (the format: zenflow/optim/state.py): host and device
+        state, selection, counters and the partial window. Waits for in-flight host work first
+        (without installing it)."""
+        return state_format.save(self)
+
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError if load_state_dict(state_dict) would fail; changes nothing."""
+        state_format.check(self, state_dict)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state saved by state_dict() from an optimizer over the same parameters.
+        Everything is checked before anything changes: a failed load leaves this optimizer as
+        it was. Load the model's weights first, then this (as frameworks do): weights loaded
+        afterwards count as changed outside the optimizer and become the master values."""
+        state_format.load(self, state_dict)
+
+
+def optimizer_stats(opt: ZenFlowAdamW) -> dict:
+    """What ZenFlowAdamW.stats() returns."""
+    host_numel = sum(m.param.numel() for m in opt._host_params)
+    numel = host_numel + sum(v.param.numel() for v in opt._vector_params)
+    dev = device_state_bytes(opt._host_params, opt._vector_params)
+    return {
+        "steps": opt.counters.step,
+        "skipped_steps": opt.counters.skipped_steps,
+        "windows": opt.counters.num_windows,
+        "reselections": opt._selector.num_reselections,
+        "update_interval": opt.settings.update_interval,
+        "last_window_steps": opt._window.last_interval,
+        "retained_importance": opt._selector.schedule.last_retained,
+        "world_size": opt._partition.world_size,
+        "collective_bytes_sent": dict(opt._partition.bytes_sent),
+        "host_busy_s": opt._runner.busy_seconds,
+        "worker": opt.settings.worker and bool(opt._host_params),
+        "host_bytes": opt._pipeline.host.nbytes(),
+        "host_bytes_per_param": opt._pipeline.host.nbytes() / max(1, host_numel),
+        "pinned_bytes": opt._pipeline.pinned_bytes(),
+        "device_state_bytes": dev,
+        "device_state_bytes_per_param": dev / max(1, numel),
+        **opt._timer.summary(),
+    }

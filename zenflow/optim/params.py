@@ -1,0 +1,166 @@
+"""The optimizer's parameters, by where their state lives.
+
+A `HostParam` (every matrix; for OffloadAdamW every parameter) keeps its fp32 master values and
+moments in the host pipeline, except for its `k` selected columns, whose state is on the device
+(`DeviceColumns`). A `VectorParam` (a bias, a norm weight) is updated on the device every step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from zenflow.optim import columns, selection
+from zenflow.optim.device_adam import DeviceColumns, DeviceVector, device_step
+
+log = logging.getLogger("zenflow")
+
+
+@dataclass
+class HostParam:
+    """A parameter whose state lives on the host, except for its `k` selected columns."""
+    param: torch.nn.Parameter
+    group: dict
+    host_index: int            # its number in the HostPipeline
+    k: int                     # number of columns updated on the device
+    selected: DeviceColumns    # the selected columns and their state, on the device
+
+    @property
+    def num_columns(self) -> int:
+        return self.param.numel() // max(1, self.param.shape[0]) if self.param.ndim >= 2 else \
+            self.param.numel()
+
+    def host_owns_columns(self, columns_chosen: bool) -> bool:
+        """Whether some of its columns are updated on the host (all of them before selection)."""
+        return not columns_chosen or self.k < self.num_columns
+
+    def selected_from_param(self) -> None:
+        """The selected columns' master values := the parameter's (weights written outside)."""
+        columns.gather_columns(columns.as_matrix(self.param.detach()),
+                               self.selected.column_indices, out=self.selected.master)
+
+    def param_from_selected(self) -> None:
+        """The parameter's selected columns := their device master values, which are newer than
+        the host's (after the host's update of the other columns was installed)."""
+        columns.scatter_columns(columns.as_matrix(self.param.data), self.selected.column_indices,
+                                self.selected.master)
+
+
+@dataclass
+class VectorParam:
+    """A vector parameter (bias, norm weight): plain AdamW on the device, every step."""
+    param: torch.nn.Parameter
+    group: dict
+    state: DeviceVector
+
+    def master_from_param(self) -> None:
+        """The master values := the parameter's (weights written outside the optimizer)."""
+        if self.state.master.data_ptr() != self.param.data_ptr():
+            self.state.master.copy_(self.param.detach())
+
+
+def present_gradients(param_groups: list[dict], device: torch.device, owner: str) -> dict:
+    """{parameter: gradient} of the trainable parameters that have one, each checked to be dense
+    and on `device`."""
+    grads = {}
+    for group in param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None or not p.requires_grad:
+                continue
+            if g.is_sparse or g.device != device:
+                where = "sparse" if g.is_sparse else f"on {g.device}"
+                raise ValueError(f"{owner}: the gradient of a parameter of shape "
+                                 f"{tuple(p.shape)} is {where}; dense gradients on {device} "
+                                 "are required")
+            grads[p] = g
+    return grads
+
+
+def device_update(host_params: list[HostParam], vector_params: list[VectorParam], grads: dict,
+                  clip_coef: float) -> None:
+    """AdamW on the device: the selected columns of `host_params` and every vector (those without
+    a gradient this step are left alone, as torch.optim does)."""
+    matrices = [(m.param, grads[m.param], m.selected, m.group) for m in host_params
+                if m.k > 0 and m.param in grads]
+    vectors = [(v.param, grads[v.param], v.state, v.group) for v in vector_params
+               if v.param in grads]
+    device_step(matrices, vectors, clip_coef)
+
+
+def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bool,
+                device: torch.device) -> tuple[list[HostParam], list[VectorParam]]:
+    """The trainable parameters of `param_groups`, each with a place for its state."""
+    host: list[HostParam] = []
+    vectors: list[VectorParam] = []
+    for group in param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            if p.ndim >= 2 or vectors_on_host:
+                k = selection.num_selected(topk_ratio, p.numel() // p.shape[0]) \
+                    if p.ndim >= 2 else 0
+                rows = p.shape[0] if p.ndim >= 2 else 1
+                host.append(HostParam(p, group, len(host), k,
+                                      DeviceColumns.empty(rows, k, device, step=0)))
+            else:
+                vectors.append(VectorParam(p, group, DeviceVector.for_param(p)))
+    return host, vectors
+
+
+class OutsideWrites:
+    """Parameters written outside the optimizer since it last wrote them (model.load_state_dict,
+    an in-place edit under no_grad: anything that bumps a tensor's version counter; the
+    optimizer's own writes go through .data and do not) become the new master values, as if the
+    optimizer had been built on them; the moments stay."""
+
+    def __init__(self, host_params: list[HostParam], vector_params: list[VectorParam],
+                 pipeline, owner: str):
+        self.host_params, self.vector_params = host_params, vector_params
+        self.pipeline, self.owner = pipeline, owner
+        self.forget()
+
+    def adopt(self, columns_chosen: bool) -> None:
+        host = [m for m in self.host_params if m.param._version != self._versions[m.param]]
+        vectors = [v for v in self.vector_params if v.param._version != self._versions[v.param]]
+        if not host and not vectors:
+            return
+        log.info("%s: adopting the new values of %d parameter(s) changed outside the optimizer",
+                 self.owner, len(host) + len(vectors))
+        self.pipeline.adopt([m.host_index for m in host])
+        for m in host:
+            if columns_chosen and m.k > 0:
+                m.selected_from_param()
+        for v in vectors:
+            v.master_from_param()
+        self.forget()
+
+    def forget(self) -> None:
+        """Take the parameters as they are now as the optimizer's own."""
+        self._versions = {p: p._version for p in (*(m.param for m in self.host_params),
+                                                  *(v.param for v in self.vector_params))}
+
+
+def device_state_bytes(host_params: list[HostParam], vector_params: list[VectorParam]) -> int:
+    """Bytes of optimizer state on the device: the selected columns' and the vectors'."""
+    return (sum(m.selected.nbytes() for m in host_params)
+            + sum(v.state.nbytes(v.param) for v in vector_params))
+
+
+def importance_split(present: list[HostParam], norms: dict, clip_coef: float
+                     ) -> tuple[float, int, float, int]:
+    """(squared norm, columns) of the deferred and of the selected columns of the matrices
+    `present` this step, for the auto window. The device update has just gathered and clipped the
+    selected columns, so their norms take no extra pass over the gradients; `norms` holds each
+    whole gradient's norm before clipping."""
+    selected = [m for m in present if m.k > 0]
+    selected_norms = torch._foreach_norm([m.selected.grad for m in selected]) if selected else []
+    # One stacked transfer instead of one device sync per matrix.
+    total_sq = (torch.stack([norms[m.param] for m in present]).double() * clip_coef
+                ).square().tolist()
+    sel_sq = dict(zip((id(m) for m in selected),
+                      torch.stack(selected_norms).double().square().tolist() if selected else []))
+    deferred_sq = sum(max(0.0, t - sel_sq.get(id(m), 0.0)) for m, t in zip(present, total_sq))
+    return (deferred_sq, sum(m.num_columns - m.k for m in present), sum(sel_sq.values()),
+            sum(m.k for m in present))

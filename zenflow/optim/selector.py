@@ -1,0 +1,125 @@
+"""Choosing each matrix's device columns, and choosing again, with the state moving along.
+
+The first selection happens at the first window boundary after warm-up; after that, at window
+boundaries where the schedule (`selection.SelectionSchedule`) says so. Choosing is split in two so
+that the optimizer can drain the host in between: `plan()` looks at this step's gradients and
+says which matrices get which importance, `select()` moves the columns (`zenflow.optim.handoff`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from zenflow.distributed import Partition
+from zenflow.host.pipeline import HostPipeline
+from zenflow.optim import columns, handoff, selection
+from zenflow.optim.params import HostParam
+
+log = logging.getLogger("zenflow")
+
+
+@dataclass
+class SelectionPlan:
+    first: bool                       # the first selection (else a reselection)
+    matrices: list[HostParam]
+    importances: list[torch.Tensor]   # per matrix, per column
+
+
+class ColumnSelector:
+    """Which columns of each matrix the device updates."""
+
+    def __init__(self, matrices: list[HostParam], pipeline: HostPipeline, partition: Partition,
+                 device: torch.device, importance: str, schedule: selection.SelectionSchedule):
+        self.matrices = [m for m in matrices if m.k > 0]
+        self.pipeline = pipeline
+        self.device = device
+        self.partition = partition
+        self.importance = importance     # "l2" or "l1"
+        self.schedule = schedule
+        self.has_chosen = False      # columns chosen yet (not during warm-up)
+        self.num_reselections = 0
+
+    def plan(self, step: int, grads: dict) -> SelectionPlan | None:
+        """At a window boundary: what to select now, or None to keep the selection."""
+        if not self.has_chosen:
+            return SelectionPlan(True, self.matrices, self._importances(grads, self.matrices))
+        movable = [m for m in self.matrices if m.k < m.num_columns]
+        if not movable:
+            return None
+        self.schedule.window_passed()
+        if not self.schedule.check_due(step):
+            return None
+        # One pass over the gradients serves both the drift check and the new selection.
+        importances = self._importances(grads, movable)
+        retained = None
+        if self.schedule.every_steps is None:
+            retained = self._retained_fraction(movable, importances)
+            self.schedule.drift_checked(retained)
+        if not self.schedule.reselection_due(retained):
+            log.debug("step %d: keep selection (retained importance %.3f); next check in %d "
+                      "window(s)", step, retained, self.schedule.check_gap)
+            return None
+        log.debug("step %d: reselect (%s)", step,
+                  f"retained importance {retained:.3f} < {self.schedule.drift_threshold}"
+                  if retained is not None else f"{self.schedule.every_steps} steps passed")
+        return SelectionPlan(False, movable, importances)
+
+    def select(self, plan: SelectionPlan, step: int) -> None:
+        """Move the columns of `plan` (the host must hold no update in flight)."""
+        self.pipeline.drain()
+        for m, importance in zip(plan.matrices, plan.importances):
+            chosen = selection.top_columns(importance, m.k)
+            host = {kind: self.pipeline.host.fp32(kind, m.host_index)
+                    for kind in ("master", "exp_avg", "exp_avg_sq")}
+            host_step = self.pipeline.host_step[m.host_index]
+            if plan.first:
+                handoff.take_from_host(m.selected, host, chosen, host_step, m.param.shape[0],
+                                       self.partition)
+            else:
+                betas = tuple(float(b) for b in m.group["betas"])
+                handoff.move_columns(m.selected, host, chosen, host_step, betas,
+                                     self.pipeline.rows[m.host_index], m.param.shape[0],
+                                     self.partition)
+        self.has_chosen = True
+        self.schedule.selected(step)
+        if not plan.first:
+            self.num_reselections += 1
+
+    def _importances(self, grads: dict, todo: list[HostParam]) -> list[torch.Tensor]:
+        """Column importance of each matrix. Across ranks, each computes it over its own rows and
+        the ranks add them up: one number per column travels, never a gradient."""
+        partial = []
+        for m in todo:
+            g = grads.get(m.param)
+            if g is None:  # no gradient: ties everywhere, so the first columns win
+                partial.append(torch.zeros(m.num_columns, device=self.device))
+                continue
+            if self.partition.active:
+                g = columns.as_matrix(g)[self.pipeline.rows[m.host_index]]
+            norms = selection.column_importance(g, self.importance)
+            partial.append(norms.square_() if self.importance == "l2" and
+                           self.partition.active else norms)
+        if not self.partition.active or not partial:
+            return partial
+        # On the device under NCCL; sum_ copies through the CPU only for gloo.
+        flat = self.partition.sum_(torch.cat(partial), "exchanging column norms")
+        out = list(flat.split([m.num_columns for m in todo]))
+        return [t.sqrt() for t in out] if self.importance == "l2" else out
+
+    @staticmethod
+    def _retained_fraction(todo: list[HostParam], importances) -> float:
+        held = best = 0.0
+        for m, importance in zip(todo, importances):
+            h, b = selection.retained_mass(importance, m.selected.column_indices, m.k)
+            held, best = held + h, best + b
+        return 1.0 if best == 0.0 else held / best
+
+    def state_dict(self) -> dict:
+        return {"has_chosen": self.has_chosen, "num_reselections": self.num_reselections,
+                "schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.has_chosen, self.num_reselections = state["has_chosen"], state["num_reselections"]
+        self.schedule.load_state_dict(state["schedule"])

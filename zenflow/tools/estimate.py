@@ -1,0 +1,354 @@
+"""`zenflow estimate`: will it fit, and will it help? Memory per GPU and per host, bus bytes, and
+a step-time model for AdamW, ZeRO-Offload (OffloadAdamW) and ZenFlowAdamW, from parameter shapes
+alone (a Hugging Face config, a bench preset or a shape list) plus measured figures from
+`zenflow selftest --json` when given (else stated assumptions).
+
+Memory is exact where the package decides it: the host figure is computed by building the same
+`HostLayout` the optimizer builds (per rank, with the rows each rank owns), and the device state
+is the optimizer's own: per matrix rows*k*(3 fp32 + 1 fp32 gradient scratch) + k indices; per
+vector its two fp32 moments (and an fp32 master when the weights are not fp32). Times are a model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+from zenflow.distributed import Partition
+from zenflow.host.arena import available_host_bytes, plan
+from zenflow.host.buffers import HostLayout
+from zenflow.optim.selection import num_selected
+from zenflow.tools import estimate_shapes as shapes_from
+
+GIB = 1 << 30
+RESERVE_BYTES = int(1.5 * GIB)
+# Used where no --selftest-json supplies a measured figure; each is printed as an assumption.
+ASSUMED = {
+    "host_adamw_params_per_s": (1.0e9, "host AdamW over the worker's cores (fused kernel, "
+                                       "memory-bound; a few server cores)"),
+    "host_accumulate_params_per_s": (2.0e9, "host gradient accumulation over the worker's cores"),
+    "device_adamw_params_per_s": (5.0e10, "fused AdamW on the GPU (HBM-bound, ~28 B/param)"),
+    "device_norm_bytes_per_s": (2.0e12, "gradient bytes read per second by the norm kernel "
+                                        "on the GPU (HBM)"),
+    "device_copy_bytes_per_s": (1.0e12, "bytes copied per second on the GPU (HBM)"),
+    "d2h_bytes_per_s": (25e9, "device->host, page-locked (PCIe Gen4 x16)"),
+    "h2d_bytes_per_s": (25e9, "host->device, page-locked (PCIe Gen4 x16)"),
+    "memcpy_bytes_per_s": (5e9, "host memcpy (the CPU device's copies)"),
+}
+
+
+def _figures(measured: dict | None, target: str) -> tuple[dict, dict]:
+    values, sources = {}, {}
+    measured = measured or {}
+    for key, (value, what) in ASSUMED.items():
+        if key == ("d2h_bytes_per_s" if target == "cpu" else "memcpy_bytes_per_s") or \
+                (key == "h2d_bytes_per_s" and target == "cpu"):
+            continue
+        got = measured.get(key)
+        if target == "cpu" and got is None and key.startswith("device_"):
+            value = {"device_adamw_params_per_s": 1.0e9, "device_norm_bytes_per_s": 5e9,
+                     "device_copy_bytes_per_s": 5e9}[key]
+        values[key] = float(got) if got else value
+        sources[key] = f"measured by selftest ({what})" if got else f"ASSUMED: {what}"
+    return values, sources
+
+
+def _host(entries, gpus: int, sum_slots: int, staging_slots: int) -> dict:
+    """Host memory of every rank on the host, from the optimizer's own HostLayout (two staging
+    buffers where copies outlive the step, as on CUDA: zenflow/host/pipeline.py)."""
+    total = arena = pinned = first = 0
+    for rank in range(gpus):
+        part = Partition(rank=rank, world_size=gpus)
+        layout = HostLayout.build([(len(range(rows)[part.rows(rows)]), cols, dtype)
+                                   for rows, cols, dtype in entries], sum_slots,
+                                  staging_slots=staging_slots)
+        regions, size = plan(layout.regions())
+        dma = set(layout.dma_regions())
+        nbytes = sum(r.nbytes for r in regions)
+        total, arena = total + nbytes, arena + size
+        pinned += sum(r.nbytes for r in regions if r.name in dma)
+        first = first or nbytes
+    return {"host_bytes": total, "arena_bytes": arena, "pinned_bytes": pinned,
+            "host_bytes_rank0": first}
+
+
+def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
+             gpu_memory_bytes: int | None = None, topk_ratio: float = 0.1,
+             update_interval: int = 4, overlap: bool = True, fwd_bwd_s: float | None = None,
+             measured: dict | None = None, target: str = "cuda", source: str = "") -> dict:
+    """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...]."""
+    item = torch.empty((), dtype=dtype).element_size()
+    U, world = update_interval, gpus
+    fig, fig_source = _figures(measured, target)
+    gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
+    mats, vecs = [], []
+    for _, shape in shapes:
+        n = math.prod(shape)
+        if len(shape) >= 2:
+            rows, cols = shape[0], n // shape[0]
+            mats.append((rows, cols, num_selected(topk_ratio, cols)))
+        else:
+            vecs.append(n)
+    P_mat, P_vec = sum(r * c for r, c, _ in mats), sum(vecs)
+    P = P_mat + P_vec
+    rank0 = Partition(rank=0, world_size=world)
+
+    def share(rows: int) -> int:
+        return len(range(rows)[rank0.rows(rows)])
+    # -- per GPU
+    zen_state = sum(r * k * 16 + k * 8 for r, _, k in mats) + P_vec * (8 if item == 4 else 12)
+    state = {"adamw": 2 * item * P, "adamw_fp32_master": (8 if item == 4 else 12) * P,
+             "offload": 0, "zenflow": zen_state}
+    used = {k: 2 * item * P + v + RESERVE_BYTES for k, v in state.items()}
+    left = {k: gpu_memory_bytes - v for k, v in used.items()}
+    per_gpu = {"weights_bytes": item * P, "grads_bytes": item * P, "state_bytes": state,
+               "reserve_bytes": RESERVE_BYTES, "gpu_memory_bytes": gpu_memory_bytes,
+               "left_for_activations_bytes": left, "fits": {k: v > 0 for k, v in left.items()}}
+    # -- per host: every matrix has host state whatever topk_ratio is; OffloadAdamW adds vectors
+    staging = 2 if target == "cuda" else 1
+    zen_host = _host([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1, staging)
+    off_host = _host([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs], world, 1,
+                     staging)
+    avail = (measured or {}).get("available_host_bytes") or available_host_bytes()
+    per_host = {"zenflow": zen_host, "offload": off_host, "available_host_bytes": avail,
+                "fits": {"zenflow": zen_host["arena_bytes"] <= avail,
+                         "offload": off_host["arena_bytes"] <= avail}}
+    # -- bus bytes per GPU (rank 0's rows: the largest share)
+    deferred = [(r, c) for r, c, k in mats if k < c]
+    zen_d2h = sum(share(r) * c for r, c in deferred) * item
+    zen_h2d_window = sum(r * c for r, c in deferred) * item
+    off_d2h = (sum(share(r) * c for r, c, _ in mats) + sum(share(1) * n for n in vecs)) * item
+    bus = {"zenflow": {"d2h_bytes_per_step": zen_d2h, "h2d_bytes_per_window": zen_h2d_window,
+                       "d2h_bytes_per_window": U * zen_d2h,
+                       "h2d_bytes_per_step": zen_h2d_window / U},
+           "offload": {"d2h_bytes_per_step": off_d2h, "h2d_bytes_per_step": P * item}}
+    # -- host work per GPU: each rank's worker has 1/gpus of the host's measured throughput
+    A = fig["host_adamw_params_per_s"] / world
+    C = fig["host_accumulate_params_per_s"] / world
+    G = fig["device_adamw_params_per_s"]
+    cpu = target == "cpu"
+    Bd, Bh = ((fig["memcpy_bytes_per_s"],) * 2 if cpu else
+              (fig["d2h_bytes_per_s"], fig["h2d_bytes_per_s"]))
+    zen_host_params = sum(share(r) * c for r, c in deferred)
+    # Gathering the selected columns reads, and scattering them back reads and writes, every
+    # 64-byte line that holds one: sparse columns cost nearly the whole matrix's traffic.
+    touched = sum(r * min(c * item, k * 64) for r, c, k in mats if k)
+    off_host_params = off_d2h // item
+    t = {"accumulate_s": zen_host_params / C, "adamw_s": zen_host_params / A,
+         "d2h_s": zen_d2h / Bd, "h2d_s": zen_h2d_window / Bh,
+         # AdamW on the selected columns and vectors, plus one read of every gradient (the global
+         # norm) by the norm kernel, and the selected columns' gather and scatter (3 passes over
+         # the touched lines = 1.5 copies)
+         "device_update_s": ((sum(r * k for r, _, k in mats) + P_vec) / G +
+                             P * item / fig["device_norm_bytes_per_s"] +
+                             1.5 * touched / fig["device_copy_bytes_per_s"]),
+         "offload_host_s": off_host_params / C + off_host_params / A,
+         "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
+    times = _step_times(t, U, overlap, cpu, fwd_bwd_s)
+    assumptions = [
+        f"{world} GPU(s), all on one host, data parallel: each holds the full weights, gradients "
+        "and device column state; the host state is split by rows across the ranks",
+        f"{RESERVE_BYTES / GIB:.1f} GiB per GPU reserved for the CUDA context, kernels' workspace "
+        "and allocator slack; activations must fit in what is left",
+        "AdamW = torch.optim.AdamW on the model's weights (moments in the weights' dtype); "
+        "'AdamW fp32 master' = mixed precision with fp32 master weights and moments",
+        "host throughput is a host-wide resource: each of the GPUs' workers gets 1/GPUs of it",
+        "ZenFlow copies whole rows of every matrix with deferred columns each step (one contiguous "
+        "copy) and installs whole matrices once per window",
+        ("CPU device: copies are synchronous memcpy in the training thread" if cpu else
+         "device->host copies overlap the next forward/backward; the compute stream waits for "
+         "each install (host->device) once per window"),
+        "no compute/communication overlap of data-parallel gradient reduction is modelled",
+    ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
+    return {"model": {"params": P, "matrices": len(mats), "matrix_params": P_mat,
+                      "vectors": len(vecs), "vector_params": P_vec,
+                      "dtype": str(dtype).removeprefix("torch."), "source": source},
+            "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
+                         "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s},
+            "per_gpu": per_gpu, "per_host": per_host, "bus": bus,
+            "seconds": t, "time": times, "figures": fig, "assumptions": assumptions}
+
+
+def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | None) -> dict:
+    """Step-time model (per GPU; seconds per step). See the formulas in the returned dict."""
+    formulas = {
+        "adamw": "fwd_bwd + params / device_adamw",
+        "offload": "fwd_bwd + d2h(all grads) + host accumulate + host AdamW + h2d(all weights)",
+        "zenflow": ("max(T_dev, pipe, accumulate + host_adamw/U) + h2d_window/U" if overlap else
+                    "max(T_dev, pipe) + (pipe + host_adamw + h2d_window)/U"),
+        "T_dev": "fwd_bwd + device update (AdamW on selected columns and vectors, their "
+                 "gather/scatter, one gradient-norm pass)" + (" + d2h (memcpy)" if cpu else ""),
+        "pipe": "accumulate" if cpu else "d2h + accumulate (one staging buffer)",
+    }
+    out = {"formulas": formulas}
+    if fwd_bwd_s is None:
+        return out
+    T_dev = fwd_bwd_s + t["device_update_s"] + (t["d2h_s"] if cpu else 0.0)
+    pipe = t["accumulate_s"] + (0.0 if cpu else t["d2h_s"])
+    if overlap:
+        zen = max(T_dev, pipe, t["accumulate_s"] + t["adamw_s"] / U) + t["h2d_s"] / U
+    else:
+        zen = max(T_dev, pipe) + (pipe + t["adamw_s"] + t["h2d_s"]) / U
+    offload = fwd_bwd_s + t["offload_d2h_s"] + t["offload_host_s"] + t["offload_h2d_s"]
+    min_u, why = None, ""
+    if pipe >= T_dev:
+        why = "none: the per-step copy and accumulation alone take longer than the device's step"
+    elif t["accumulate_s"] >= T_dev:
+        why = "none: the per-step accumulation alone takes longer than the device's step"
+    else:
+        min_u = max(1, math.ceil(t["adamw_s"] / (T_dev - t["accumulate_s"]) - 1e-9))
+        why = "with overlap_step=True; the install, h2d/U per step, stays exposed"
+    out.update({
+        "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": fwd_bwd_s + t["adamw_device_s"],
+        "offload_step_s": offload, "offload_stall_s": offload - fwd_bwd_s,
+        "zenflow_T_dev_s": T_dev, "zenflow_step_s": zen,
+        "zenflow_optimizer_s": zen - fwd_bwd_s,     # time in step(), CPU-proxy: training thread
+        "zenflow_stall_s": zen - T_dev, "zenflow_stall_s_per_window": (zen - T_dev) * U,
+        # the part spent blocked on the host (what stats()["stall_s_*"] counts; no install)
+        "zenflow_blocked_s": max(0.0, zen - T_dev - t["h2d_s"] / U),
+        "speedup_vs_offload": offload / zen,
+        "min_update_interval_hiding_host": min_u, "min_update_interval_note": why})
+    return out
+
+
+# ---------------------------------------------------------------------------------- output
+def _gib(n) -> str:
+    return f"{n / GIB:8.2f} GiB"
+
+
+def _s(x) -> str:
+    return "      n/a" if x is None else (f"{x * 1e3:7.1f} ms" if x < 10 else f"{x:7.2f} s ")
+
+
+def format_report(r: dict) -> str:
+    m, s, g, h, b = r["model"], r["settings"], r["per_gpu"], r["per_host"], r["bus"]
+    cols = ("adamw", "adamw_fp32_master", "offload", "zenflow")
+    out = [f"Model: {m['params'] / 1e9:.3f} B params ({m['matrices']} matrices, {m['vectors']} "
+           f"vectors), {m['dtype']}; {m['source']}",
+           f"Settings: {s['gpus']} GPU(s), topk_ratio {s['topk_ratio']}, update_interval "
+           f"{s['update_interval']}, overlap_step {s['overlap_step']}, device {s['target']}", "",
+           f"{'Per GPU (' + format(g['gpu_memory_bytes'] / GIB, '.1f') + ' GiB)':<30}" +
+           "".join(f"{h:>16}" for h in ("AdamW", "AdamW fp32 mstr", "OffloadAdamW",
+                                         "ZenFlowAdamW"))]
+    rows = [("weights", [g["weights_bytes"]] * 4), ("gradients", [g["grads_bytes"]] * 4),
+            ("optimizer state on GPU", [g["state_bytes"][c] for c in cols]),
+            ("reserved (context, slack)", [g["reserve_bytes"]] * 4),
+            ("left for activations", [g["left_for_activations_bytes"][c] for c in cols])]
+    for name, vals in rows:
+        out.append(f"  {name:<28}" + "".join(f"{_gib(v):>16}" for v in vals))
+    out.append(f"  {'fits':<28}" + "".join(f"{'yes' if g['fits'][c] else 'NO':>16}" for c in cols))
+    out += ["", f"{'Per host (' + str(s['gpus']) + ' GPU(s))':<32}{'OffloadAdamW':>16}"
+            f"{'ZenFlowAdamW':>16}"]
+    for name, key in (("host memory (state)", "host_bytes"), ("reserved (page-rounded)",
+                                                                "arena_bytes"),
+                      ("page-locked (staging+install)", "pinned_bytes")):
+        out.append(f"  {name:<30}{_gib(h['offload'][key]):>16}{_gib(h['zenflow'][key]):>16}")
+    out.append(f"  {'fits in available RAM':<30}{'yes' if h['fits']['offload'] else 'NO':>16}"
+               f"{'yes' if h['fits']['zenflow'] else 'NO':>16}   "
+               f"(available {h['available_host_bytes'] / GIB:.1f} GiB; /dev/shm not used)")
+    z, o = b["zenflow"], b["offload"]
+    out += ["", f"{'Bus per GPU':<32}{'OffloadAdamW':>16}{'ZenFlowAdamW':>16}",
+            f"  {'device->host per step':<30}{_gib(o['d2h_bytes_per_step']):>16}"
+            f"{_gib(z['d2h_bytes_per_step']):>16}",
+            f"  {'host->device per step':<30}{_gib(o['h2d_bytes_per_step']):>16}"
+            f"{_gib(z['h2d_bytes_per_step']):>16}",
+            f"  {'per window (d2h / h2d)':<30}{'':>16}   {z['d2h_bytes_per_window'] / GIB:.2f} / "
+            f"{z['h2d_bytes_per_window'] / GIB:.2f} GiB"]
+    t, tm = r["seconds"], r["time"]
+    out += ["", "Work per GPU per step / window",
+            f"  host accumulate {_s(t['accumulate_s'])}/step, host AdamW {_s(t['adamw_s'])}/window, "
+            f"d2h {_s(t['d2h_s'])}/step, h2d {_s(t['h2d_s'])}/window, device update "
+            f"{_s(t['device_update_s'])}/step",
+            f"  OffloadAdamW: d2h {_s(t['offload_d2h_s'])}, host {_s(t['offload_host_s'])}, "
+            f"h2d {_s(t['offload_h2d_s'])} per step"]
+    out += ["", "Step time (model)"]
+    if "fwd_bwd_s" not in tm:
+        out.append("  give --fwd-bwd-seconds (your forward+backward time per step) for step times")
+    else:
+        out += [f"  forward+backward (given)      {_s(tm['fwd_bwd_s'])}",
+                f"  AdamW                         {_s(tm['adamw_step_s'])}"
+                + ("" if g["fits"]["adamw"] else "   (does NOT fit)"),
+                f"  ZeRO-Offload (OffloadAdamW)   {_s(tm['offload_step_s'])}   stall "
+                f"{_s(tm['offload_stall_s'])}",
+                f"  ZenFlowAdamW                  {_s(tm['zenflow_step_s'])}   stall "
+                f"{_s(tm['zenflow_stall_s'])}/step, of it blocked on the host "
+                f"{_s(tm['zenflow_blocked_s'])}   ({tm['speedup_vs_offload']:.2f}x ZeRO-Offload)",
+                f"  smallest update_interval hiding the host: "
+                f"{tm['min_update_interval_hiding_host'] or '-'} "
+                f"({tm['min_update_interval_note']})"]
+    out += [f"  {k}: {v}" for k, v in tm["formulas"].items()]
+    out += ["", "Assumptions"] + [f"  - {a}" for a in r["assumptions"]]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------- command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hf-config", metavar="PATH", default=None,
+                     help="a Hugging Face config.json or model folder (read offline; no weights)")
+    src.add_argument("--preset", default=None, help="a `zenflow bench` preset name (e.g. cpu-llama)")
+    src.add_argument("--shapes", default=None,
+                     help='parameter shapes, e.g. "4096x4096*128,11008x4096*64,4096*65"')
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (data-parallel ranks) on the host")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="GiB per GPU (default: the selftest's GPU, else 80)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="weight dtype (default: the config's or preset's, else bf16)")
+    p.add_argument("--topk-ratio", type=float, default=0.1, help="ZenFlow topk_ratio")
+    p.add_argument("--update-interval", type=int, default=4, help="ZenFlow update_interval")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="ZenFlow overlap_step")
+    p.add_argument("--fwd-bwd-seconds", type=float, default=None,
+                   help="forward+backward seconds per step on one GPU (needed for step times)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="what trains: cuda, or cpu for the CPU proxy (default: the selftest "
+                        "JSON's device type, else cuda)")
+    p.add_argument("--selftest-json", metavar="FILE", default=None,
+                   help="measured figures from `zenflow selftest --json FILE`")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the estimate as JSON")
+
+
+def required_modules(args: argparse.Namespace) -> list[str]:
+    """Optional packages this run needs, checked by `zenflow` before any work starts."""
+    return ["transformers"] if args.hf_config else []
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        measured = None
+        if args.selftest_json:
+            with open(args.selftest_json) as f:
+                measured = json.load(f).get("measured", {})
+        if args.hf_config:
+            shapes, dtype, how = shapes_from.hf_shapes(args.hf_config)
+            source = f"{args.hf_config} ({how})"
+        elif args.preset:
+            shapes, dtype = shapes_from.preset_shapes(args.preset)
+            source = f"bench preset {args.preset}"
+        else:
+            shapes, dtype, source = shapes_from.parse_shapes(args.shapes), None, "--shapes"
+        if args.dtype:
+            dtype = shapes_from.DTYPES[args.dtype]
+        if args.gpus < 1 or args.update_interval < 1 or not 0 <= args.topk_ratio <= 1:
+            raise ValueError("--gpus and --update-interval must be >= 1, --topk-ratio in [0, 1]")
+        target = args.device or ("cpu" if measured and str(measured.get("device", "")
+                                                             ).startswith("cpu") else "cuda")
+        report = estimate(shapes, dtype or torch.bfloat16, gpus=args.gpus,
+                          gpu_memory_bytes=int(args.gpu_memory * GIB) if args.gpu_memory else None,
+                          topk_ratio=args.topk_ratio, update_interval=args.update_interval,
+                          overlap=args.overlap, fwd_bwd_s=args.fwd_bwd_seconds,
+                          measured=measured, target=target, source=source)
+    except (ValueError, OSError) as exc:
+        print(f"zenflow estimate: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,61 @@
+"""Building the optimizers the examples compare, from a name or a DeepSpeed-style config.
+
+This is the one place the examples and benchmarks construct optimizers, so every comparison uses
+exactly the same hyper-parameters for every system.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OPTIMIZERS = ("adamw", "offload", "zenflow", "zenflow-auto")
+ZENFLOW_AUTO = dict(select_strategy="auto", select_interval="auto", update_interval="auto")
+
+
+def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float,
+                   weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
+                   max_grad_norm: float | None = None, **zenflow_settings: Any) -> torch.optim.Optimizer:
+    """`adamw`: torch.optim.AdamW; `offload`: zenflow.OffloadAdamW (synchronous ZeRO-Offload);
+    `zenflow`: ZenFlowAdamW with the given ZenFlowSettings fields (the rest at their defaults);
+    `zenflow-auto`: with select_strategy, select_interval and update_interval all "auto"."""
+    import zenflow
+
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer={kind!r} is not allowed; choose one of {list(OPTIMIZERS)}")
+    if kind in ("adamw", "offload") and zenflow_settings:
+        raise ValueError(f"ZenFlow settings {sorted(zenflow_settings)} given for optimizer {kind!r}")
+    params = [p for p in params if p.requires_grad]
+    adamw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    if kind == "adamw":
+        # Plain AdamW clips outside the optimizer; the training loop does it (see train.py).
+        return torch.optim.AdamW(params, **adamw)
+    if kind == "offload":
+        return zenflow.OffloadAdamW(params, **adamw, max_grad_norm=max_grad_norm)
+    auto = ZENFLOW_AUTO if kind == "zenflow-auto" else {}
+    return zenflow.ZenFlowAdamW(params, **adamw, max_grad_norm=max_grad_norm,
+                                **{**auto, **zenflow_settings})
+
+
+def optimizer_from_config(config: str | Path | dict, params, *, lr: float | None = None,
+                          weight_decay: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer a DeepSpeed-style config asks for, built as `zenflow.initialize` builds it
+    (the config is validated by `zenflow.config.deepspeed_json`, whose errors name the key): ZenFlowAdamW when
+    `zero_optimization.zenflow` is present, OffloadAdamW when only `offload_optimizer` is,
+    torch AdamW otherwise. `lr`/`weight_decay` given here override the file. The examples drive
+    their own loop, so they take the optimizer only."""
+    from zenflow.config.deepspeed_json import parse_config
+    from zenflow.engine.build import optimizer_for_config
+
+    cfg = parse_config(config)
+    overrides = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None}
+    hyperparameters = cfg.hyperparameters().replace(**overrides)
+    return optimizer_for_config(cfg, [p for p in params if p.requires_grad],
+                                hyperparameters=hyperparameters)
+
+
+def gradient_clipping(config: str | Path | dict) -> float | None:
+    from zenflow.config.deepspeed_json import parse_config
+    return parse_config(config).max_grad_norm

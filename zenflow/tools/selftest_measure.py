@@ -1,0 +1,150 @@
+"""What `zenflow selftest` measures on this machine (and `zenflow estimate` reads back): host
+AdamW and accumulation throughput on the worker's cores, AdamW throughput on the device, the bus
+bandwidth each way through page-locked host memory (CUDA), and the memory the host can give."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from zenflow.adamw import adamw_
+from zenflow.host.arena import Arena, available_host_bytes
+from zenflow.host.buffers import HostJob, HostLayout, HostState
+from zenflow.host.cores import local_rank_share, split_cores
+from zenflow.host.transfers import Transfers, uses_cuda
+from zenflow.host.worker import WorkerHostRunner
+from zenflow.optim.clipping import gradient_norms
+
+GIB = 1 << 30
+
+
+def _sync(device: torch.device) -> None:
+    if uses_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def environment(device: torch.device) -> dict:
+    import zenflow
+    env = {"zenflow": zenflow.__version__, "torch": torch.__version__,
+           "python": platform.python_version(), "platform": platform.platform(),
+           "device": str(device), "cpus": len(os.sched_getaffinity(0))}
+    if uses_cuda(device):
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_bytes=props.total_memory,
+                   cuda=torch.version.cuda, capability=f"{props.major}.{props.minor}")
+    return env
+
+
+def memory() -> dict:
+    """Free RAM (what an arena can reserve), total RAM and /dev/shm (which the arena does not use)."""
+    out = {"available_host_bytes": available_host_bytes()}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    out["total_host_bytes"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        st = os.statvfs("/dev/shm")
+        out["dev_shm_free_bytes"] = st.f_bavail * st.f_frsize
+    except OSError:
+        out["dev_shm_free_bytes"] = None
+    return out
+
+
+def worker_cores() -> list[int]:
+    """The cores a single-rank optimizer's worker gets (pt_reserved_cores_perc=0.5)."""
+    return split_cores(0.5, local_rank_share(sorted(os.sched_getaffinity(0))))[1]
+
+
+def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
+    """Host AdamW and gradient accumulation, in parameters per second, in a real worker on the
+    worker's cores, over `numel` parameters (large enough to stream from memory, not cache)."""
+    cols = 4096
+    rows = max(1, numel // cols)
+    layout = HostLayout.build([(rows, cols, dtype)], sum_slots=1)
+    host = HostState.allocate(layout, "zenflow selftest")
+    cores = worker_cores()
+    runner = WorkerHostRunner(host, cores)
+    try:
+        def timed(command) -> float:
+            before = runner.busy_seconds
+            runner.send(command)
+            runner.wait()
+            return runner.busy_seconds - before
+        acc = [timed(("accumulate", 0, 0, 1.0, [0] if i else [], [] if i else [0]))
+               for i in range(repeats + 1)][1:]
+        upd = [timed(("update", 0, 0, [HostJob(0, i + 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01)]))
+               for i in range(repeats + 1)][1:]
+    finally:
+        runner.close()
+        host.arena.release()
+    n = rows * cols
+    return {"host_params": n, "host_dtype": str(dtype).removeprefix("torch."),
+            "worker_cores": cores,
+            "host_adamw_params_per_s": n / max(statistics.median(upd), 1e-9),
+            "host_accumulate_params_per_s": n / max(statistics.median(acc), 1e-9)}
+
+
+def _timed(device: torch.device, work, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        work(i)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return max(statistics.median(times[1:]), 1e-9)
+
+
+def device_throughput(device: torch.device, numel: int, repeats: int = 3) -> dict:
+    """Fused AdamW on the device (fp32 state), in parameters per second, and the device's own
+    copy bandwidth (bytes copied per second) and how fast the gradient-norm kernel reads."""
+    t = [torch.zeros(numel, device=device) for _ in range(4)]
+    adamw = _timed(device, lambda i: adamw_([t[0]], [t[1]], [t[2]], [t[3]], i + 1, lr=1e-3,
+                                            beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+                   repeats)
+    copy = _timed(device, lambda i: t[1].copy_(t[0]), repeats)
+    norm = _timed(device, lambda i: gradient_norms([t[0]]), repeats)
+    return {"device_adamw_params_per_s": numel / adamw, "device_copy_bytes_per_s": 4 * numel / copy,
+            "device_norm_bytes_per_s": 4 * numel / norm}
+
+
+def bandwidth(device: torch.device, nbytes: int, repeats: int = 4) -> dict:
+    """Device->host and host->device bytes per second through page-locked shared host memory
+    (registered as the optimizer registers its arena); on a CPU device, the memcpy bandwidth
+    that stands in for the bus (copies are synchronous there and run in the training thread)."""
+    if not uses_cuda(device):
+        a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            b.copy_(a)
+            times.append(time.perf_counter() - start)
+        return {"pinned": False, "memcpy_bytes_per_s": nbytes / statistics.median(times[1:])}
+    arena = Arena.create([("buf", torch.uint8, nbytes)], "zenflow selftest")
+    transfers = Transfers(device)
+    try:
+        host = arena.views["buf"]
+        transfers.pin([host])
+        pinned = bool(host.is_pinned())
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        out = {"pinned": pinned}
+        for name, dst, src in (("d2h_bytes_per_s", host, dev), ("h2d_bytes_per_s", dev, host)):
+            times = []
+            for _ in range(repeats + 1):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - start)
+            out[name] = nbytes / statistics.median(times[1:])
+        del dev, host, dst, src
+    finally:
+        transfers.unpin()
+        arena.release()
+    return out
