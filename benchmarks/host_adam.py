@@ -42,8 +42,7 @@ def main() -> None:
 
     def zenflow_host():
         step[0] += 1
-        host.update([HostJob(0, step[0], 4, 1e-4, 0.9, 0.999, 1e-8, 0.01)], sum_slot=0,
-                    install_slot=0)
+        host.update([HostJob(0, step[0], 4, 1e-4, 0.9, 0.999, 1e-8, 0.01)], sum_slot=0)
 
     param = torch.nn.Parameter(torch.randn(rows, cols))
     param.grad = torch.randn(rows, cols)

@@ -12,7 +12,7 @@ Buffers, all flat views of one `Arena`:
     master, exp_avg, exp_avg_sq    fp32, every matrix back to back
     grad_sum{slot}                 fp32; one per window in flight (two with overlap)
     staging{slot}_{dtype}          the parameters' dtype: gradients on their way to the sums
-    install{slot}_{dtype}          the parameters' dtype: new values on their way to the device
+    install_{dtype}                the parameters' dtype: new values on their way to the device
 
 Matrices are laid out grouped by dtype, so each dtype's part of an fp32 buffer lines up with its
 staging and install buffers and a whole group is accumulated or converted in one flat pass.
@@ -21,7 +21,6 @@ descriptor and the layout, so the same code runs in or out of the training proce
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,7 +70,6 @@ class HostLayout:
     groups: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, fp32 offset, numel), contiguous
     sum_slots: int
     staging_slots: int = 1
-    install_slots: int = 1
 
     @classmethod
     def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
@@ -99,16 +97,16 @@ class HostLayout:
         fp32 = [*FP32_KINDS, *(f"grad_sum{s}" for s in range(self.sum_slots))]
         out = [(name, torch.float32, self.numel) for name in fp32]
         for dtype, _, numel in self.groups:
-            for kind, slots in (("staging", self.staging_slots), ("install", self.install_slots)):
-                for s in range(slots):
-                    out.append((f"{kind}{s}_{_dtype_name(dtype)}", dtype, numel))
+            out += [(name, dtype, numel) for name in self._typed_names(dtype)]
         return out
+
+    def _typed_names(self, dtype: torch.dtype) -> list[str]:
+        name = _dtype_name(dtype)
+        return [*(f"staging{s}_{name}" for s in range(self.staging_slots)), f"install_{name}"]
 
     def dma_regions(self) -> list[str]:
         """The buffers that device copies read or write: the only ones worth page-locking."""
-        return [f"{kind}{s}_{_dtype_name(d)}" for d, _, _ in self.groups
-                for kind, slots in (("staging", self.staging_slots),
-                                    ("install", self.install_slots)) for s in range(slots)]
+        return [name for dtype, _, _ in self.groups for name in self._typed_names(dtype)]
 
 
 class HostState:
@@ -137,10 +135,17 @@ class HostState:
         m = self.layout.matrices[i]
         return self.arena.views[kind][m.offset:m.offset + m.numel].view(m.rows, m.cols)
 
-    def typed(self, kind: str, slot: int, i: int) -> torch.Tensor:
-        """[rows, cols] view of matrix i in a staging or install buffer (the param's dtype)."""
+    def staging(self, slot: int, i: int) -> torch.Tensor:
+        """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
+        return self._typed(f"staging{slot}", i)
+
+    def install(self, i: int) -> torch.Tensor:
+        """[rows, cols] view of matrix i in the install buffer (the param's dtype)."""
+        return self._typed("install", i)
+
+    def _typed(self, buffer: str, i: int) -> torch.Tensor:
         m = self.layout.matrices[i]
-        flat = self.arena.views[f"{kind}{slot}_{_dtype_name(m.dtype)}"]
+        flat = self.arena.views[f"{buffer}_{_dtype_name(m.dtype)}"]
         return flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
 
     def _runs(self, matrices: list[int]) -> list[tuple[int, int, torch.dtype]]:
@@ -156,10 +161,9 @@ class HostState:
                 runs.append([m.offset, m.numel, m.dtype])
         return [tuple(r) for r in runs]
 
-    def _typed_run(self, kind: str, slot: int, offset: int, numel: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+    def _typed_run(self, buffer: str, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = next(g[1] for g in self.layout.groups if g[0] == dtype)
-        flat = self.arena.views[f"{kind}{slot}_{_dtype_name(dtype)}"]
+        flat = self.arena.views[f"{buffer}_{_dtype_name(dtype)}"]
         return flat[offset - start:offset - start + numel]
 
     # -- the arithmetic -----------------------------------------------------------------------
@@ -171,7 +175,7 @@ class HostState:
         for matrices, add in ((added, True), (fresh, False)):
             for offset, numel, dtype in self._runs(matrices):
                 total = sums[offset:offset + numel]
-                grad = self._typed_run("staging", staging_slot, offset, numel, dtype)
+                grad = self._typed_run(f"staging{staging_slot}", offset, numel, dtype)
                 step = numel if dtype == torch.float32 else _CHUNK
                 for start in range(0, numel, step):
                     part, g = total[start:start + step], grad[start:start + step].float()
@@ -180,10 +184,10 @@ class HostState:
                     else:
                         torch.mul(g, scale, out=part)
 
-    def update(self, jobs: list[HostJob], sum_slot: int, install_slot: int) -> None:
+    def update(self, jobs: list[HostJob], sum_slot: int) -> None:
         """AdamW on each job's matrix with the mean of its gradient sum, then the new values (with
         a lookahead, the values that fraction of the next step further), in the parameters'
-        dtype, into install[install_slot]. The sums are consumed (left stale).
+        dtype, into the install buffer. The sums are consumed (left stale).
 
         Jobs sharing hyperparameters, step and window length go to the fused kernel together, as
         flat runs where their matrices are adjacent (usually: one run per dtype).
@@ -201,10 +205,10 @@ class HostState:
                    [v["exp_avg"][s] for s in cut], [v["exp_avg_sq"][s] for s in cut], step,
                    lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                    grad_divisor=float(num_grads))
-        self.publish(jobs, install_slot)
+        self.publish(jobs)
 
-    def publish(self, jobs: list[HostJob], install_slot: int) -> None:
-        """install[install_slot] = what `jobs` install: each matrix's host values, or with a
+    def publish(self, jobs: list[HostJob]) -> None:
+        """The install buffer := what `jobs` install: each matrix's host values, or with a
         lookahead those values that fraction of the next step further (from the moments the
         update left). Also rebuilds an in-flight update's install buffer after a load."""
         groups: dict[tuple, list[int]] = {}
@@ -214,11 +218,11 @@ class HostState:
         v = self.arena.views
         for key, matrices in groups.items():
             if not key:
-                self.copy_masters(matrices, install_slot)
+                self.copy_masters(matrices)
                 continue
             step, lr, beta1, beta2, eps, weight_decay, lookahead = key
             for offset, numel, dtype in self._runs(matrices):
-                out = self._typed_run("install", install_slot, offset, numel, dtype)
+                out = self._typed_run("install", offset, numel, dtype)
                 for start in range(0, numel, _CHUNK):   # bounded temporaries
                     part = slice(offset + start, offset + min(numel, start + _CHUNK))
                     adamw_lookahead(out[start:start + _CHUNK], v["master"][part],
@@ -226,67 +230,8 @@ class HostState:
                                     beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay, fraction=lookahead)
 
-    def copy_masters(self, matrices: list[int], install_slot: int) -> None:
-        """install[install_slot] = the master values of `matrices`, in the parameters' dtype."""
+    def copy_masters(self, matrices: list[int]) -> None:
+        """The install buffer := the master values of `matrices`, in the parameters' dtype."""
         for offset, numel, dtype in self._runs(matrices):
-            self._typed_run("install", install_slot, offset, numel, dtype).copy_(
+            self._typed_run("install", offset, numel, dtype).copy_(
                 self.arena.views["master"][offset:offset + numel])
-
-
-def run_command(host: HostState, command: tuple) -> None:
-    """Carry out ("accumulate", staging_slot, sum_slot, scale, added, fresh) or ("update",
-    sum_slot, install_slot, jobs) on `host` (the worker and the inline runner both use this)."""
-    if command[0] == "accumulate":
-        host.accumulate(*command[1:])
-    else:
-        _, sum_slot, install_slot, jobs = command
-        host.update(jobs, sum_slot, install_slot)
-
-
-def command_matrices(command: tuple) -> list[int]:
-    """The matrices whose host state a command writes (torn if it dies half-way)."""
-    if command[0] == "accumulate":
-        return [*command[4], *command[5]]
-    return [job.matrix for job in command[3]]
-
-
-class InlineHostRunner:
-    """Runs host commands in the calling process, at once. The worker runner has the same methods
-    (see zenflow/host/worker.py for the commands)."""
-
-    def __init__(self, host: HostState):
-        self.host = host
-        self.busy_seconds = 0.0
-        self.updates: list[tuple[float, float]] = []  # (start, end) of each update, last 10k
-        self._seq = 0
-
-    def send(self, command: tuple) -> int:
-        start = time.perf_counter()
-        run_command(self.host, command)
-        end = time.perf_counter()
-        self.busy_seconds += end - start
-        if command[0] == "update":
-            self.updates.append((start, end))
-            del self.updates[:-10_000]
-        self._seq += 1
-        return self._seq
-
-    def done(self, seq: int) -> bool:
-        return True
-
-    def wait(self, seq: int | None = None) -> float:
-        return 0.0
-
-    @property
-    def last_update_seconds(self) -> float:
-        # In process, nothing overlaps the update: there is no host time to hide.
-        return 0.0
-
-    def check(self) -> None:
-        """Raise if the runner can no longer run commands (never, in process)."""
-
-    def unfinished(self) -> list[tuple]:
-        return []
-
-    def close(self) -> None:
-        pass

@@ -9,7 +9,7 @@
 The training thread does no host arithmetic: the worker (or, with worker=False, the inline
 runner) does the adds and the AdamW. Commands go out in order through a small queue in which
 each command may wait for a copy to finish (a `Ticket`): the worker is told to read a staging
-buffer only once its bytes have landed, and to overwrite an install buffer only once the device
+buffer only once its bytes have landed, and to overwrite the install buffer only once the device
 has read it. Where copies land within the step (the CPU), one staging buffer is enough: the
 worker adds a step's gradients during the next forward and backward. Where they land later (CUDA:
 the step returns with the copy in flight, and the worker hears of it at the next step), two
@@ -24,24 +24,39 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from zenflow.distributed import Partition
-from zenflow.host.buffers import (
-    FP32_KINDS,
-    HostJob,
-    HostLayout,
-    HostState,
-    InlineHostRunner,
-    command_matrices,
-)
+from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState
+from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers
 from zenflow.saved_state import check_saved_tensors
 
 log = logging.getLogger("zenflow")
+
+
+@dataclass
+class InFlight:
+    """A window's host update, from its hand-off until it is installed."""
+    jobs: list[HostJob]
+    seq: int | None = None   # the runner's number for it, once sent (0: done by any runner)
+
+    @property
+    def matrices(self) -> list[int]:
+        return [job.matrix for job in self.jobs]
+
+
+@dataclass
+class _Queued:
+    """A command waiting for the copy its data needs (`ticket`); `on_sent(seq)` runs once sent."""
+    ticket: Ticket
+    command: HostCommand
+    on_sent: Callable[[int], None] | None = None
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
@@ -77,14 +92,14 @@ class HostPipeline:
 
     def _start_over(self) -> None:
         """No command queued, no buffer being read, no update in flight; every slot at 0."""
-        self._sum_slot = self._staging_slot = self._install_slot = 0
-        # seq of the accumulate reading each staging buffer; the copy reading each install buffer
+        self._sum_slot = self._staging_slot = 0
+        # seq of the accumulate reading each staging buffer; the copy reading the install buffer
         self._staging_reader: list[int | None] = [None] * self.layout.staging_slots
-        self._install_reader: list[Ticket] = [DONE] * self.layout.install_slots
-        self._queue: deque = deque()     # (ticket, command, slot to mark) not yet sent
+        self._install_reader: Ticket = DONE
+        self._queue: deque[_Queued] = deque()     # not yet sent
         self._staged: tuple[int, list[int], Ticket] | None = None
         self._last_copy: Ticket = DONE
-        self.in_flight: dict | None = None  # {"matrices", "seq", "install_slot"} of an update
+        self.in_flight: InFlight | None = None
 
     # -- the worker -----------------------------------------------------------------------------
     def _start_runner(self):
@@ -108,11 +123,11 @@ class HostPipeline:
                 self.runner = self._start_runner()
                 # Everything the old worker was sent is done; its sequence numbers mean nothing
                 # to the new one (0 counts as done by any runner).
-                if self.in_flight is not None and self.in_flight["seq"] is not None:
-                    self.in_flight["seq"] = 0
+                if self.in_flight is not None and self.in_flight.seq is not None:
+                    self.in_flight.seq = 0
                 self._staging_reader = [None] * self.layout.staging_slots
                 return
-            self.torn = sorted({i for c in unfinished for i in command_matrices(c)})
+            self.torn = sorted({i for c in unfinished for i in c.matrices()})
             raise RuntimeError(
                 f"{exc}\nIt died in the middle of host work on {len(self.torn)} parameter(s) "
                 f"(host indices {self.torn[:10]}{'...' if len(self.torn) > 10 else ''}), whose "
@@ -126,21 +141,21 @@ class HostPipeline:
                                "checkpoint to roll back")
 
     # -- the command queue ----------------------------------------------------------------------
-    def _enqueue(self, ticket: Ticket, command: tuple, on_sent=None) -> None:
-        self._queue.append((ticket, command, on_sent))
+    def _enqueue(self, ticket: Ticket, command: HostCommand, on_sent=None) -> None:
+        self._queue.append(_Queued(ticket, command, on_sent))
         self.flush(block=False)
 
     def flush(self, block: bool, until=None) -> None:
         """Send queued commands whose copies have finished (all of them, waiting, if block; or
         with `until`, waiting only as long as until() is false)."""
-        while self._queue and (block or self._queue[0][0].done()) and not (until and until()):
-            ticket, command, on_sent = self._queue[0]
-            self.timer.stall(ticket.wait())
+        while self._queue and (block or self._queue[0].ticket.done()) and not (until and until()):
+            queued = self._queue[0]
+            self.timer.stall(queued.ticket.wait())
             with self._worker_guard():
-                seq = self.runner.send(command)
+                seq = self.runner.send(queued.command)
                 self._queue.popleft()
-                if on_sent is not None:
-                    on_sent(seq)
+                if queued.on_sent is not None:
+                    queued.on_sent(seq)
 
     def drain(self) -> None:
         """Wait until the host has done everything sent to it (before reading host state)."""
@@ -163,7 +178,8 @@ class HostPipeline:
         start = time.perf_counter()
         waited = 0.0
         slot = self._staging_slot
-        if any(command[:2] == ("accumulate", slot) for _, command, _ in self._queue):
+        if any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
+               for q in self._queue):
             self.flush(block=True)     # the previous accumulate of this slot is still queued
         reader = self._staging_reader[slot]
         if reader is not None:
@@ -174,7 +190,7 @@ class HostPipeline:
         pairs, nbytes = [], 0
         for i, grad in grads.items():
             src = host_view(grad)[self.rows[i]]
-            pairs.append((self.host.typed("staging", slot, i), src))
+            pairs.append((self.host.staging(slot, i), src))
             nbytes += src.numel() * src.element_size()
         ticket = self.transfers.to_host(pairs)
         self._staged = (slot, list(grads), ticket)
@@ -197,8 +213,8 @@ class HostPipeline:
 
         def sent(seq: int, slot=slot) -> None:
             self._staging_reader[slot] = seq
-        self._enqueue(ticket, ("accumulate", slot, self._sum_slot, float(scale), added, fresh),
-                      sent)
+        self._enqueue(ticket, Accumulate(slot, self._sum_slot, float(scale), tuple(added),
+                                         tuple(fresh)), sent)
         self._staging_slot = (slot + 1) % self.layout.staging_slots
 
     def end_window(self, hyperparameters: list[tuple]) -> bool:
@@ -215,17 +231,14 @@ class HostPipeline:
                 self.num_grads[i] = 0
         if not jobs:
             return False
-        slot = self._install_slot
-        flight = {"matrices": [j.matrix for j in jobs], "seq": None, "install_slot": slot,
-                  "jobs": jobs}
+        flight = InFlight(jobs)
 
         def sent(seq: int) -> None:
-            flight["seq"] = seq
-        self._enqueue(self._install_reader[slot],
-                      ("update", self._sum_slot, slot, jobs), sent)
+            flight.seq = seq
+        # The update overwrites the install buffer: only once the last install copy has read it.
+        self._enqueue(self._install_reader, Update(self._sum_slot, tuple(jobs)), sent)
         self.in_flight = flight
         self._sum_slot = (self._sum_slot + 1) % self.layout.sum_slots
-        self._install_slot = (slot + 1) % self.layout.install_slots
         return True
 
     def adopt(self, indices: list[int]) -> None:
@@ -235,8 +248,7 @@ class HostPipeline:
         self._load_masters(indices)
         if self.in_flight is not None:
             dropped = set(indices)
-            self.in_flight["matrices"] = [i for i in self.in_flight["matrices"] if i not in dropped]
-            self.in_flight["jobs"] = [j for j in self.in_flight["jobs"] if j.matrix not in dropped]
+            self.in_flight.jobs = [j for j in self.in_flight.jobs if j.matrix not in dropped]
 
     def _load_masters(self, indices) -> None:
         """The host master values of `indices` := the parameters' current values (own rows)."""
@@ -248,7 +260,7 @@ class HostPipeline:
         if self.in_flight is None:
             return True
         self.flush(block=False)
-        seq = self.in_flight["seq"]
+        seq = self.in_flight.seq
         with self._worker_guard():
             return seq is not None and self.runner.done(seq)
         return False
@@ -261,23 +273,20 @@ class HostPipeline:
         flight, self.in_flight = self.in_flight, None
         # Send the update if it is still queued, but not the commands after it: this step's
         # accumulate may still be waiting for its copy, which install does not need.
-        self.flush(block=True, until=lambda: flight["seq"] is not None)
+        self.flush(block=True, until=lambda: flight.seq is not None)
         with self._worker_guard():
-            self.timer.stall(self.runner.wait(flight["seq"]))
-        self._install_reader[flight["install_slot"]] = copy_rows_to_params(
-            self, flight["install_slot"], flight["matrices"])
-        return flight["matrices"]
+            self.timer.stall(self.runner.wait(flight.seq))
+        self._install_reader = copy_rows_to_params(self, flight.matrices)
+        return flight.matrices
 
     def install_masters(self, indices: list[int]) -> list[int]:
         """Install the host values of `indices` themselves (updates installed with a lookahead
         lead them), once the host has finished everything sent to it. Returns `indices`."""
         assert self.in_flight is None, "install() the update in flight first"
         self.drain()
-        slot = self._install_slot
-        self.timer.stall(self._install_reader[slot].wait())  # its last copy to the device landed
-        self.host.copy_masters(indices, slot)
-        self._install_reader[slot] = copy_rows_to_params(self, slot, indices)
-        self._install_slot = (slot + 1) % self.layout.install_slots
+        self.timer.stall(self._install_reader.wait())  # its last copy to the device landed
+        self.host.copy_masters(indices)
+        self._install_reader = copy_rows_to_params(self, indices)
         return indices
 
     def fence(self) -> None:
@@ -304,8 +313,8 @@ class HostPipeline:
                 "host_step": self.host_step[i], "num_grads": self.num_grads[i]})
         in_flight = jobs = None
         if self.in_flight is not None:
-            in_flight = list(self.in_flight["matrices"])
-            jobs = [list(job) for job in self.in_flight["jobs"]]
+            in_flight = self.in_flight.matrices
+            jobs = [list(job) for job in self.in_flight.jobs]
         return {"params": per_param, "in_flight": in_flight, "in_flight_jobs": jobs}
 
     def check_state_dict(self, state: dict) -> None:
@@ -335,10 +344,8 @@ class HostPipeline:
             # The update is done; its install buffer is rebuilt from the values it produced.
             jobs = [HostJob(*job) for job in state.get("in_flight_jobs") or []] or [
                 HostJob(i, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) for i in state["in_flight"]]
-            self.host.publish(jobs, 0)
-            self.in_flight = {"matrices": list(state["in_flight"]), "seq": 0, "install_slot": 0,
-                              "jobs": jobs}
-            self._install_slot = 1 % self.layout.install_slots
+            self.host.publish(jobs)
+            self.in_flight = InFlight(jobs, seq=0)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
@@ -351,8 +358,8 @@ class HostPipeline:
         self.host.arena.close_fd()
 
 
-def copy_rows_to_params(pipe: HostPipeline, slot: int, indices: list[int]) -> Ticket:
-    """Queue install[slot]'s values of `indices` into their parameters, every rank's rows;
+def copy_rows_to_params(pipe: HostPipeline, indices: list[int]) -> Ticket:
+    """Queue the install buffer's values of `indices` into their parameters, every rank's rows;
     returns the copies' Ticket."""
     start = time.perf_counter()
     host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
@@ -360,7 +367,7 @@ def copy_rows_to_params(pipe: HostPipeline, slot: int, indices: list[int]) -> Ti
     what = "installing host-updated rows"
     for i in indices:
         param = host_view(pipe.params[i].data)
-        values = host.typed("install", slot, i)
+        values = host.install(i)
         if partition.active and partition.on_device:
             # NCCL: this rank's rows to the device, then all ranks gather there.
             own = partition.own_rows_buffer(param.shape[0], param)

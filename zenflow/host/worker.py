@@ -6,9 +6,8 @@ descriptors: the optimizer's host memory (zenflow/host/arena.py) and its end of 
 
 The protocol, in order on one socket:
 
-    parent -> worker   ("accumulate", seq, staging_slot, sum_slot, scale, added, fresh)
-                       ("update", seq, sum_slot, install_slot, jobs)
-                       ("close",)
+    parent -> worker   (seq, command)    an Accumulate or an Update (zenflow/host/commands.py)
+                       None              close
     worker -> parent   ("ready",)
                        ("done", seq, start, end)       perf_counter() bounds of the work
                        ("error", seq, traceback_text)
@@ -31,6 +30,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection
 
+from zenflow.host.commands import HostCommand, Update
 from zenflow.host.forkserver import _ForkServer
 from zenflow.host.worker_main import _alive
 
@@ -84,7 +84,7 @@ class WorkerHostRunner:
         self._seq = 0
         self._done_through = 0        # every command with seq <= this is done
         self._finished: set[int] = set()
-        self._unfinished: dict[int, tuple] = {}   # seq -> command, until its "done" arrives
+        self._unfinished: dict[int, HostCommand] = {}   # seq -> command, until its "done" arrives
         self._error: str | None = None
         self._closed = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -103,7 +103,7 @@ class WorkerHostRunner:
         self._error = f"ZenFlow host worker (pid {self.pid}) {cause}"
         raise WorkerDied(self._error)
 
-    def unfinished(self) -> list[tuple]:
+    def unfinished(self) -> list[HostCommand]:
         """Commands sent but not reported done (after a death: the work it was doing)."""
         return list(self._unfinished.values())
 
@@ -125,7 +125,7 @@ class WorkerHostRunner:
             seq, start, end = message[1:]
             self.busy_seconds += end - start
             command = self._unfinished.pop(seq, None)
-            if command is not None and command[0] == "update":
+            if isinstance(command, Update):
                 self.updates.append((start, end))
                 del self.updates[:-10_000]
             self._finished.add(seq)
@@ -146,13 +146,13 @@ class WorkerHostRunner:
             self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
 
     # -- the runner interface
-    def send(self, command: tuple) -> int:
-        """Queue ("accumulate", ...) or ("update", ...) without its seq; returns the seq."""
+    def send(self, command: HostCommand) -> int:
+        """Hand `command` to the worker; returns its sequence number at once."""
         self.check()
         self._seq += 1
         self._unfinished[self._seq] = command
         try:
-            self._conn.send((command[0], self._seq, *command[1:]))
+            self._conn.send((self._seq, command))
         except (BrokenPipeError, OSError):
             del self._unfinished[self._seq]   # never delivered: nothing of it was done
             self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
@@ -190,7 +190,7 @@ class WorkerHostRunner:
         self._closed = True
         _live_runners.discard(self)
         try:
-            self._conn.send(("close",))
+            self._conn.send(None)
         except (BrokenPipeError, OSError):
             pass
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S

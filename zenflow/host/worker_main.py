@@ -52,7 +52,8 @@ def _worker_main(conn_fd: int, arena_fd: int, init: dict) -> None:
 def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
     import torch
 
-    from zenflow.host.buffers import HostState, run_command
+    from zenflow.host.buffers import HostState
+    from zenflow.host.commands import Update
 
     cores = init["cores"]
     if cores:
@@ -69,10 +70,10 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
         with send_lock:
             conn.send(message)
 
-    def run(seq: int, work) -> None:
+    def run(seq: int, command) -> None:
         start = time.perf_counter()
         try:
-            work()
+            command.run(host)
             message = ("done", seq, start, time.perf_counter())
         except BaseException:  # report anything; the parent decides what is fatal
             message = ("error", seq, traceback.format_exc())
@@ -85,7 +86,7 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
 
     def update_loop() -> None:
         while (message := updates.get()) is not None:
-            run(message[1], lambda: run_command(host, (message[0], *message[2:])))
+            run(*message)
 
     updater = threading.Thread(target=update_loop, name="zenflow-host-update", daemon=True)
     updater.start()
@@ -101,15 +102,15 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
                 message = conn.recv()
             except (EOFError, OSError):
                 return
-            if message[0] == "close":
+            if message is None:   # close
                 return
-            if message[0] == "update":
+            seq, command = message
+            if isinstance(command, Update):
                 updates.put(message)
                 continue
-            seq, command = message[1], (message[0], *message[2:])
             # The parent never accumulates into the sum slot an update is reading (it alternates
             # slots with overlap and waits for the update without), so no lock is needed here.
-            run(seq, lambda: run_command(host, command))
+            run(seq, command)
     finally:
         updates.put(None)
         updater.join()

@@ -13,6 +13,7 @@ import torch
 from zenflow.adamw import adamw_
 from zenflow.host.arena import Arena, available_host_bytes
 from zenflow.host.buffers import HostJob, HostLayout, HostState
+from zenflow.host.commands import Accumulate, Update
 from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.transfers import Transfers, uses_cuda
 from zenflow.host.worker import WorkerHostRunner
@@ -76,9 +77,9 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
             runner.send(command)
             runner.wait()
             return runner.busy_seconds - before
-        acc = [timed(("accumulate", 0, 0, 1.0, [0] if i else [], [] if i else [0]))
+        acc = [timed(Accumulate(0, 0, 1.0, (0,) if i else (), () if i else (0,)))
                for i in range(repeats + 1)][1:]
-        upd = [timed(("update", 0, 0, [HostJob(0, i + 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01)]))
+        upd = [timed(Update(0, (HostJob(0, i + 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01),)))
                for i in range(repeats + 1)][1:]
     finally:
         runner.close()
