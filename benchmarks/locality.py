@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import zenflow
-from zenflow.optim import selection
+from zenflow.optim import importance
 from zenflow.tools.bench.harness import machine_info
 from zenflow.tools.finetune.data import load_bbc_news
 from zenflow.tools.finetune.models import load_classifier
@@ -60,7 +60,7 @@ def record_columns(args, train):
         loss.backward()
         for name, p in matrices:
             if p.grad is not None:  # unused parts (the encoder's pooler) get no gradient
-                history[name].append(selection.column_importance(p.grad, "l2"))
+                history[name].append(importance.column_importance(p.grad, "l2"))
         opt.step()
         print(f"\rrecording gradients: step {t + 1}/{args.steps} loss {loss.item():.3f}",
               end="", file=sys.stderr, flush=True)
@@ -77,7 +77,7 @@ def spatial(history):
             ordered = energy.sort(descending=True).values
             total = float(ordered.sum()) or 1.0
             for s in SHARES:
-                k = selection.num_selected(s, len(norms))
+                k = importance.num_selected(s, len(norms))
                 shares[f"top{int(s * 100)}%"].append(float(ordered[:k].sum()) / total)
         out[name] = {key: statistics.fmean(v) for key, v in shares.items()}
         out[name]["columns"] = len(steps[0])
@@ -89,14 +89,14 @@ def temporal(history, ratio=0.10):
     for d in DISTANCES:
         overlaps = []
         for steps in history.values():
-            k = selection.num_selected(ratio, len(steps[0]))
-            tops = [set(selection.top_columns(n, k).tolist()) for n in steps]
+            k = importance.num_selected(ratio, len(steps[0]))
+            tops = [set(importance.top_columns(n, k).tolist()) for n in steps]
             overlaps += [len(tops[t] & tops[t + d]) / k for t in range(0, len(tops) - d)]
         # a random pair of top-k sets overlaps by k/in on average: the no-locality baseline
         out[f"d={d}"] = statistics.fmean(overlaps) if overlaps else None
     columns = [len(steps[0]) for steps in history.values()]
     out["random_baseline"] = statistics.fmean(
-        selection.num_selected(ratio, c) / c for c in columns)
+        importance.num_selected(ratio, c) / c for c in columns)
     return out
 
 

@@ -27,16 +27,15 @@ def _blocks(rows: int, block: int):
         yield slice(start, min(rows, start + block))
 
 
-def column_norms(matrix: torch.Tensor, kind: str = "l2") -> torch.Tensor:
-    """Per-column L2 (or L1) norm of `matrix` in fp32: one number per input channel."""
+def column_sums(matrix: torch.Tensor, of) -> torch.Tensor:
+    """Per-column sum of of(x) over the rows of `matrix`, in fp32 (`of`: torch.square, torch.abs).
+    On the CPU a block of rows at a time, so the fp32 temporary stays small."""
     if matrix.device.type != "cpu":
-        m = matrix.float()
-        return m.abs().sum(0) if kind == "l1" else torch.linalg.vector_norm(m, dim=0)
+        return of(matrix.float()).sum(0)
     total = torch.zeros(matrix.shape[1], dtype=torch.float32)
     for rows in _blocks(matrix.shape[0], _row_block(matrix)):
-        block = matrix[rows].float()
-        total.add_(block.abs().sum(0) if kind == "l1" else (block * block).sum(0))
-    return total if kind == "l1" else total.sqrt_()
+        total.add_(of(matrix[rows].float()).sum(0))
+    return total
 
 
 def gather_columns(matrix: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,6 @@ from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
 from zenflow.optim import param_checks as _checks
-from zenflow.optim import selection
 from zenflow.optim import state as state_format
 from zenflow.optim.clipping import clip_coefficient, gradient_norms
 from zenflow.optim.device_adam import group_hyperparameters
@@ -45,9 +44,10 @@ from zenflow.optim.params import (
     present_gradients,
     sort_params,
 )
+from zenflow.optim.selection_schedule import SelectionSchedule
 from zenflow.optim.selector import ColumnSelector
 from zenflow.optim.state import StepCounters
-from zenflow.optim.windows import AutoWindow, StepPeriod, window_for
+from zenflow.optim.windows import StepPeriod, window_for
 
 log = logging.getLogger("zenflow")
 
@@ -118,7 +118,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             install_lookahead=install_lookahead, steps_per_epoch=steps_per_epoch,
             pt_reserved_cores_perc=pt_reserved_cores_perc, reselect_threshold=reselect_threshold,
             auto_ratio=auto_ratio, auto_update_bounds=auto_update_bounds, worker=worker)
-        schedule = selection.SelectionSchedule.for_settings(self.settings, self._NAME)
+        schedule = SelectionSchedule.for_settings(self.settings, self._NAME)
         self._window = window_for(self.settings)
         environment_without_group(self._NAME, process_group)
         params = _checks.param_list(self._NAME, params)
@@ -144,7 +144,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         AdamWHyperparameters.from_arguments(self._NAME, **{k: group[k] for k in
                                                           AdamWHyperparameters.model_fields})
 
-    def _build(self, schedule: selection.SelectionSchedule) -> None:
+    def _build(self, schedule: SelectionSchedule) -> None:
         self._host_params, self._vector_params = sort_params(
             self.param_groups, self.settings.topk_ratio, self._VECTORS_ON_HOST, self.device)
         self._timer = StepTimer()
@@ -214,7 +214,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
                               if m.param in grads and m.host_owns_columns(chosen)})
         device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
-        if not warming_up and isinstance(self._window, AutoWindow) and self._window.threshold:
+        if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
             if present:
                 self._window.observe(*importance_split(present, norms, clip_coef))
@@ -254,10 +254,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             install_s = self._pipeline.transfers.last_install_seconds
         ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
                                        host_s, step_s, install_s)
-        if isinstance(self._window, AutoWindow):
-            # Timings differ between ranks; every rank must end the window at the same step, and
-            # only once every rank's host is ready (so that none waits). max_steps and the
-            # importance threshold are the same on every rank.
+        if self._window.needs_rank_agreement:
+            # Every rank must end the window at the same step, and only once every rank's rule
+            # says so (an auto window: once every rank's host is ready, so that none waits).
             ends = not self._partition.any(not ends, "agreeing on the end of a host window")
         return ends
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.optim import columns, selection
+from zenflow.optim import columns
 from zenflow.optim.device_adam import DeviceColumns, DeviceVector, device_step
+from zenflow.optim.importance import num_selected
 
 log = logging.getLogger("zenflow")
 
@@ -99,7 +100,7 @@ def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bo
             if not p.requires_grad:
                 continue
             if p.ndim >= 2 or vectors_on_host:
-                k = selection.num_selected(topk_ratio, p.numel() // p.shape[0]) \
+                k = num_selected(topk_ratio, p.numel() // p.shape[0]) \
                     if p.ndim >= 2 else 0
                 rows = p.shape[0] if p.ndim >= 2 else 1
                 host.append(HostParam(p, group, len(host), k,

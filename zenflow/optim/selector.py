@@ -1,7 +1,7 @@
 """Choosing each matrix's device columns, and choosing again, with the state moving along.
 
 The first selection happens at the first window boundary after warm-up; after that, at window
-boundaries where the schedule (`selection.SelectionSchedule`) says so. Choosing is split in two so
+boundaries where the schedule (`selection_schedule.SelectionSchedule`) says so. Choosing is split in two so
 that the optimizer can drain the host in between: `plan()` looks at this step's gradients and
 says which matrices get which importance, `select()` moves the columns (`zenflow.optim.handoff`).
 """
@@ -14,8 +14,10 @@ import torch
 
 from zenflow.distributed import Partition
 from zenflow.host.pipeline import HostPipeline
-from zenflow.optim import columns, handoff, selection
+from zenflow.optim import columns, handoff
+from zenflow.optim.importance import MEASURES, retained_mass, top_columns
 from zenflow.optim.params import HostParam
+from zenflow.optim.selection_schedule import SelectionSchedule
 
 log = logging.getLogger("zenflow")
 
@@ -31,12 +33,12 @@ class ColumnSelector:
     """Which columns of each matrix the device updates."""
 
     def __init__(self, matrices: list[HostParam], pipeline: HostPipeline, partition: Partition,
-                 device: torch.device, importance: str, schedule: selection.SelectionSchedule):
+                 device: torch.device, importance: str, schedule: SelectionSchedule):
         self.matrices = [m for m in matrices if m.k > 0]
         self.pipeline = pipeline
         self.device = device
         self.partition = partition
-        self.importance = importance     # "l2" or "l1"
+        self.measure = MEASURES[importance]
         self.schedule = schedule
         self.has_chosen = False      # columns chosen yet (not during warm-up)
         self.num_reselections = 0
@@ -70,7 +72,7 @@ class ColumnSelector:
         """Move the columns of `plan` (the host must hold no update in flight)."""
         self.pipeline.drain()
         for m, importance in zip(plan.matrices, plan.importances):
-            chosen = selection.top_columns(importance, m.k)
+            chosen = top_columns(importance, m.k)
             host = {kind: self.pipeline.host.fp32(kind, m.host_index)
                     for kind in ("master", "exp_avg", "exp_avg_sq")}
             host_step = self.pipeline.host_step[m.host_index]
@@ -88,31 +90,29 @@ class ColumnSelector:
             self.num_reselections += 1
 
     def _importances(self, grads: dict, todo: list[HostParam]) -> list[torch.Tensor]:
-        """Column importance of each matrix. Across ranks, each computes it over its own rows and
-        the ranks add them up: one number per column travels, never a gradient."""
+        """Column importance of each matrix. Across ranks, each computes its measure's partial over
+        its own rows and the ranks add them up: one number per column travels, never a gradient."""
         partial = []
         for m in todo:
             g = grads.get(m.param)
             if g is None:  # no gradient: ties everywhere, so the first columns win
                 partial.append(torch.zeros(m.num_columns, device=self.device))
                 continue
+            rows = columns.as_matrix(g)
             if self.partition.active:
-                g = columns.as_matrix(g)[self.pipeline.rows[m.host_index]]
-            norms = selection.column_importance(g, self.importance)
-            partial.append(norms.square_() if self.importance == "l2" and
-                           self.partition.active else norms)
-        if not self.partition.active or not partial:
-            return partial
-        # On the device under NCCL; sum_ copies through the CPU only for gloo.
-        flat = self.partition.sum_(torch.cat(partial), "exchanging column norms")
-        out = list(flat.split([m.num_columns for m in todo]))
-        return [t.sqrt() for t in out] if self.importance == "l2" else out
+                rows = rows[self.pipeline.rows[m.host_index]]
+            partial.append(self.measure.partial(rows))
+        if self.partition.active and partial:
+            # On the device under NCCL; sum_ copies through the CPU only for gloo.
+            flat = self.partition.sum_(torch.cat(partial), "exchanging column norms")
+            partial = list(flat.split([m.num_columns for m in todo]))
+        return [self.measure.finish(p) for p in partial]
 
     @staticmethod
     def _retained_fraction(todo: list[HostParam], importances) -> float:
         held = best = 0.0
         for m, importance in zip(todo, importances):
-            h, b = selection.retained_mass(importance, m.selected.column_indices, m.k)
+            h, b = retained_mass(importance, m.selected.column_indices, m.k)
             held, best = held + h, best + b
         return 1.0 if best == 0.0 else held / best
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Protocol
 
 # The share of the device's time that installing host updates may take (with overlap). On a GPU
 # the install is a host-to-device copy of the deferred columns that compute waits for: one
@@ -39,8 +40,36 @@ import time
 INSTALL_BUDGET = 0.05
 
 
+class WindowRule(Protocol):
+    """Decides, after each step, whether the host window ends. Adding a rule: a class here, its
+    setting in zenflow/config (settings and rules), `window_for`, and a test."""
+
+    # Whether the rule's answer can differ between ranks (it reads timings): the optimizer then
+    # ends the window only when every rank's rule says so, with one collective per step.
+    needs_rank_agreement: bool
+    # Whether observe() wants the deferred and selected columns' squared norms each step.
+    watches_importance: bool
+    last_interval: int | None   # length of the last window
+    reason: str                 # why the last window ended, for the log
+
+    def observe(self, deferred_sq: float, deferred_cols: int, selected_sq: float,
+                selected_cols: int) -> None: ...
+
+    def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
+                   step_seconds: float, install_seconds: float = 0.0) -> bool: ...
+
+    def ended(self, steps: int) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class FixedWindow:
     """Windows of exactly `steps` steps."""
+
+    needs_rank_agreement = False
+    watches_importance = False
 
     def __init__(self, steps: int):
         self.steps = steps
@@ -71,9 +100,12 @@ class AutoWindow:
     """Ends a window within its bounds once the host is ready and, with a threshold, once the
     deferred columns' summed gradient reaches one important step."""
 
+    needs_rank_agreement = True   # host timings differ between ranks
+
     def __init__(self, threshold: float | None = 0.99, min_steps: int = 1, max_steps: int = 16,
                  overlap: bool = True):
         self.threshold = threshold
+        self.watches_importance = threshold is not None
         self.min_steps = min_steps
         self.max_steps = max_steps
         self.overlap = overlap
@@ -152,7 +184,7 @@ class StepPeriod:
         self._last = now
 
 
-def window_for(settings) -> FixedWindow | AutoWindow:
+def window_for(settings) -> WindowRule:
     """The window that a ZenFlowSettings asks for."""
     if settings.update_interval == "auto":
         return AutoWindow(settings.auto_ratio, *settings.auto_update_bounds,

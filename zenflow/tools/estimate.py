@@ -21,7 +21,7 @@ import torch
 from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes, plan
 from zenflow.host.buffers import HostLayout
-from zenflow.optim.selection import num_selected
+from zenflow.optim.importance import num_selected
 from zenflow.tools import estimate_shapes as shapes_from
 
 GIB = 1 << 30

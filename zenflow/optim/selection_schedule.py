@@ -1,45 +1,6 @@
-"""Which columns of each matrix are updated on the device, and when to choose again.
-
-Importance of a column is the norm of its gradient (L2 by default, L1 as an option): one number
-per input channel, which is all that ranks have to exchange to agree on a selection.
-"""
+"""When to choose each matrix's device columns again: every so many steps, or when the selection
+has drifted (the "auto" interval)."""
 from __future__ import annotations
-
-import math
-
-import torch
-
-from zenflow.optim import columns
-
-
-def num_selected(topk_ratio: float, num_columns: int) -> int:
-    """k = ceil(topk_ratio * in): 0 when the ratio is 0, every column when it is 1."""
-    return min(num_columns, math.ceil(topk_ratio * num_columns))
-
-
-def column_importance(grad: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-column gradient norm of a matrix gradient (any dtype), fp32, on grad's device."""
-    return columns.column_norms(columns.as_matrix(grad), kind)
-
-
-def top_columns(importance: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k most important columns, sorted ascending (so gathers walk memory forward).
-
-    Ties are broken towards the lower index, so every implementation picks the same set.
-    """
-    if k == 0:
-        return torch.zeros(0, dtype=torch.long, device=importance.device)
-    # A stable descending sort gives a deterministic tie order, unlike torch.topk.
-    order = torch.sort(importance, descending=True, stable=True).indices[:k]
-    return order.sort().values
-
-
-def retained_mass(importance: torch.Tensor, selected: torch.Tensor, k: int) -> tuple[float, float]:
-    """(importance held by `selected`, importance held by the best k columns) for one matrix."""
-    if k == 0:
-        return 0.0, 0.0
-    best = torch.topk(importance, k).values.sum()
-    return float(importance[selected].sum()), float(best)
 
 
 class SelectionSchedule:
