@@ -125,3 +125,49 @@ def test_a_state_of_other_shapes_is_refused_naming_the_parameter_and_the_part():
         assert all(torch.equal(a, b) for a, b in zip(after["state"][2]["host"].values(),
                                                       before["state"][2]["host"].values())
                    if torch.is_tensor(a))
+
+
+def _trained(steps: int = 5):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                               worker=False)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_the_state_carries_its_format_version_and_an_unversioned_one_still_loads():
+    from zenflow.optim.state import FORMAT_VERSION
+    model, opt = _trained()
+    saved = opt.state_dict()
+    assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 2
+    # Version 1: the format before the version was written down.
+    old = {**saved, "zenflow": {k: v for k, v in saved["zenflow"].items()
+                                if k != "format_version"}}
+    fresh = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                                 worker=False)
+    fresh.load_state_dict(old)
+    assert fresh.state_dict()["zenflow"]["format_version"] == FORMAT_VERSION
+    assert fresh.counters == opt.counters
+    opt.close()
+    fresh.close()
+
+
+@pytest.mark.parametrize("version, message", [
+    (3, "format version 3, newer than this zenflow reads (1 to 2)"),
+    ("2", "'format_version' must be a positive integer, got '2'"),
+    (0, "'format_version' must be a positive integer, got 0"),
+])
+def test_a_state_of_an_unknown_version_is_refused_by_name_and_changes_nothing(version, message):
+    model, opt = _trained()
+    saved = opt.state_dict()
+    before = opt.state_dict()
+    bad = {**saved, "zenflow": {**saved["zenflow"], "format_version": version}}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["zenflow"] == before["zenflow"]
+    opt.close()

@@ -345,18 +345,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Everything needed to continue exactly (the format: zenflow/optim/state.py): host and device
         state, selection, counters and the partial window. Waits for in-flight host work first
         (without installing it)."""
-        return state_format.save(self)
+        return state_format.save(self, self._state_parts())
 
     def check_state_dict(self, state_dict: dict) -> None:
         """Raise ValueError if load_state_dict(state_dict) would fail; changes nothing."""
-        state_format.check(self, state_dict)
+        state_format.check(self._state_parts(), state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict() from an optimizer over the same parameters.
         Everything is checked before anything changes: a failed load leaves this optimizer as
         it was. Load the model's weights first, then this (as frameworks do): weights loaded
         afterwards count as changed outside the optimizer and become the master values."""
-        state_format.load(self, state_dict)
+        state_format.load(self, self._state_parts(), state_dict)
+
+    def _state_parts(self) -> state_format.StateParts:
+        return state_format.StateParts(
+            self._NAME, self.param_groups, self.counters, self._host_params, self._vector_params,
+            self._pipeline, self._selector, self._window, self._outside_writes,
+            self.settings.topk_ratio, self.settings.overlap_step, self._partition.world_size,
+            self._partition.rank)
 
 
 def optimizer_stats(opt: ZenFlowAdamW) -> dict:

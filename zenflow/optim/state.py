@@ -2,7 +2,8 @@
 
     {"state": {param number: per-parameter state},     # numbered as torch.optim numbers them
      "param_groups": [... as torch.optim, "params" as numbers ...],
-     "zenflow": {"optimizer": its class name, the StepCounters' fields,
+     "zenflow": {"format_version": FORMAT_VERSION,
+                 "optimizer": its class name, the StepCounters' fields,
                  "selection": the ColumnSelector's, "window": the window's,
                  "in_flight", "in_flight_jobs": the host pipeline's update in flight,
                  "topk_ratio", "overlap_step", "world_size", "rank": what it must match}}
@@ -12,10 +13,17 @@ of it, "device": its DeviceColumns'}; a vector updated on the device saves {"kin
 **its DeviceVector's}. Every part writes and reads its own piece; loading checks every piece
 before any part changes. torch's state-dict hooks (Optimizer.register_state_dict_pre_hook and
 the three others) run around saving and loading as they do for any torch optimizer.
+
+Versions. A change to what any part saves bumps FORMAT_VERSION and adds a step to `_MIGRATIONS`
+that turns a state of the version before into the new one, so every older state still loads; a
+state newer than this code is refused, naming both versions. Version 1 is the format before
+versions were written down (no "format_version" key).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 @dataclass
@@ -34,73 +42,118 @@ class StepCounters:
             setattr(self, f.name, state[f.name])
 
 
-def _numbers(opt) -> dict:
+FORMAT_VERSION = 2
+
+
+def _from_v1(saved: dict) -> dict:
+    return saved   # version 2 only started writing the version down
+
+
+# version v -> the step that turns a "zenflow" section of version v into version v + 1
+_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1}
+
+
+@dataclass
+class StateParts:
+    """The parts of an optimizer that hold state, as the optimizer hands them to this module."""
+    owner: str                 # the optimizer's class name, for errors and the saved "optimizer"
+    param_groups: list[dict]
+    counters: StepCounters
+    host_params: list          # zenflow.optim.params.HostParam
+    vector_params: list        # zenflow.optim.params.VectorParam
+    pipeline: Any              # zenflow.host.pipeline.HostPipeline
+    selector: Any              # zenflow.optim.selector.ColumnSelector
+    window: Any                # zenflow.optim.windows.WindowRule
+    outside_writes: Any        # zenflow.optim.params.OutsideWrites
+    topk_ratio: float
+    overlap_step: bool
+    world_size: int
+    rank: int
+
+
+def _numbers(parts: StateParts) -> dict:
     """Each parameter's number, as torch.optim numbers them in a state dict."""
-    return {p: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    return {p: i for i, p in enumerate(p for g in parts.param_groups for p in g["params"])}
 
 
-def compose(opt) -> dict:
-    """The state of `opt` from its parts (the host pipeline drains first)."""
-    number = _numbers(opt)
-    host = opt._pipeline.state_dict()
+def compose(parts: StateParts) -> dict:
+    """The state of the optimizer from its parts (the host pipeline drains first)."""
+    number = _numbers(parts)
+    host = parts.pipeline.state_dict()
     state = {}
-    for m in opt._host_params:
+    for m in parts.host_params:
         state[number[m.param]] = {"kind": "host", "host": host["params"][m.host_index],
                                   "device": m.selected.state_dict()}
-    for v in opt._vector_params:
+    for v in parts.vector_params:
         state[number[v.param]] = {"kind": "vector", **v.state.state_dict()}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [number[p] for p in g["params"]]} for g in opt.param_groups]
+               "params": [number[p] for p in g["params"]]} for g in parts.param_groups]
     return {"state": state, "param_groups": groups, "zenflow": {
-        "optimizer": opt._NAME, **opt.counters.state_dict(),
-        "selection": opt._selector.state_dict(), "window": opt._window.state_dict(),
+        "format_version": FORMAT_VERSION, "optimizer": parts.owner, **parts.counters.state_dict(),
+        "selection": parts.selector.state_dict(), "window": parts.window.state_dict(),
         "in_flight": host["in_flight"], "in_flight_jobs": host["in_flight_jobs"],
-        "topk_ratio": opt.settings.topk_ratio,
-        "overlap_step": opt.settings.overlap_step, "world_size": opt._partition.world_size,
-        "rank": opt._partition.rank}}
+        "topk_ratio": parts.topk_ratio, "overlap_step": parts.overlap_step,
+        "world_size": parts.world_size, "rank": parts.rank}}
 
 
-def check(opt, state_dict: dict) -> None:
-    """Raise ValueError, naming the optimizer, unless `state_dict` fits `opt`; changes nothing."""
+def _current(saved: dict) -> dict:
+    """The "zenflow" section `saved` in this version's format, migrated step by step."""
+    version = saved.get("format_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ValueError(f"'format_version' must be a positive integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"the state has format version {version}, newer than this zenflow reads "
+                         f"(1 to {FORMAT_VERSION}); load it with the zenflow that saved it, or a "
+                         "newer one")
+    while version < FORMAT_VERSION:
+        saved = _MIGRATIONS[version](dict(saved))
+        version += 1
+    return {**saved, "format_version": FORMAT_VERSION}
+
+
+def check(parts: StateParts, state_dict: dict) -> dict:
+    """Raise ValueError, naming the optimizer, unless `state_dict` fits; changes nothing. Returns
+    the state dict with its "zenflow" section in this version's format."""
     try:
-        _check(opt, state_dict)
+        return _check(parts, state_dict)
     except ValueError as exc:
-        raise ValueError(f"{opt._NAME}: load_state_dict: {exc}") from None
+        raise ValueError(f"{parts.owner}: load_state_dict: {exc}") from None
 
 
-def _check(opt, state_dict: dict) -> None:
+def _check(parts: StateParts, state_dict: dict) -> dict:
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("zenflow"), dict):
         raise ValueError("got a state dict without the 'zenflow' section; it was not saved by "
                          "ZenFlowAdamW or OffloadAdamW")
-    saved = state_dict["zenflow"]
-    if saved.get("optimizer", opt._NAME) != opt._NAME:
-        raise ValueError(f"the state was saved by {saved['optimizer']}, not {opt._NAME}")
+    saved = _current(state_dict["zenflow"])
+    state_dict = {**state_dict, "zenflow": saved}
+    if saved.get("optimizer", parts.owner) != parts.owner:
+        raise ValueError(f"the state was saved by {saved['optimizer']}, not {parts.owner}")
     sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
-    if sizes != [len(g["params"]) for g in opt.param_groups]:
+    if sizes != [len(g["params"]) for g in parts.param_groups]:
         raise ValueError(f"saved param groups have sizes {sizes}, this optimizer's have "
-                         f"{[len(g['params']) for g in opt.param_groups]}")
+                         f"{[len(g['params']) for g in parts.param_groups]}")
     world_size, rank = saved.get("world_size", 1), saved.get("rank", 0)
-    if world_size != opt._partition.world_size:
+    if world_size != parts.world_size:
         raise ValueError(f"the state was saved by rank {rank} of {world_size}, but this run has "
-                         f"{opt._partition.world_size} rank(s); each rank holds only its share of "
+                         f"{parts.world_size} rank(s); each rank holds only its share of "
                          "the host state, so resume on the same number of ranks")
-    if rank != opt._partition.rank:
-        raise ValueError(f"this is rank {opt._partition.rank} but the state belongs to rank {rank}")
-    if saved["topk_ratio"] != opt.settings.topk_ratio:
+    if rank != parts.rank:
+        raise ValueError(f"this is rank {parts.rank} but the state belongs to rank {rank}")
+    if saved["topk_ratio"] != parts.topk_ratio:
         raise ValueError(f"saved topk_ratio {saved['topk_ratio']} differs from this optimizer's "
-                         f"{opt.settings.topk_ratio}")
-    number, states = _numbers(opt), state_dict["state"]
-    for m in opt._host_params:
-        saved = _saved_piece(states.get(number[m.param]), "host", m.param)
-        m.selected.check_state_dict(saved["device"], f"the selected columns of the parameter of "
+                         f"{parts.topk_ratio}")
+    number, states = _numbers(parts), state_dict["state"]
+    for m in parts.host_params:
+        piece = _saved_piece(states.get(number[m.param]), "host", m.param)
+        m.selected.check_state_dict(piece["device"], f"the selected columns of the parameter of "
                                                      f"shape {tuple(m.param.shape)}")
-    for v in opt._vector_params:
+    for v in parts.vector_params:
         v.state.check_state_dict(_saved_piece(states.get(number[v.param]), "vector", v.param),
                                  f"the parameter of shape {tuple(v.param.shape)}")
-    opt._pipeline.check_state_dict(
-        {"params": [states[number[m.param]]["host"] for m in opt._host_params],
-         "in_flight": state_dict["zenflow"].get("in_flight"),
-         "in_flight_jobs": state_dict["zenflow"].get("in_flight_jobs")})
+    parts.pipeline.check_state_dict(
+        {"params": [states[number[m.param]]["host"] for m in parts.host_params],
+         "in_flight": saved.get("in_flight"), "in_flight_jobs": saved.get("in_flight_jobs")})
+    return state_dict
 
 
 def _saved_piece(saved, kind: str, param) -> dict:
@@ -109,35 +162,35 @@ def _saved_piece(saved, kind: str, param) -> dict:
     return saved
 
 
-def _load(opt, state_dict: dict) -> None:
-    check(opt, state_dict)
-    number, states, saved = _numbers(opt), state_dict["state"], state_dict["zenflow"]
-    opt._pipeline.load_state_dict({"params": [states[number[m.param]]["host"]
-                                              for m in opt._host_params],
-                                   "in_flight": saved["in_flight"],
-                                   "in_flight_jobs": saved.get("in_flight_jobs")})
-    for m in opt._host_params:
+def _load(parts: StateParts, state_dict: dict) -> None:
+    state_dict = check(parts, state_dict)
+    number, states, saved = _numbers(parts), state_dict["state"], state_dict["zenflow"]
+    parts.pipeline.load_state_dict({"params": [states[number[m.param]]["host"]
+                                               for m in parts.host_params],
+                                    "in_flight": saved["in_flight"],
+                                    "in_flight_jobs": saved.get("in_flight_jobs")})
+    for m in parts.host_params:
         m.selected.load_state_dict(states[number[m.param]]["device"])
-    for v in opt._vector_params:
+    for v in parts.vector_params:
         v.state.load_state_dict(states[number[v.param]])
-    for group, saved_group in zip(opt.param_groups, state_dict["param_groups"]):
+    for group, saved_group in zip(parts.param_groups, state_dict["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    opt.counters.load_state_dict(saved)
-    opt._selector.load_state_dict(saved["selection"])
-    opt._window.load_state_dict(saved["window"])
+    parts.counters.load_state_dict(saved)
+    parts.selector.load_state_dict(saved["selection"])
+    parts.window.load_state_dict(saved["window"])
     # The weights as they are now (usually just loaded from the same checkpoint) belong with
     # this state; only later outside writes are adopted.
-    opt._outside_writes.forget()
+    parts.outside_writes.forget()
 
 
-def save(opt) -> dict:
-    """opt.state_dict(): compose() after adopting weights written outside the optimizer, with
-    torch's state_dict pre-hooks before and post-hooks after (a post-hook may return a new dict),
-    as torch.optim.Optimizer.state_dict runs them."""
+def save(opt, parts: StateParts) -> dict:
+    """opt.state_dict(): compose() with torch's state_dict pre-hooks before and post-hooks after
+    (a post-hook may return a new dict), as torch.optim.Optimizer.state_dict runs them; weights
+    written outside the optimizer are adopted first, so the state saved goes with them."""
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
-    opt._outside_writes.adopt(opt._selector.has_chosen)
-    state_dict = compose(opt)
+    parts.outside_writes.adopt(parts.selector.has_chosen)
+    state_dict = compose(parts)
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, state_dict)
         if result is not None:
@@ -145,16 +198,16 @@ def save(opt) -> dict:
     return state_dict
 
 
-def load(opt, state_dict: dict) -> None:
+def load(opt, parts: StateParts, state_dict: dict) -> None:
     """opt.load_state_dict(): restore what save() returned, checked first, so that a failed
-    load leaves `opt` as it was; torch's load_state_dict pre-hooks run before (each may return
-    a new dict) and post-hooks after, as torch.optim.Optimizer.load_state_dict runs them."""
+    load leaves the optimizer as it was; torch's load_state_dict pre-hooks run before (each may
+    return a new dict) and post-hooks after, as torch.optim.Optimizer.load_state_dict runs them."""
     if isinstance(state_dict, dict):
         state_dict = state_dict.copy()   # shallow, as torch does
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         result = pre_hook(opt, state_dict)
         if result is not None:
             state_dict = result
-    _load(opt, state_dict)
+    _load(parts, state_dict)
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
