@@ -10,6 +10,9 @@ import math
 
 import torch
 
+# What AdamW keeps per parameter, by the names every part saves and moves them under.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+FP32_STATE = ("master", *MOMENTS)   # with the fp32 master value
 
 def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
            exp_avg_sqs: list[torch.Tensor], step: int, *, lr: float, beta1: float, beta2: float,

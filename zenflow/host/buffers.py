@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 import torch
 
-from zenflow.adamw import adamw_, adamw_lookahead
+from zenflow.adamw import FP32_STATE, adamw_, adamw_lookahead
 from zenflow.host.arena import Arena, Region
 
 _CHUNK = 1 << 20  # elements per pass of a dtype-converting add: the fp32 temporary stays in cache
-FP32_KINDS = ("master", "exp_avg", "exp_avg_sq")
+FP32_KINDS = FP32_STATE   # the fp32 buffers every matrix has
 
 
 class HostJob(NamedTuple):

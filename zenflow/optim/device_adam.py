@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.adamw import adamw_
+from zenflow.adamw import FP32_STATE, adamw_
 from zenflow.optim import columns
 from zenflow.saved_state import check_saved_tensors
 
@@ -44,7 +44,7 @@ class DeviceColumns(_SavedAdamState):
     step: int
     grad: torch.Tensor             # [out, k] scratch for the gathered gradient columns
 
-    SAVED = ("column_indices", "master", "exp_avg", "exp_avg_sq")
+    SAVED = ("column_indices", *FP32_STATE)
 
     @classmethod
     def empty(cls, rows: int, k: int, device: torch.device, step: int) -> DeviceColumns:
@@ -65,7 +65,7 @@ class DeviceVector(_SavedAdamState):
     exp_avg_sq: torch.Tensor
     step: int = 0
 
-    SAVED = ("master", "exp_avg", "exp_avg_sq")
+    SAVED = FP32_STATE
 
     @classmethod
     def for_param(cls, param: torch.Tensor) -> DeviceVector:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from zenflow.adamw import moment_rescale
+from zenflow.adamw import FP32_STATE, moment_rescale
 from zenflow.distributed import Partition
 from zenflow.optim import columns
 from zenflow.optim.device_adam import DeviceColumns
 
-_KINDS = ("master", "exp_avg", "exp_avg_sq")
+_KINDS = FP32_STATE
 
 
 def _host_columns(host_rows: torch.Tensor, cols: torch.Tensor, num_rows: int,

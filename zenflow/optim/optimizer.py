@@ -21,8 +21,13 @@ The parts this class drives: `zenflow.optim.params` (each parameter, and where i
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+import operator
 import os
+import types
+import typing
 
 import torch
 
@@ -71,12 +76,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             Parameters that do not require grad are kept in the groups and skipped, as
             torch.optim does; they cost no host memory.
         lr, betas, eps, weight_decay: as in torch.optim.AdamW; read from param_groups at each use.
-        topk_ratio, select_strategy, select_interval, update_interval, full_warm_up_rounds,
-        overlap_step, max_grad_norm, importance, deferred_credit, install_lookahead,
-        steps_per_epoch, pt_reserved_cores_perc, reselect_threshold, auto_ratio,
-        auto_update_bounds, worker: ZenFlow's knobs, the fields
-            of `zenflow.ZenFlowSettings` (which says what each does and holds the defaults);
-            the optimizer keeps them, validated, as `self.settings`.
+        **knobs: ZenFlow's knobs by name, the fields of `zenflow.ZenFlowSettings` (which says
+            what each does and holds the defaults; docs/knobs.md lists them); the optimizer
+            keeps them, validated, as `self.settings`. The signature below lists them too.
         process_group: the torch.distributed group to partition the host state across (default:
             the default group when torch.distributed is initialized). Gradients must already be
             averaged across ranks (DDP or zenflow.initialize do it); the optimizer never reduces
@@ -93,31 +95,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
                  betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
                  eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
-                 *, topk_ratio: float = DEFAULTS.topk_ratio,
-                 select_strategy: str = DEFAULTS.select_strategy,
-                 select_interval: int | str = DEFAULTS.select_interval,
-                 update_interval: int | str = DEFAULTS.update_interval,
-                 full_warm_up_rounds: int = DEFAULTS.full_warm_up_rounds,
-                 overlap_step: bool = DEFAULTS.overlap_step,
-                 max_grad_norm: float | None = DEFAULTS.max_grad_norm,
-                 importance: str = DEFAULTS.importance,
-                 deferred_credit: str = DEFAULTS.deferred_credit,
-                 install_lookahead: float = DEFAULTS.install_lookahead,
-                 steps_per_epoch: int | None = DEFAULTS.steps_per_epoch,
-                 pt_reserved_cores_perc: float = DEFAULTS.pt_reserved_cores_perc,
-                 reselect_threshold: float = DEFAULTS.reselect_threshold,
-                 auto_ratio: float | None = DEFAULTS.auto_ratio,
-                 auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,
-                 worker: bool = DEFAULTS.worker, process_group=None):
+                 *, process_group=None, **knobs):
         self._closed = True          # until the worker exists, close() has nothing to do
-        self.settings = ZenFlowSettings.from_arguments(
-            self._NAME, topk_ratio=topk_ratio, select_strategy=select_strategy,
-            select_interval=select_interval, update_interval=update_interval,
-            full_warm_up_rounds=full_warm_up_rounds, overlap_step=overlap_step,
-            max_grad_norm=max_grad_norm, importance=importance, deferred_credit=deferred_credit,
-            install_lookahead=install_lookahead, steps_per_epoch=steps_per_epoch,
-            pt_reserved_cores_perc=pt_reserved_cores_perc, reselect_threshold=reselect_threshold,
-            auto_ratio=auto_ratio, auto_update_bounds=auto_update_bounds, worker=worker)
+        self.settings = ZenFlowSettings.from_arguments(self._NAME, **knobs)
         schedule = SelectionSchedule.for_settings(self.settings, self._NAME)
         self._window = window_for(self.settings)
         environment_without_group(self._NAME, process_group)
@@ -390,3 +370,28 @@ def optimizer_stats(opt: ZenFlowAdamW) -> dict:
         "device_state_bytes_per_param": dev / max(1, numel),
         **opt._timer.summary(),
     }
+
+
+def _without_rules(annotation):
+    """`annotation` with the settings' validation rules (Annotated metadata) taken off."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _without_rules(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, map(_without_rules, typing.get_args(annotation)))
+    return annotation
+
+
+def _signature(init, settings_fields: dict, defaults) -> inspect.Signature:
+    """`init`'s signature with `**knobs` spelled out from the settings' fields, for help(),
+    inspect and IDEs: the one list of knobs is ZenFlowSettings."""
+    signature = inspect.signature(init)
+    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    knobs = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                               default=getattr(defaults, name),
+                               annotation=_without_rules(field.annotation))
+             for name, field in settings_fields.items()]
+    return signature.replace(parameters=[*params[:-1], *knobs, params[-1]])  # process_group last
+
+
+ZenFlowAdamW.__init__.__signature__ = _signature(  # type: ignore[attr-defined]
+    ZenFlowAdamW.__init__, ZenFlowSettings.model_fields, DEFAULTS)

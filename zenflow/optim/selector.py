@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zenflow.adamw import FP32_STATE
 from zenflow.distributed import Partition
 from zenflow.host.pipeline import HostPipeline
 from zenflow.optim import columns, handoff
@@ -74,7 +75,7 @@ class ColumnSelector:
         for m, importance in zip(plan.matrices, plan.importances):
             chosen = top_columns(importance, m.k)
             host = {kind: self.pipeline.host.fp32(kind, m.host_index)
-                    for kind in ("master", "exp_avg", "exp_avg_sq")}
+                    for kind in FP32_STATE}
             host_step = self.pipeline.host_step[m.host_index]
             if plan.first:
                 handoff.take_from_host(m.selected, host, chosen, host_step, m.param.shape[0],
