@@ -212,3 +212,29 @@ def test_copies_landing_after_the_step_use_two_staging_buffers_and_match_the_ref
     finally:
         opt.close()
     assert late.log["copies"] == 12
+
+
+def test_auto_device_sum_budget_on_a_cpu_device_keeps_every_sum_on_the_host():
+    layer = torch.nn.Linear(8, 8)
+    opt = zenflow.ZenFlowAdamW(layer.parameters(), update_interval=2, worker=False)
+    layer(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    stats = opt.stats()
+    opt.close()
+    assert stats["device_sum_matrices"] == 0 and stats["host_sum_matrices"] == 1
+    assert stats["device_sum_bytes"] == 0
+
+
+def test_device_summed_matrices_send_no_gradient_to_the_host_until_the_window_ends():
+    layer = torch.nn.Linear(16, 8, bias=False)
+    opt = zenflow.ZenFlowAdamW(layer.parameters(), topk_ratio=0.25, update_interval=4,
+                               overlap_step=True, worker=False, device_sum_budget=10 ** 6)
+    moved = []
+    for _ in range(8):
+        layer(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        moved.append(opt.timeline()["steps"][-1]["d2h_bytes"])
+    opt.close()
+    # Once per window, the fp32 sum of the 8 x 16 matrix: 4 bytes a parameter.
+    assert moved == [0, 0, 0, 8 * 16 * 4] * 2

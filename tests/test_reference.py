@@ -42,7 +42,8 @@ def run_pair(case, seed):
                   install_lookahead=case.get("install_lookahead", 0.0))
     interval = case["select_interval"]
     opt = zenflow.ZenFlowAdamW(params, **kwargs, select_strategy="step",
-                               select_interval=interval if interval else 10 ** 6)
+                               select_interval=interval if interval else 10 ** 6,
+                               device_sum_budget=case.get("device_sum_budget", 0))
     ref = ReferenceZenFlow(ref_params, **kwargs, select_interval=interval)
     for t in range(case["steps"]):
         grads = [torch.randn(s, generator=gen) * (1 + 3 * (i % 2)) for i, s in enumerate(SHAPES)]
@@ -58,7 +59,7 @@ def run_pair(case, seed):
             torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"step {t}, param {i} {SHAPES[i]}: {m}")
     opt.close()
-    return opt
+    return opt, params
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -73,7 +74,7 @@ def test_sweep_covers_reselection_and_overlap():
     assert sum(c["select_interval"] is not None for c in cases) >= 15
     assert sum(c["max_grad_norm"] is not None for c in cases) >= 15
     assert sum(c["full_warm_up_rounds"] > 0 for c in cases) >= 15
-    reselected = sum(run_pair(c, s).num_reselections > 0 for s, c in enumerate(cases[:20]))
+    reselected = sum(run_pair(c, s)[0].num_reselections > 0 for s, c in enumerate(cases[:20]))
     assert reselected >= 4
 
 
@@ -97,3 +98,23 @@ def test_auto_reselection_matches_reference_given_its_decisions():
         torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
     assert opt.num_reselections >= 2
     opt.close()
+
+
+# The matrices of SHAPES are (7, 9), (5, 3, 2) as (5, 6), (4, 12) and (3, 1): 4 bytes per element
+# of a sum. HALF fits the first two.
+HALF = 4 * (7 * 9 + 5 * 6)
+ALL = 10 ** 9
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("budget", [HALF, ALL], ids=["half-on-device", "all-on-device"])
+def test_window_sums_on_the_device_match_the_reference_and_the_host_sums_bit_for_bit(seed, budget):
+    case = random_case(seed)
+    opt, on_device = run_pair({**case, "device_sum_budget": budget}, seed)
+    stats = opt.stats()
+    summed = len([m for m in opt._host_params if m.param.ndim >= 2])
+    assert stats["device_sum_matrices"] == (min(2, summed) if budget == HALF else summed)
+    assert stats["host_sum_matrices"] == len(opt._host_params) - stats["device_sum_matrices"]
+    _, on_host = run_pair({**case, "device_sum_budget": 0}, seed)
+    for a, b in zip(on_device, on_host):
+        assert torch.equal(a.detach(), b.detach())

@@ -52,6 +52,23 @@ def test_resume_is_bit_exact(overlap, resume_at, warm_up):
     assert resumed_stats["reselections"] == straight_stats["reselections"]
 
 
+@pytest.mark.parametrize("budget", [10 ** 9, 6_000], ids=["all-sums-on-device", "some"])
+@pytest.mark.parametrize("resume_at", [5, 7])  # mid-window, window boundary
+def test_resume_with_window_sums_on_the_device_is_bit_exact(budget, resume_at):
+    make, loss_fn = MODELS["transformer_block"]
+    on_host = dict(KW, overlap_step=True, max_grad_norm=1.0)
+    kwargs = dict(on_host, device_sum_budget=budget)
+    straight, stats = run(make, loss_fn, kwargs, steps=12)
+    resumed, _ = run(make, loss_fn, kwargs, steps=12, resume_at=resume_at)
+    host_summed, _ = run(make, loss_fn, on_host, steps=12)
+    assert stats["device_sum_matrices"] > 0
+    assert (stats["host_sum_matrices"] > 0) == (budget < 10 ** 9)
+    for (name, a), b, c in zip(straight.named_parameters(), resumed.parameters(),
+                               host_summed.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.equal(a, c), name
+
+
 def test_state_dict_is_a_snapshot():
     """Training on after state_dict() must not change what was saved."""
     make, loss_fn = MODELS["mlp"]

@@ -115,6 +115,17 @@ def count(lo: int, hi: int = _limits.MAX_STEPS, *, lo_open: bool = False,
     return check
 
 
+def auto_or_bytes(value):
+    """"auto" or a number of bytes >= 0."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    if not _is_integer(value) or value < 0:
+        raise Invalid(f'must be a number of bytes >= 0 or "auto", got {value!r:.100}',
+                      f'must be "auto" or an integer >= 0, got {value!r:.100}',
+                      type_error=not _is_integer(value) and not isinstance(value, str))
+    return int(value)
+
+
 def auto_or_count(hi: int) -> Callable:
     """"auto" or an integer in [1, hi]."""
     def check(value):
@@ -194,6 +205,7 @@ NonNegInt = Annotated[int, rule(count(0))]
 Iteration = Annotated[int, rule(count(-1))]    # a scheduler's last_batch_iteration
 Exponent = Annotated[int, rule(count(0, 64, between=True))]
 UpdateInterval = Annotated[int | Literal["auto"], rule(auto_or_count(_limits.MAX_INTERVAL))]
+DeviceSumBudget = Annotated[int | Literal["auto"], rule(auto_or_bytes)]
 SelectInterval = Annotated[int | Literal["auto"], rule(auto_or_count(_limits.MAX_STEPS))]
 IntervalBounds = Annotated[tuple[int, int], rule(pair(count(1, _limits.MAX_INTERVAL),
                                                       "(min_steps, max_steps)", ordered=True))]

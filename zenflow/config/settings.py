@@ -25,6 +25,7 @@ from zenflow.config.rules import (
     ERROR_TYPE,
     Betas,
     DeferredCredit,
+    DeviceSumBudget,
     Eps,
     Flag,
     Fraction,
@@ -143,6 +144,13 @@ class ZenFlowSettings(_Arguments):
     auto_ratio: Ratio | None = None
     # (min, max) window length for update_interval="auto".
     auto_update_bounds: IntervalBounds = (1, 16)
+    # Device memory for the window's gradient sums of host-owned rows, in bytes (4 per summed
+    # parameter). A matrix summed on the device crosses the bus once per window, as its fp32 sum,
+    # and costs the host nothing per step; the others cross every step and the worker sums them.
+    # 0: every sum on the host. "auto": what the device has left after the first step's forward
+    # and backward (its peak so far), less a headroom of a tenth of its memory; on a CPU "device",
+    # where the worker adds in parallel with training, 0.
+    device_sum_budget: DeviceSumBudget = "auto"
     # Run the host side in a worker process (False: in the training process, synchronously;
     # for debugging and for machines without a spare core).
     worker: Flag = True

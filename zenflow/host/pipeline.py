@@ -1,9 +1,12 @@
 """The host side of one optimizer step: staging, accumulation, window end, install.
 
-    stage(grads)        copy this step's gradient rows of host-owned matrices to a staging buffer
-                        (on CUDA: queued on a side stream; the Python thread does not wait)
-    accumulate(scale)   tell the host to add that buffer, times `scale`, to the window's sums
-    end_window(jobs)    tell the host to run AdamW on the window's mean gradient
+    stage(grads, scale) add this step's gradient rows, times `scale`, into the window's sums on the
+                        device (zenflow/host/device_sums.py), for the matrices whose sums fit the
+                        device budget; copy the other matrices' rows to a staging buffer (on
+                        CUDA: queued on a side stream; the Python thread does not wait)
+    accumulate()        tell the host to add that buffer, times `scale`, to the window's sums
+    end_window(jobs)    copy the device's sums to the host, and tell the host to run AdamW on
+                        the window's mean gradient
     install()           wait for that update and copy the new values to the parameters
 
 The training thread does no host arithmetic: the worker (or, with worker=False, the inline
@@ -33,8 +36,9 @@ import torch
 from zenflow.distributed import Partition
 from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
+from zenflow.host.device_sums import DeviceSums, choose_device_summed
 from zenflow.host.telemetry import StepTimer
-from zenflow.host.transfers import DONE, Ticket, Transfers
+from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
 from zenflow.saved_state import check_saved_tensors
 
 log = logging.getLogger("zenflow")
@@ -69,7 +73,8 @@ class HostPipeline:
 
     def __init__(self, params: list[torch.Tensor], partition: Partition, device: torch.device,
                  overlap: bool, worker_cores: list[int] | None, timer: StepTimer,
-                 owner: str, available_bytes: int | None = None):
+                 owner: str, available_bytes: int | None = None,
+                 device_sum_budget: int | str = 0):
         self.params = params
         self.partition = partition
         self.rows = [partition.rows(host_view(p).shape[0]) for p in params]
@@ -86,6 +91,11 @@ class HostPipeline:
         self.runner = self._start_runner()
         self.torn: list[int] = []   # parameters whose host state a dying worker left half-written
 
+        self.device = device
+        self.device_sum_budget = device_sum_budget
+        self.device_sums = DeviceSums(self.transfers)
+        self._sums_placed = False   # decided at the first step (the budget may need its peak)
+        self._pinned_sums: list[str] = []
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
         self._start_over()
@@ -97,7 +107,7 @@ class HostPipeline:
         self._staging_reader: list[int | None] = [None] * self.layout.staging_slots
         self._install_reader: Ticket = DONE
         self._queue: deque[_Queued] = deque()     # not yet sent
-        self._staged: tuple[int, list[int], Ticket] | None = None
+        self._staged: tuple[int, list[int], Ticket, float] | None = None
         self._last_copy: Ticket = DONE
         self.in_flight: InFlight | None = None
 
@@ -173,9 +183,44 @@ class HostPipeline:
         self.flush(block=False)
 
     # -- one step -------------------------------------------------------------------------------
-    def stage(self, grads: dict[int, torch.Tensor]) -> None:
-        """Start copying this step's gradient rows of parameters `grads` (index -> gradient)."""
+    def _place_sums(self) -> None:
+        """Decide which matrices sum on the device (the budget's "auto" reads the device's peak
+        memory so far, so this runs at the first step, after the first backward)."""
+        budget = self.device_sum_budget
+        if budget == "auto":
+            budget = self.transfers.spare_device_bytes()
+        chosen = choose_device_summed([m.numel for m in self.layout.matrices], int(budget))
+        self.device_sums.allocate({i: (self.layout.matrices[i].rows, self.layout.matrices[i].cols)
+                                   for i in chosen}, self.device)
+        for i in chosen:   # a window restored before the first step summed on the host so far
+            if self.num_grads[i]:
+                self.device_sums.sums[i].copy_(self.host.fp32(f"grad_sum{self._sum_slot}", i))
+        if chosen and self.transfers.cuda:   # the sums are copied into the host's sum buffers
+            self._pinned_sums = [f"grad_sum{s}" for s in range(self.layout.sum_slots)]
+            self.transfers.pin([self.host.arena.views[n] for n in self._pinned_sums])
+        self._sums_placed = True
+        log.info("window sums of %d of %d matrices on the device (%.2f GiB of a budget of "
+                 "%.2f GiB); the rest on the host", len(chosen), len(self.layout.matrices),
+                 self.device_sums.nbytes() / 2**30, int(budget) / 2**30)
+
+    def stage(self, grads: dict[int, torch.Tensor], scale: float) -> None:
+        """This step's gradient rows of parameters `grads` (index -> gradient), times `scale`:
+        added into the device sums of the matrices summed there, and for the others copied to a
+        staging buffer that accumulate() hands to the host."""
         start = time.perf_counter()
+        if not self._sums_placed:
+            self._place_sums()
+        on_device = {i: host_view(g)[self.rows[i]] for i, g in grads.items()
+                     if i in self.device_sums}
+        if on_device:
+            self.device_sums.add(on_device, [i for i in on_device if self.num_grads[i] == 0],
+                                 scale)
+            for i in on_device:
+                self.num_grads[i] += 1
+            grads = {i: g for i, g in grads.items() if i not in self.device_sums}
+        if not grads:
+            self.timer.offload(time.perf_counter() - start)
+            return
         waited = 0.0
         slot = self._staging_slot
         if any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
@@ -193,16 +238,16 @@ class HostPipeline:
             pairs.append((self.host.staging(slot, i), src))
             nbytes += src.numel() * src.element_size()
         ticket = self.transfers.to_host(pairs)
-        self._staged = (slot, list(grads), ticket)
+        self._staged = (slot, list(grads), ticket, scale)
         self._last_copy = ticket
         self.timer.moved(d2h=nbytes)
         self.timer.offload(time.perf_counter() - start - waited)
 
-    def accumulate(self, scale: float) -> None:
-        """Have the host add the staged gradients, times `scale`, to this window's sums."""
+    def accumulate(self) -> None:
+        """Have the host add the staged gradients, times their scale, to this window's sums."""
         if self._staged is None:
             return
-        slot, matrices, ticket = self._staged
+        slot, matrices, ticket, scale = self._staged
         self._staged = None
         if not matrices:
             return
@@ -235,8 +280,13 @@ class HostPipeline:
 
         def sent(seq: int) -> None:
             flight.seq = seq
-        # The update overwrites the install buffer: only once the last install copy has read it.
-        self._enqueue(self._install_reader, Update(self._sum_slot, tuple(jobs)), sent)
+        on_device = [j.matrix for j in jobs if j.matrix in self.device_sums]
+        sums = self.device_sums.copy_out(
+            {i: self.host.fp32(f"grad_sum{self._sum_slot}", i) for i in on_device})
+        self.timer.moved(d2h=4 * sum(self.layout.matrices[i].numel for i in on_device))
+        # The update reads the sums once they have landed, and overwrites the install buffer
+        # once the last install copy has read it.
+        self._enqueue(all_of(self._install_reader, sums), Update(self._sum_slot, tuple(jobs)), sent)
         self.in_flight = flight
         self._sum_slot = (self._sum_slot + 1) % self.layout.sum_slots
         return True
@@ -305,7 +355,8 @@ class HostPipeline:
         self.drain()
         per_param = []
         for i in range(len(self.params)):
-            grad_sum = self.host.fp32(f"grad_sum{self._sum_slot}", i)
+            grad_sum = (self.device_sums.sums[i].to("cpu", copy=True) if i in self.device_sums
+                        else self.host.fp32(f"grad_sum{self._sum_slot}", i))
             per_param.append({
                 **{kind: self.host.fp32(kind, i).clone() for kind in FP32_KINDS},
                 # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
@@ -338,7 +389,10 @@ class HostPipeline:
         for i, s in enumerate(state["params"]):
             for kind in FP32_KINDS:
                 self.host.fp32(kind, i).copy_(s[kind])
-            self.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
+            if i in self.device_sums:
+                self.device_sums.sums[i].copy_(s["grad_sum"])
+            else:
+                self.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
             self.host_step[i], self.num_grads[i] = s["host_step"], s["num_grads"]
         if state["in_flight"] is not None:
             # The update is done; its install buffer is rebuilt from the values it produced.
@@ -350,7 +404,8 @@ class HostPipeline:
     # -- lifecycle --------------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
         return sum(self.host.arena.views[n].numel() * self.host.arena.views[n].element_size()
-                   for n in self.layout.dma_regions()) if self.transfers.cuda else 0
+                   for n in [*self.layout.dma_regions(), *self._pinned_sums]
+                   ) if self.transfers.cuda else 0
 
     def close(self) -> None:
         self.runner.close()

@@ -57,6 +57,24 @@ class Ticket:
 DONE = Ticket()
 
 
+class _AllTickets(Ticket):
+    def __init__(self, tickets: list[Ticket]):
+        super().__init__()
+        self._tickets = tickets
+
+    def done(self) -> bool:
+        return all(t.done() for t in self._tickets)
+
+    def wait(self) -> float:
+        return sum(t.wait() for t in self._tickets)
+
+
+def all_of(*tickets: Ticket) -> Ticket:
+    """A ticket done when every one of `tickets` is."""
+    pending = [t for t in tickets if t is not DONE]
+    return DONE if not pending else pending[0] if len(pending) == 1 else _AllTickets(pending)
+
+
 class _ThreadTicket(Ticket):
     def __init__(self):
         super().__init__()
@@ -184,6 +202,16 @@ class Transfers:
         current.wait_event(installed)
         self._install_events = (began, installed)
         return Ticket(installed)
+
+    def spare_device_bytes(self, headroom: float = 0.1) -> int:
+        """Device memory left after the peak so far (the forward and backward included, when
+        called after the first backward), less `headroom` of the device's total. A CPU "device"
+        has none to spare: it is the host."""
+        if not self.cuda:
+            return 0
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        peak = torch.cuda.max_memory_reserved(self.device)
+        return max(0, int(total * (1.0 - headroom)) - peak)
 
     @property
     def last_install_seconds(self) -> float:

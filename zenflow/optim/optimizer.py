@@ -4,7 +4,8 @@ One step, top to bottom (docs/semantics.md):
 
     clip          global gradient norm; a non-finite norm skips the step untouched
     select        at a window boundary: choose each matrix's top-k columns (first time, or when due)
-    stage         queue the copy of host-owned gradient rows to the host (no host arithmetic here)
+    stage         add host-owned gradient rows into the window's fp32 sums on the device (where
+                  they fit `device_sum_budget`); queue the copy of the others to the host
     device        AdamW on the selected columns and on every vector parameter, fp32 state
     accumulate    tell the host to add the staged gradients to the window's fp32 sums
     end window    every `update_interval` steps: the host runs AdamW with the mean gradient
@@ -134,7 +135,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
                                       self.device, self.settings.overlap_step, worker_cores,
-                                      self._timer, self._NAME)
+                                      self._timer, self._NAME,
+                                      device_sum_budget=self.settings.device_sum_budget)
         self._closed = False
         self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
                                         self.device, self.settings.importance, schedule)
@@ -192,13 +194,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._select_columns(grads)
         chosen = self._selector.has_chosen
         self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
-                              if m.param in grads and m.host_owns_columns(chosen)})
+                              if m.param in grads and m.host_owns_columns(chosen)}, clip_coef)
         device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
             if present:
                 self._window.observe(*importance_split(present, norms, clip_coef))
-        self._pipeline.accumulate(clip_coef)
+        self._pipeline.accumulate()
         count.window_steps += 1
         if warming_up or self._window_ends():
             if not warming_up:
@@ -366,6 +368,9 @@ def optimizer_stats(opt: ZenFlowAdamW) -> dict:
         "host_bytes": opt._pipeline.host.nbytes(),
         "host_bytes_per_param": opt._pipeline.host.nbytes() / max(1, host_numel),
         "pinned_bytes": opt._pipeline.pinned_bytes(),
+        "device_sum_matrices": len(opt._pipeline.device_sums.sums),
+        "host_sum_matrices": len(opt._host_params) - len(opt._pipeline.device_sums.sums),
+        "device_sum_bytes": opt._pipeline.device_sums.nbytes(),
         "device_state_bytes": dev,
         "device_state_bytes_per_param": dev / max(1, numel),
         **opt._timer.summary(),
