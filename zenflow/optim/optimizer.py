@@ -300,10 +300,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._selector.select(plan, self.counters.step)
         self._decided("select" if plan.first else "reselect")
 
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_closed", True)
+
     def synchronize(self) -> None:
         """Wait for the in-flight host update and install it now (before evaluation or saving
         the final model). Training continues correctly afterwards; the update is just visible
-        earlier than the overlap schedule would make it."""
+        earlier than the overlap schedule would make it. After close() there is no host left
+        to wait for, and the weights stay as they are."""
+        if self.closed:
+            return
         self._outside_writes.adopt(self._selector.has_chosen)
         self._install_in_flight()
         if (self.settings.install_lookahead and self.settings.overlap_step
