@@ -202,7 +202,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         clip_coef = None if scale is None else clip_coefficient(
             list(norms.values()), self.settings.max_grad_norm, scale)
         if clip_coef is None:
-            self._skip()
+            self._skip(amp_overflow=scale is None)
             return loss
         self._consecutive_skips = 0
 
@@ -229,11 +229,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._timer.end()
         return loss
 
-    def _skip(self) -> None:
+    def _skip(self, amp_overflow: bool) -> None:
         self.counters.skipped_steps += 1
         self._consecutive_skips += 1
         n = self._consecutive_skips
-        if n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
+        if amp_overflow:
+            # Ordinary mixed-precision life: GradScaler found inf/NaN at this scale and lowers it.
+            # DeepSpeed logs these at INFO with the new scale; so do we.
+            scale = float(getattr(self, "grad_scale", None) or 1.0)
+            log.info("%s: gradient overflow at loss scale %g: step %d skipped; GradScaler lowers "
+                     "the scale (to %g with its default backoff_factor 0.5)", self._NAME, scale,
+                     self.counters.step, scale * 0.5)
+        elif n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
             log.warning("%s: skipped step %d: the gradients are not finite (%d consecutive "
                         "skipped steps, %d in all)", self._NAME, self.counters.step, n,
                         self.counters.skipped_steps)
