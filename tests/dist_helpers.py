@@ -34,8 +34,9 @@ def engine_config(overlap: bool, world: int = 2, update_interval=3) -> dict:
                                               "overlap_step": overlap}}}
 
 
-def single_process_run(steps: int, overlap: bool) -> dict:
-    """The reference: one process, the whole global batch each step."""
+def single_process_run(steps: int, overlap: bool, synchronized: bool = False) -> dict:
+    """The reference: one process, the whole global batch each step; `synchronized`: with the
+    update in flight installed, as the engine's state_dict() reads the weights."""
     model = make_mlp()
     opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=False,
                                **optimizer_kwargs(overlap))
@@ -44,11 +45,100 @@ def single_process_run(steps: int, overlap: bool) -> dict:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+    if synchronized:
+        opt.synchronize()
     stats = opt.stats()
     opt.close()
     return {"weights": {k: v.clone() for k, v in model.state_dict().items()},
             "host_bytes": stats["host_bytes"], "d2h_bytes": stats["d2h_bytes_total"],
             "reselections": stats["reselections"]}
+
+
+EVAL_EVERY = 5
+
+
+def _raw(module) -> dict:
+    """The weights as they are (named_parameters() is not hooked; state_dict() installs)."""
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def single_process_eval_run(steps: int) -> list[dict]:
+    """The reference for the evaluation loop: every EVAL_EVERY steps, the synchronized weights."""
+    model = make_mlp()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=False,
+                               **optimizer_kwargs(True))
+    seen = []
+    for t in range(steps):
+        x, y = batch(t)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if t % EVAL_EVERY == EVAL_EVERY - 1:
+            opt.synchronize()
+            seen.append(_raw(model))
+    opt.close()
+    return seen
+
+
+def _eval_loop(rank, world, steps, result):
+    """A DeepSpeed client's `model.eval(); evaluate(); model.train()` on every rank, then an
+    evaluation on rank 0 alone, which must neither hang nor let the ranks drift apart."""
+    import logging
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("zenflow.engine").addHandler(handler)
+    engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(True, world))
+    result["evals"], result["before_eval"] = [], []
+    for t in range(steps):
+        x, y = my_share(t, rank, world)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        if t % EVAL_EVERY == EVAL_EVERY - 1:
+            result["before_eval"].append(_raw(engine.module))
+            engine.eval()
+            with torch.no_grad():
+                engine(x)
+            result["evals"].append(_raw(engine.module))
+            engine.train()
+    for t in range(steps, steps + 3):
+        if t == steps + 1 and rank == 0:   # rank 0 alone evaluates while rank 1 trains on
+            with torch.no_grad():
+                engine(x)
+        x, y = my_share(t, rank, world)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    result["after"] = _raw(engine.module)
+    result["warnings"] = warnings
+    engine.close()
+
+
+def _checkpoint_calls(rank, world, out_dir, result):
+    """save_checkpoint as clients call it: tags that differ per rank, then on rank 0 only."""
+    import logging
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("zenflow.engine").addHandler(handler)
+    engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(True, world))
+    ckpt = os.path.join(out_dir, "ckpt")
+    _train_engine(engine, 2)
+    result["path"] = engine.save_checkpoint(ckpt, tag=f"loss{rank}.5")  # DeepSpeed's tutorial
+    result["warnings"] = list(warnings)
+    engine.config.checkpoint.tag_validation = "FAIL"
+    try:
+        engine.save_checkpoint(ckpt, tag=f"other{rank}")
+    except ValueError as exc:
+        result["fail_error"] = str(exc)
+    _train_engine(engine, 4, start=2)
+    if rank == 0:
+        try:
+            engine.save_checkpoint(ckpt, tag="rank0_only")
+        except RuntimeError as exc:
+            result["lone_save_error"] = str(exc)
+        engine.close()
+        return
+    _train_engine(engine, 5, start=4)   # rank 0 never joins this step: it fails, rank 0 is gone
 
 
 def my_share(t: int, rank: int, world: int):
@@ -181,6 +271,10 @@ def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_di
             _train_engine(engine, steps, start=steps // 2)
             result["weights"] = _weights(engine.module)
             engine.close()
+        elif mode == "eval_loop":
+            _eval_loop(rank, world, steps, result)
+        elif mode == "checkpoint_calls":
+            _checkpoint_calls(rank, world, out_dir, result)
         elif mode == "rank_dies":
             engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap, world))
             for t in range(steps):

@@ -74,12 +74,23 @@ def _write_glue_copy(root, task, col_a, col_b):
         datasets.Dataset.from_dict(rows).to_parquet(str(root / task / f"{split}-00000-of-00001.parquet"))
 
 
+@pytest.fixture
+def datasets_cache(tmp_path_factory, monkeypatch):
+    """Hugging Face datasets caches what it loads; keep that out of ~/.cache/huggingface."""
+    datasets = pytest.importorskip("datasets")
+    cache = tmp_path_factory.mktemp("hf_datasets_cache")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache
+
+
 @pytest.mark.parametrize("task,col_a,col_b", [("sst2", "sentence", None),
                                               ("mrpc", "sentence1", "sentence2"),
                                               ("qnli", "question", "sentence")])
-def test_glue_loader_reads_the_hub_layout(tmp_path, task, col_a, col_b):
+def test_glue_loader_reads_the_hub_layout(tmp_path, task, col_a, col_b, datasets_cache):
     _write_glue_copy(tmp_path, task, col_a, col_b)
     d = data.load_task(task, glue_source=str(tmp_path))
+    assert any(datasets_cache.iterdir())   # the cache went to the test's folder
     assert d.name == task and d.num_labels == 2
     assert [e.text_a for e in d.train] == [f"train a {i}" for i in range(6)]
     assert [e.label for e in d.test] == [0, 1, 0, 1]  # the labelled validation split
@@ -89,7 +100,7 @@ def test_glue_loader_reads_the_hub_layout(tmp_path, task, col_a, col_b):
         assert d.train[2].text_b is None
 
 
-def test_glue_loader_names_missing_columns(tmp_path):
+def test_glue_loader_names_missing_columns(tmp_path, datasets_cache):
     _write_glue_copy(tmp_path, "rte", "premise", None)  # wrong column names for RTE
     with pytest.raises(ValueError, match="sentence1"):
         data.load_glue("rte", source=str(tmp_path))

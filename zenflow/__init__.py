@@ -1,7 +1,9 @@
 """ZenFlow for PyTorch: a stall-free offloading AdamW for fine-tuning large models.
 
 DeepSpeed scripts run with `import zenflow as deepspeed`: `initialize`, `init_distributed`,
-`add_config_arguments`, `comm` and `get_accelerator` are here under DeepSpeed's names.
+`add_config_arguments`, `comm` and `get_accelerator` are here under DeepSpeed's names. Unchanged,
+with `import deepspeed`, they run under `zenflow launch` (or after `serve_deepspeed_imports()`);
+importing zenflow alone never shadows a real DeepSpeed.
 
 The public names are imported on first use, so that `zenflow.config` (and `zenflow check-config`)
 loads without torch.
@@ -29,6 +31,7 @@ _PUBLIC = {
     "add_config_arguments": "zenflow.compat.deepspeed.args",
     "get_accelerator": "zenflow.compat.deepspeed.accelerator",
     "comm": "zenflow.compat.deepspeed.comm",
+    "serve_deepspeed_imports": "zenflow.compat.deepspeed.serve",
     "find_optimizer": "zenflow.integrations.find",
     "find_optimizers": "zenflow.integrations.find",
 }
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from zenflow.compat.deepspeed.accelerator import get_accelerator
     from zenflow.compat.deepspeed.args import add_config_arguments
     from zenflow.compat.deepspeed.comm import init_distributed
+    from zenflow.compat.deepspeed.serve import serve_deepspeed_imports
     from zenflow.config.settings import ZenFlowSettings
     from zenflow.engine.engine import ZenFlowEngine, initialize
     from zenflow.integrations.find import find_optimizer, find_optimizers
@@ -61,4 +65,4 @@ def __dir__() -> list[str]:
 
 __all__ = ["ZenFlowAdamW", "OffloadAdamW", "ZenFlowSettings", "initialize", "ZenFlowEngine",
            "init_distributed", "add_config_arguments", "comm", "get_accelerator", "find_optimizer",
-           "find_optimizers", "__version__"]
+           "find_optimizers", "serve_deepspeed_imports", "__version__"]

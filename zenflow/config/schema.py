@@ -285,6 +285,24 @@ _IGNORED_TOP = ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_
                 "memory_breakdown", "activation_checkpointing", "data_types", "seed")
 
 
+class CheckpointSection(_Section):
+    """DeepSpeed's checkpoint block: what to do when the ranks pass different tags to
+    save_checkpoint (rank 0's is used, as in DeepSpeed); any case, as DeepSpeed reads it."""
+
+    tag_validation: Literal["IGNORE", "WARN", "FAIL"] = "WARN"
+    use_node_local_storage: Any = None
+    load_universal: Any = None
+    parallel_write: Any = None
+    _ignored = ("use_node_local_storage", "load_universal", "parallel_write")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _any_case(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("tag_validation"), str):
+            data = dict(data, tag_validation=data["tag_validation"].upper())
+        return data
+
+
 class ZenFlowConfig(_Section):
     """The whole config, after DeepSpeed's batch-size rule has filled in the missing sizes."""
 
@@ -297,6 +315,7 @@ class ZenFlowConfig(_Section):
     fp16: FP16Section = FP16Section()
     bf16: BF16Section = BF16Section()
     zero_optimization: ZeroSection = ZeroSection()
+    checkpoint: CheckpointSection = CheckpointSection()
     world_size: PosInt = 1  # not a config key: set by `parse_config`
 
     steps_per_print: Any = None

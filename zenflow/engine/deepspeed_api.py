@@ -155,6 +155,7 @@ class DeepSpeedEngineAPI:
         if not isinstance(save_filename, str) or not save_filename or "/" in save_filename:
             raise ValueError(f"save_16bit_model: save_filename must be a plain file name, got "
                              f"{save_filename!r}")
+        self._require_every_rank("save_16bit_model")
         self.synchronize()
         state = self._checkpoint_module_state(self.module.state_dict(), exclude_frozen_parameters)
         if self.global_rank == 0:

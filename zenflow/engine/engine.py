@@ -44,6 +44,7 @@ from zenflow.engine.checkpoint_shards import write_sharded_checkpoint
 from zenflow.engine.deepspeed_api import DeepSpeedEngineAPI, frozen_parameter_names, grad_norm
 from zenflow.engine.fp32_masters import FP32Masters, trainable_param_groups
 from zenflow.engine.loss_scaler import LossScaler
+from zenflow.engine.rank_agreement import StepAgreement
 from zenflow.engine.weight_sync import WeightSync, synchronized_state
 
 log = logging.getLogger("zenflow.engine")
@@ -104,8 +105,10 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if ignored:
             log.info("config keys accepted but without effect here: %s", ", ".join(ignored))
         log.info("engine: %s", resolved_settings(config))
+        # Under data parallel, where ranks meet before a read or a save (rank_agreement.py).
+        self._agreement = StepAgreement.for_default_group()
         self._weight_sync = WeightSync(
-            model, self.synchronize, data_parallel=lambda: Partition.from_group().active,
+            model, self.synchronize, self._agreement,
             defers_updates=getattr(self.optimizer, "overlap_step", False) is True)
 
     # --- training -----------------------------------------------------------------------------
@@ -121,6 +124,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """loss.backward() with the 1/gradient_accumulation_steps and fp16 loss scales applied."""
+        if self._agreement is not None:
+            self._agreement.leave_period()   # ranks waiting at a read or save: this one trains on
         scale = 1.0 / self.config.gradient_accumulation_steps
         if self.loss_scaler is not None:
             scale *= self.loss_scaler.loss_scale
@@ -136,13 +141,15 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                                    "no_sync(): the boundary step averages gradients across "
                                    "ranks; leave the no_sync() block before it")
             self._optimizer_step()
+            if self._agreement is not None:
+                self._agreement.next_period()
         self.micro_steps += 1
 
     def train(self, mode: bool = True):
         """Also reached by engine.eval(): evaluation mode installs ZenFlow's in-flight host update
-        first (in a single process; under data parallel call synchronize() on every rank)."""
-        if not mode and not Partition.from_group().active:
-            self.synchronize()
+        first; under data parallel when every rank evaluates (weight_sync.py)."""
+        if not mode:
+            self._weight_sync.read("engine.eval()")
         return super().train(mode)
 
     def _average_gradients(self) -> None:
@@ -214,12 +221,15 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         """Wait for in-flight host updates and install them (ZenFlow overlap mode). Under data
         parallel every rank must call it."""
         sync = getattr(self.optimizer, "synchronize", None)
-        if sync is not None and not self._closed:
+        if sync is not None and not self._closed and not getattr(self.optimizer, "closed", False):
             sync()
+            self._weight_sync.installed()
 
     def close(self) -> None:
         """Stop the optimizer's worker process, if it has one, and remove the engine's hooks."""
         self._closed = True
+        if self._agreement is not None:
+            self._agreement.leave_period()
         self._weight_sync.remove()
         close = getattr(self.optimizer, "close", None)
         if close is not None:
@@ -243,7 +253,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         (ZenFlow's in-flight update installed), and the run that saves continues exactly as if
         it had not. Returns the checkpoint's path (truthy, where DeepSpeed returns True).
         """
-        tag = check_tag(str(tag) if tag is not None else f"global_step{self.global_steps}")
+        self._require_every_rank("save_checkpoint")
+        tag = self._common_tag(str(tag) if tag is not None else f"global_step{self.global_steps}")
         if self._micro_steps_into_accumulation():
             log.warning("saving a checkpoint in the middle of gradient accumulation: the "
                         "gradients accumulated so far are not saved")
@@ -277,6 +288,40 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
             partition, save_dir, tag, objects, f"rank{partition.rank}_states.pt",
             {"optimizer": optimizer_state, "rng": engine_state["rng"]}, meta,
             update_latest=save_latest))
+
+    def _require_every_rank(self, method: str) -> None:
+        """Under data parallel, raise before a collective that not every rank calls (it would
+        hang): the ranks meet in the store first (rank_agreement.py)."""
+        if self._agreement is None:
+            return
+        missing, went_on = self._agreement.missing_from(method, comm.DEFAULT_TIMEOUT)
+        if missing:
+            how = ("went on training without calling it" if went_on else
+                   f"did not call it within {comm.DEFAULT_TIMEOUT.total_seconds():g} s")
+            raise RuntimeError(
+                f"{method} is collective: every rank must call it (each rank writes its share of "
+                f"the optimizer state, and installing the in-flight update is collective), but "
+                f"rank(s) {', '.join(map(str, missing))} {how}. Call {method} on every rank, "
+                f"not only on rank 0 (rank 0 alone writes the common files)")
+
+    def _common_tag(self, tag: str) -> str:
+        """Rank 0's tag, as DeepSpeed uses: ranks whose tags differ (a tag made from each rank's
+        own loss, say) are warned about, ignored or refused as checkpoint.tag_validation says."""
+        partition = Partition.from_group()
+        if not partition.active:
+            return check_tag(tag)
+        tags = partition.gather_objects(tag, "comparing the checkpoint tags")
+        if len(set(tags)) > 1:
+            mode = self.config.checkpoint.tag_validation
+            message = (f"save_checkpoint: the ranks passed different tags ({', '.join(tags[:4])}"
+                       f"{', ...' if len(tags) > 4 else ''}); ")
+            if mode == "FAIL":
+                raise ValueError(message + "checkpoint.tag_validation is \"Fail\"; pass the same "
+                                 "tag on every rank")
+            if mode == "WARN":
+                log.warning(message + "saving under rank 0's tag %r (checkpoint.tag_validation "
+                            "\"Warn\"; \"Ignore\" silences this)", tags[0])
+        return check_tag(tags[0])
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -328,6 +373,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
             check_optimizer(objs["optimizer_states.pt"])
         self._load_module_state(objs["model_states.pt"], state, load_module_strict, custom_load_fn,
                                 with_pending=not load_module_only and load_optimizer_states)
+        self._weight_sync.loaded()
         if not load_module_only:
             if load_optimizer_states:
                 self.optimizer.load_state_dict(objs["optimizer_states.pt"])

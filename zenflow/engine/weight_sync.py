@@ -5,11 +5,12 @@ a window's end and the next one the model's weights lack that update. Training w
 (it is what hides the host's work); anyone *reading* the weights (evaluation, an exported model, a
 checkpoint's model file) wants the update installed. `optimizer.synchronize()` installs it.
 
-`WeightSync` calls it where the engine's model is read: before a forward pass in eval mode or
-without autograd, and before `state_dict()`. It does so only in a single process: under data
-parallel, installing is a collective every rank must join, and evaluation on one rank alone
-(common) would hang; there the engine synchronizes at its own collective points (save_checkpoint,
-save_16bit_model) and says once that evaluation needs `engine.synchronize()` on every rank.
+`WeightSync` calls it where the engine's model is read: `engine.eval()`, a forward pass in eval
+mode or without autograd, and `state_dict()`. Under data parallel installing is a collective, and
+DeepSpeed clients read on every rank together (`model.eval(); evaluate(); model.train()`) or on
+one rank only; so the ranks first agree (zenflow/engine/rank_agreement.py, no collective, never a
+wait past a short deadline) and install only when every rank reads. A read on some ranks only
+keeps the training weights and says so once.
 
 `synchronized_state` gives a checkpoint both things it needs without changing the run that
 saves it: the synchronized weights (for anyone loading the model) and the weights training runs
@@ -23,46 +24,66 @@ from collections.abc import Callable
 
 import torch
 
+from zenflow.engine.rank_agreement import StepAgreement
+
 log = logging.getLogger("zenflow.engine")
+
+
+# How long a reading rank waits for the others before it reads without them (ranks that go on
+# training are noticed at once; this bounds waiting on a rank stuck elsewhere, e.g. a barrier).
+READ_DEADLINE_S = 10.0
 
 
 class WeightSync:
     """Hooks on `module` that call `synchronize()` before its weights are read."""
 
     def __init__(self, module: torch.nn.Module, synchronize: Callable[[], None],
-                 data_parallel: Callable[[], bool], defers_updates: bool):
+                 agreement: StepAgreement | None, defers_updates: bool):
         """`defers_updates`: the optimizer can have an update in flight (ZenFlow with
-        overlap_step); without that there is nothing to install and no hook is registered."""
+        overlap_step); without that there is nothing to install and no hook is registered.
+        `agreement`: the ranks' meeting points under data parallel, None in a single process."""
         self._synchronize = synchronize
-        self._data_parallel = data_parallel
+        self._agreement = agreement
         self.defers_updates = defers_updates
         self._paused = 0
         self._warned = False
+        self._installed_period = 0   # the period whose weights are installed (none trained yet)
+        self._tried_period = -1      # the last period whose readers met
         self._handles = [module.register_forward_pre_hook(self._before_forward),
                          module.register_state_dict_pre_hook(self._before_state_dict)
                          ] if defers_updates else []
 
-    def _maybe_sync(self, why: str) -> None:
-        if self._paused:
+    def read(self, why: str) -> None:
+        """Someone reads the weights: install the update in flight first (on every rank)."""
+        if self._paused or not self._handles:
             return
-        if self._data_parallel():
-            if not self._warned:
-                self._warned = True
-                log.warning("data parallel: %s uses weights that may lack the host update "
-                            "still in flight; call engine.synchronize() on every rank first to "
-                            "install it (done automatically only in a single process, since "
-                            "installing is collective)", why)
+        agreement = self._agreement
+        if agreement is None:
+            self._synchronize()
             return
-        self._synchronize()
+        period = agreement.period
+        if period in (self._installed_period, self._tried_period):
+            return   # installed already, or this period's readers met and some rank was missing
+        self._tried_period = period
+        if agreement.all_read(READ_DEADLINE_S):
+            self._synchronize()
+            self._installed_period = period
+        elif not self._warned:
+            self._warned = True
+            log.warning("data parallel: %s on rank %d while other ranks did not read the model "
+                        "(they went on training, or did not come within %g s): the weights read "
+                        "lack the host update still in flight. It is installed when every rank "
+                        "reads together, e.g. model.eval() on every rank", why, agreement.rank,
+                        READ_DEADLINE_S)
 
     def _before_forward(self, module, args):
         # Evaluation is a forward pass in eval mode or without autograd (DeepSpeed's CIFAR
         # example tests in train mode under torch.no_grad()). Training forwards are untouched.
         if not module.training or not torch.is_grad_enabled():
-            self._maybe_sync("a forward pass in eval mode or under no_grad")
+            self.read("a forward pass in eval mode or under no_grad")
 
     def _before_state_dict(self, module, prefix, keep_vars):
-        self._maybe_sync("state_dict()")
+        self.read("state_dict()")
 
     @contextlib.contextmanager
     def paused(self):
@@ -72,6 +93,15 @@ class WeightSync:
             yield
         finally:
             self._paused -= 1
+
+    def installed(self) -> None:
+        """The engine installed the update itself, on every rank (a save does)."""
+        if self._agreement is not None:
+            self._installed_period = self._agreement.period
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded: its update in flight waits to be installed at the next read."""
+        self._installed_period = -1
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -184,7 +184,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         clip_coef = None if scale is None else clip_coefficient(
             list(norms.values()), self.settings.max_grad_norm, scale)
         if clip_coef is None:
-            self._skip()
+            self._skip(amp_overflow=scale is None)
             return loss
         self._consecutive_skips = 0
 
@@ -211,11 +211,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._timer.end()
         return loss
 
-    def _skip(self) -> None:
+    def _skip(self, amp_overflow: bool) -> None:
         self.counters.skipped_steps += 1
         self._consecutive_skips += 1
         n = self._consecutive_skips
-        if n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
+        if amp_overflow:
+            # Ordinary mixed-precision life: GradScaler found inf/NaN at this scale and lowers it.
+            # DeepSpeed logs these at INFO with the new scale; so do we.
+            scale = float(getattr(self, "grad_scale", None) or 1.0)
+            log.info("%s: gradient overflow at loss scale %g: step %d skipped; GradScaler lowers "
+                     "the scale (to %g with its default backoff_factor 0.5)", self._NAME, scale,
+                     self.counters.step, scale * 0.5)
+        elif n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
             log.warning("%s: skipped step %d: the gradients are not finite (%d consecutive "
                         "skipped steps, %d in all)", self._NAME, self.counters.step, n,
                         self.counters.skipped_steps)
@@ -281,10 +288,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._selector.select(plan, self.counters.step)
         self._decided("select" if plan.first else "reselect")
 
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_closed", True)
+
     def synchronize(self) -> None:
         """Wait for the in-flight host update and install it now (before evaluation or saving
         the final model). Training continues correctly afterwards; the update is just visible
-        earlier than the overlap schedule would make it."""
+        earlier than the overlap schedule would make it. After close() there is no host left
+        to wait for, and the weights stay as they are."""
+        if self.closed:
+            return
         self._outside_writes.adopt(self._selector.has_chosen)
         self._install_in_flight()
         if (self.settings.install_lookahead and self.settings.overlap_step

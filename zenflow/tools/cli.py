@@ -19,8 +19,13 @@ SUBCOMMANDS = {
                  "check correctness on this machine and measure host and bus speed"),
     "estimate": ("zenflow.tools.estimate",
                  "memory, bus traffic and step time of AdamW, ZeRO-Offload and ZenFlow for a model"),
+    "launch": ("zenflow.tools.launch",
+               "run a DeepSpeed script unchanged (DeepSpeed's launcher options, over torchrun)"),
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DESCRIPTION = ("ZenFlow's command-line tools (also `python -m zenflow`): check a DeepSpeed config, "
+               "launch a DeepSpeed script, benchmark, fine-tune, self-test and estimate.")
+EPILOG = "Run `zenflow COMMAND --help` for the options of one command."
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -61,7 +66,7 @@ def _log_level(*parsed: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zenflow", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="zenflow", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"zenflow {_version()}")
     _add_logging_options(parser)

@@ -1,0 +1,208 @@
+"""DeepSpeed scripts run unchanged (`import deepspeed`) through `zenflow launch`, on 1 process and
+on 2 gloo ranks, with a checkpoint saved and resumed; the served and refused `deepspeed` names;
+and the engine under data parallel as DeepSpeed clients drive it: evaluation on every rank sees
+the synchronized weights, tags that differ per rank, a save called on rank 0 only."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import EVAL_EVERY, single_process_eval_run
+from test_distributed import assert_ok, assert_same, run_ranks
+
+from zenflow.tools import cli
+from zenflow.tools import launch as launch_tool
+
+TESTS = Path(__file__).resolve().parent
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                          "zenflow": {"topk_ratio": 0.25, "update_interval": 2,
+                                      "select_strategy": "step", "select_interval": 4,
+                                      "overlap_step": True}}}
+
+
+def launch(tmp_path, script: str, ranks: int, *script_args: str) -> tuple[list[dict], str]:
+    cfg = tmp_path / "ds_config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(TESTS.parent)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+        CUDA_VISIBLE_DEVICES="")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    run = subprocess.run([sys.executable, "-m", "zenflow", "launch", "--num_gpus", str(ranks),
+                          str(TESTS / script), "--deepspeed", "--deepspeed_config", str(cfg),
+                          "--out", str(tmp_path / "out"), *script_args],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    served = [line for line in run.stderr.splitlines() if "zenflow launch: serving" in line]
+    assert len(served) == 1, run.stderr[-3000:]   # printed once, by rank 0
+    return [json.loads((tmp_path / "out" / f"rank{r}.json").read_text())
+            for r in range(ranks)], run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_cifar_style_script_runs_unchanged_through_the_launcher(tmp_path, ranks):
+    results, stderr = launch(tmp_path, "ds_cifar_style.py", ranks, "--save_dir",
+                             str(tmp_path / "ckpt"), "--moe-param-group")
+    for res in results:
+        assert res["world_size"] == ranks
+        assert len(res["losses"]) == 2 * 128 // (8 * ranks)
+        # resumed from rank 0's tag (each rank passed its own loss as the tag)
+        assert res["loaded"][1] == {"epoch": 1}
+        assert res["loaded"][0] == results[0]["loaded"][0]
+        assert res["resumed_test_loss"] == pytest.approx(res["test_loss"], rel=1e-6)
+    if ranks == 2:
+        assert results[0]["test_loss"] == results[1]["test_loss"]   # evaluated the same weights
+        assert results[0]["weights"] == results[1]["weights"]
+        assert results[0]["losses"] != results[1]["losses"]   # (each rank had its own share)
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == results[0]["loaded"][0]
+    assert len([p for p in ckpt.iterdir() if p.is_dir()]) == 2   # one per epoch, not per rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_finetune_llama_style_script_runs_unchanged_through_the_launcher(tmp_path, ranks):
+    results, _ = launch(tmp_path, "ds_finetune_llama_style.py", ranks, "--output_dir",
+                        str(tmp_path / "ckpt"))
+    for res in results:
+        assert len(res["losses"]) == 2 * 64 // (8 * ranks)
+        assert res["client_state"] == {"global_step": len(res["losses"])}
+        assert res["resumed_eval_loss"] == pytest.approx(res["eval_loss"], rel=1e-6)
+    assert len({res["eval_loss"] for res in results}) == 1
+
+
+def test_served_names_and_refused_ones(tmp_path):
+    script = tmp_path / "names.py"
+    script.write_text(
+        "import sys\n"
+        "import deepspeed\n"
+        "import deepspeed.comm as dist\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n"
+        "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n"
+        "from deepspeed.utils import logger\n"
+        "import torch, zenflow\n"
+        "assert deepspeed.initialize is zenflow.initialize and dist is zenflow.comm\n"
+        "assert deepspeed.DeepSpeedEngine is zenflow.ZenFlowEngine\n"
+        "assert get_accelerator().device_name() in ('cpu', 'cuda')\n"
+        "p = [torch.nn.Parameter(torch.ones(2))]\n"
+        "assert type(DeepSpeedCPUAdam(p)) is torch.optim.AdamW\n"
+        "assert type(FusedAdam(p, adam_w_mode=False)) is torch.optim.Adam\n"
+        "groups = {'params': p, 'name': 'parameters'}\n"
+        "assert split_params_into_different_moe_groups_for_optimizer(groups) == [groups]\n"
+        "print('args', sys.argv[1:])\n"
+        "for name in ('deepspeed.runtime.zero', 'deepspeed.pipe', 'deepspeed.nothing'):\n"
+        "    try:\n"
+        "        __import__(name)\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        print('refused', exc)\n"
+        "try:\n"
+        "    deepspeed.zero\n"
+        "except AttributeError as exc:\n"
+        "    print('refused', exc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = subprocess.run([sys.executable, "-m", "zenflow", "launch", str(script), "--x"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "args ['--x', '--local_rank=0']" in run.stdout   # as DeepSpeed's launcher passes it
+    refused = [line for line in run.stdout.splitlines() if line.startswith("refused")]
+    assert len(refused) == 4, run.stdout
+    assert "deepspeed.runtime is not served by zenflow: DeepSpeed's engine internals" in refused[0]
+    assert "deepspeed.pipe is not served by zenflow: pipeline parallelism" in refused[1]
+    assert "deepspeed.nothing is not served by zenflow (served: deepspeed, " in refused[2]
+    assert "deepspeed.zero is not served by zenflow" in refused[3]
+
+
+def test_importing_zenflow_never_shadows_deepspeed():
+    code = ("import sys, zenflow, zenflow.engine.engine, zenflow.compat.deepspeed.comm\n"
+            "assert 'deepspeed' not in sys.modules\n"
+            "try:\n    import deepspeed\nexcept ImportError:\n    print('no deepspeed')\n"
+            "else:\n    print('real', deepspeed.__file__)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(("no deepspeed", "real "))
+    code = ("import sys, types\n"
+            "sys.modules['deepspeed'] = types.ModuleType('deepspeed')\n"
+            "import zenflow\n"
+            "try:\n    zenflow.serve_deepspeed_imports()\n"
+            "except RuntimeError as exc:\n    print(exc)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert "a real DeepSpeed is already imported" in run.stdout, run.stderr
+
+
+def test_launch_maps_deepspeed_options_onto_torchrun(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+
+    def parsed(*argv):
+        parser = cli.argparse.ArgumentParser()
+        launch_tool.add_arguments(parser)
+        return parser.parse_args([*argv])
+
+    cmd, env = launch_tool.command(parsed(str(script), "--deepspeed", "-v"))
+    assert cmd[1:] == ["-m", launch_tool.RUNNER, str(script), "--deepspeed", "-v"]
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("0", "1", "0")
+    cmd, _ = launch_tool.command(parsed("--num_gpus", "2", "--no_local_rank", str(script)))
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                       "-m", launch_tool.RUNNER, "--no_local_rank", str(script)]
+    cmd, _ = launch_tool.command(parsed("--num_gpus", "4", "--num_nodes", "2", "--node_rank", "1",
+                                        "--master_addr", "10.0.0.1", str(script)))
+    assert cmd[5:13] == ["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+                         "--master_port", "29500"]
+    for argv, message in ((["--hostfile", "h", str(script)], "--hostfile: not supported"),
+                          (["--num_gpus", "0", str(script)], "--num_gpus must be a positive"),
+                          (["--num_nodes", "2", "--node_rank", "2", str(script)],
+                           "--node_rank 2 is outside --num_nodes 2"),
+                          ([str(tmp_path / "missing.py")], "is not a file")):
+        with pytest.raises(ValueError, match=message):
+            launch_tool.command(parsed(*argv))
+
+
+@pytest.mark.slow
+def test_evaluation_on_every_rank_sees_the_synchronized_weights(tmp_path):
+    steps = 3 * EVAL_EVERY
+    ranks = run_ranks(tmp_path, "eval_loop", overlap=True, steps=steps, timeout=120)
+    assert_ok(ranks)
+    reference = single_process_eval_run(steps)
+    for r in ranks:
+        assert len(r["evals"]) == len(reference) == 3
+        for seen, expected in zip(r["evals"], reference):
+            assert_same(seen, expected, exact=False)
+    for a, b in zip(ranks[0]["evals"], ranks[1]["evals"]):
+        assert_same(a, b, exact=True)
+    # not vacuous: an update was in flight at some evaluation
+    assert any(not torch.equal(before[k], seen[k]) for before, seen in
+               zip(ranks[0]["before_eval"], ranks[0]["evals"]) for k in seen)
+    # rank 0 evaluating alone neither hung nor installed anything: the ranks stay in step
+    assert_same(ranks[0]["after"], ranks[1]["after"], exact=True)
+    assert any("data parallel: a forward pass in eval mode or under no_grad on rank 0" in w
+               for w in ranks[0]["warnings"]), ranks[0]["warnings"]
+    assert not ranks[1]["warnings"]
+
+
+@pytest.mark.slow
+def test_checkpoint_tags_and_a_save_on_rank_0_only(tmp_path):
+    ranks = run_ranks(tmp_path, "checkpoint_calls", overlap=True, timeout=120)
+    zero, one = ranks
+    assert zero is not None and "error" not in zero, zero and zero.get("error")
+    assert Path(zero["path"]).name == Path(one["path"]).name == "loss0.5"   # rank 0's tag
+    assert (tmp_path / "ckpt" / "latest").read_text() == "loss0.5"
+    assert any("the ranks passed different tags (loss0.5, loss1.5); saving under rank 0's tag"
+               in w for w in zero["warnings"]), zero["warnings"]
+    for r in ranks:   # refused on every rank alike, so none waits for another
+        assert 'checkpoint.tag_validation is "Fail"' in r["fail_error"]
+    assert not (tmp_path / "ckpt" / "other0").exists()
+    assert zero["lone_save_error"].startswith("save_checkpoint is collective: every rank must "
+                                              "call it")
+    assert "rank(s) 1 went on training without calling it" in zero["lone_save_error"]
+    assert not (tmp_path / "ckpt" / "rank0_only").exists()

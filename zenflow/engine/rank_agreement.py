@@ -1,0 +1,118 @@
+"""Points that some ranks may reach without the others, agreed before anyone enters a collective.
+
+Under data parallel, installing ZenFlow's in-flight update and saving a checkpoint are
+collectives. DeepSpeed clients reach them in ways a collective cannot survive: evaluation on
+rank 0 only, or `save_checkpoint` called on rank 0 only. A collective that one rank never joins
+hangs. So before such a point, the ranks meet in the process group's key-value store (a few
+small keys, no collective) and find out who is there:
+
+- a rank that goes on training marks the period it leaves (in backward() and step()), so a rank
+  waiting for it learns at once that it will not come;
+- a read of the model (`all_read`) installs the update only when every rank reads: the first
+  rank to see all arrivals decides "sync", the first to see one leave (or to wait past a short
+  deadline) decides "skip", and every rank follows the one decision (compare-and-set);
+- a save (`missing_from`) names the ranks that did not come.
+
+Periods are counted by this object (one per optimizer step), not by the engine's step counter,
+which a checkpoint load rewinds; each engine gets its own key prefix, in creation order, which
+is the same on every rank.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL_S = 0.002
+_engines = itertools.count()
+
+
+class StepAgreement:
+    def __init__(self, store, rank: int, world_size: int):
+        self._store = dist.PrefixStore(f"zenflow/engine{next(_engines)}/", store)
+        self.rank = rank
+        self.world_size = world_size
+        self.period = 0
+        self._left: set[int] = set()      # periods this rank has marked as left
+        self._events: dict[int, dict[str, int]] = {}  # period -> kind -> points reached
+
+    @classmethod
+    def for_default_group(cls) -> StepAgreement | None:
+        """None in a single process (nothing to agree on)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        # The default group's own store: every rank already reaches it, no port is opened.
+        store = dist.distributed_c10d._get_default_store()
+        return cls(store, dist.get_rank(), dist.get_world_size())
+
+    # --- training marks its way -----------------------------------------------------------------
+
+    def leave_period(self) -> None:
+        """This rank trains on: nobody should wait for it at a read or save of this period."""
+        if self.period not in self._left:
+            self._left.add(self.period)
+            self._store.set(f"{self.period}/left/{self.rank}", "1")
+
+    def next_period(self) -> None:
+        """After an optimizer step. Keys two periods old are no longer read by anyone (every rank
+        has since been through a step's collectives); each rank deletes the ones it wrote."""
+        self.leave_period()
+        old = self.period - 2
+        for kind, count in self._events.pop(old, {}).items():
+            for i in range(count):
+                self._store.delete_key(f"{old}/{kind}{i}/{self.rank}")
+                if self.rank == 0:
+                    self._store.delete_key(f"{old}/{kind}{i}/decision")
+        if old in self._left:
+            self._left.discard(old)
+            self._store.delete_key(f"{old}/left/{self.rank}")
+        self.period += 1
+
+    # --- meeting points -------------------------------------------------------------------------
+
+    def _arrive(self, kind: str) -> str:
+        counts = self._events.setdefault(self.period, {})
+        index = counts.get(kind, 0)
+        counts[kind] = index + 1
+        key = f"{self.period}/{kind}{index}"
+        self._store.set(f"{key}/{self.rank}", "1")
+        return key
+
+    def _absent(self, key: str) -> tuple[list[int], list[int]]:
+        """(ranks not arrived at `key`, those of them that left this period)."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        missing = [r for r in others if not self._store.check([f"{key}/{r}"])]
+        left = [r for r in missing if self._store.check([f"{self.period}/left/{r}"])]
+        return missing, left
+
+    def all_read(self, deadline_s: float) -> bool:
+        """Whether every rank reads the model at this point (then each installs the update)."""
+        key = self._arrive("read")
+        decision_key = f"{key}/decision"
+        deadline = time.monotonic() + deadline_s
+        while not self._store.check([decision_key]):
+            missing, left = self._absent(key)
+            if not missing:
+                self._store.compare_set(decision_key, "", "sync")
+            elif left or time.monotonic() > deadline:
+                self._store.compare_set(decision_key, "", "skip")
+            else:
+                time.sleep(POLL_S)
+        return self._store.get(decision_key) == b"sync"
+
+    def missing_from(self, kind: str, deadline: timedelta) -> tuple[list[int], bool]:
+        """Wait until every rank reaches this `kind` of point. Returns ([], False) when all did,
+        else (the ranks missing, whether they went on training)."""
+        key = self._arrive(kind)
+        end = time.monotonic() + deadline.total_seconds()
+        while True:
+            missing, left = self._absent(key)
+            if not missing:
+                return [], False
+            if left:
+                return missing, True
+            if time.monotonic() > end:
+                return missing, False
+            time.sleep(POLL_S)
