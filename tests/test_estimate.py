@@ -24,7 +24,8 @@ FIGURES = {"host_adamw_params_per_s": 4e9, "host_accumulate_params_per_s": 8e9,
 def test_llama2_7b_worked_example_by_hand():
     shapes = llama_shapes(**LLAMA2_7B)
     r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
-                 update_interval=4, overlap=True, fwd_bwd_s=1.5, measured=FIGURES)
+                 update_interval=4, overlap=True, fwd_bwd_s=1.5, measured=FIGURES,
+                 device_sum_budget=0)
     # Parameters: embedding and head 32000x4096 each; per layer q,k,v,o 4096x4096, gate and up
     # 11008x4096, down 4096x11008, two 4096 norms; a final 4096 norm.
     per_layer = 4 * 4096 * 4096 + 3 * 11008 * 4096
@@ -67,6 +68,7 @@ def test_llama2_7b_worked_example_by_hand():
     # weights come back once per window.
     b = r["bus"]["zenflow"]
     assert b["d2h_bytes_per_step"] == b["h2d_bytes_per_window"] == 2 * P_mat
+    assert r["per_gpu"]["device_sum_matrices"] == 0 and r["per_gpu"]["host_sum_matrices"] == 226
     assert r["bus"]["offload"]["d2h_bytes_per_step"] == 2 * P
 
     # Step time, by the printed formulas.
@@ -78,9 +80,9 @@ def test_llama2_7b_worked_example_by_hand():
     touched = 2 * (2 * 32000 * 4096 + 32 * per_layer)          # every line of every matrix
     assert touched == 2 * P_mat
     dev = (columns + P_vec) / 5e10 + 2 * P / 1e12 + 1.5 * touched / 1e12
-    T_dev = 1.5 + dev                                            # 1.547 s
-    assert d2h + acc < T_dev       # the per-step copy and accumulation hide behind the device
-    zen = max(T_dev, d2h + acc, acc + adam / 4) + h2d / 4
+    # The copy of the step's rows runs beside the device update; step() ends when both are done.
+    T_dev = 1.5 + max(dev, d2h)                                  # 2.039 s
+    zen = max(T_dev, acc + adam / 4) + h2d / 4
     t = r["time"]
     assert t["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
     assert t["zenflow_stall_s"] == pytest.approx(zen - T_dev, rel=1e-12)
@@ -88,9 +90,33 @@ def test_llama2_7b_worked_example_by_hand():
     offload = 1.5 + 2 * P / 25e9 + P / 8e9 + P / 4e9 + 2 * P / 25e9
     assert t["offload_step_s"] == pytest.approx(offload, rel=1e-12)
     assert t["adamw_step_s"] == pytest.approx(1.5 + P / 5e10, rel=1e-12)
-    # Smallest U with accumulate + host_adamw / U <= T_dev: ceil(1.685 / (1.547 - 0.842)) = 3.
+    # Smallest U with accumulate + host_adamw / U <= T_dev: ceil(1.685 / (2.039 - 0.842)) = 2.
     assert t["min_update_interval_hiding_host"] == math.ceil(adam / (T_dev - acc))
-    assert t["min_update_interval_hiding_host"] == 3
+    assert t["min_update_interval_hiding_host"] == 2
+
+
+def test_llama2_7b_with_window_sums_on_the_device_by_hand():
+    shapes = llama_shapes(**LLAMA2_7B)
+    P_mat = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
+    r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
+                 update_interval="auto", overlap=True, fwd_bwd_s=1.5, measured=FIGURES,
+                 device_sum_budget=10 ** 12)
+    assert r["per_gpu"]["device_sum_matrices"] == 226
+    assert r["per_gpu"]["device_sum_bytes"] == 4 * P_mat
+    t = r["seconds"]
+    assert t["accumulate_s"] == 0 and t["d2h_s"] == 0      # nothing crosses or sums per step
+    assert t["sum_add_s"] == pytest.approx(P_mat * (4 + 4 + 2) / 1e12)
+    assert t["sums_d2h_s"] == pytest.approx(4 * P_mat / 25e9)
+    # auto window: cover the host AdamW, and keep the install within 5% of the window's time
+    T_dev = r["time"]["zenflow_T_dev_s"]
+    adam, h2d = P_mat / 4e9, 2 * P_mat / 25e9
+    U = max(1, math.ceil(adam / T_dev), math.ceil(h2d / (0.05 * T_dev)))
+    assert r["settings"]["update_interval"] == U
+    b = r["bus"]["zenflow"]
+    assert b["d2h_bytes_per_step"] == pytest.approx(4 * P_mat / U)
+    assert b["h2d_bytes_per_step"] == pytest.approx(2 * P_mat / U)
+    zen = max(T_dev, adam / U) + (h2d + max(0.0, 4 * P_mat / 25e9 - 1.5)) / U
+    assert r["time"]["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
 
 
 def test_more_gpus_split_the_host_state_but_not_the_device_state():

@@ -21,7 +21,9 @@ import torch
 from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes, plan
 from zenflow.host.buffers import HostLayout
+from zenflow.host.device_sums import choose_device_summed
 from zenflow.optim.importance import num_selected
+from zenflow.optim.windows import INSTALL_BUDGET
 from zenflow.tools import estimate_shapes as shapes_from
 
 GIB = 1 << 30
@@ -78,9 +80,14 @@ def _host(entries, gpus: int, sum_slots: int, staging_slots: int) -> dict:
 
 def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              gpu_memory_bytes: int | None = None, topk_ratio: float = 0.1,
-             update_interval: int = 4, overlap: bool = True, fwd_bwd_s: float | None = None,
-             measured: dict | None = None, target: str = "cuda", source: str = "") -> dict:
-    """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...]."""
+             update_interval: int | str = "auto", overlap: bool = True,
+             fwd_bwd_s: float | None = None, measured: dict | None = None, target: str = "cuda",
+             source: str = "", device_sum_budget: int | str = "auto",
+             activation_bytes: int = 0) -> dict:
+    """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...].
+    `device_sum_budget`: bytes, or "auto" as the optimizer decides it (what the device has left
+    after its peak, here the weights, gradients, device state, reserve and `activation_bytes`,
+    less a tenth of its memory; 0 on a CPU device)."""
     item = torch.empty((), dtype=dtype).element_size()
     U, world = update_interval, gpus
     fig, fig_source = _figures(measured, target)
@@ -117,29 +124,44 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     per_host = {"zenflow": zen_host, "offload": off_host, "available_host_bytes": avail,
                 "fits": {"zenflow": zen_host["arena_bytes"] <= avail,
                          "offload": off_host["arena_bytes"] <= avail}}
-    # -- bus bytes per GPU (rank 0's rows: the largest share)
+    # -- where the window sums live (rank 0's rows: the largest share), as the optimizer decides
     deferred = [(r, c) for r, c, k in mats if k < c]
-    zen_d2h = sum(share(r) * c for r, c in deferred) * item
-    zen_h2d_window = sum(r * c for r, c in deferred) * item
+    cpu = target == "cpu"
+    if device_sum_budget == "auto":
+        spare = left["zenflow"] - activation_bytes - int(0.1 * gpu_memory_bytes)
+        device_sum_budget = 0 if cpu else max(0, spare)
+    on_device = set(choose_device_summed([share(r) * c for r, c in deferred],
+                                         int(device_sum_budget)))
+    dev_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i in on_device)
+    host_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i not in on_device)
+    per_gpu["device_sum_bytes"] = 4 * dev_sum_params
+    per_gpu["device_sum_matrices"] = len(on_device)
+    per_gpu["host_sum_matrices"] = len(deferred) - len(on_device)
+    # -- bus bytes per GPU: host-summed rows every step in the weights' dtype; device sums once
+    # per window in fp32; installs: this rank's rows (NCCL all-gathers the rest on the device)
+    zen_d2h_step = host_sum_params * item
+    zen_d2h_window_sums = 4 * dev_sum_params
+    install_rows = sum((share(r) if world > 1 else r) * c for r, c in deferred)
+    zen_h2d_window = install_rows * item
     off_d2h = (sum(share(r) * c for r, c, _ in mats) + sum(share(1) * n for n in vecs)) * item
-    bus = {"zenflow": {"d2h_bytes_per_step": zen_d2h, "h2d_bytes_per_window": zen_h2d_window,
-                       "d2h_bytes_per_window": U * zen_d2h,
-                       "h2d_bytes_per_step": zen_h2d_window / U},
-           "offload": {"d2h_bytes_per_step": off_d2h, "h2d_bytes_per_step": P * item}}
     # -- host work per GPU: each rank's worker has 1/gpus of the host's measured throughput
     A = fig["host_adamw_params_per_s"] / world
     C = fig["host_accumulate_params_per_s"] / world
     G = fig["device_adamw_params_per_s"]
-    cpu = target == "cpu"
     Bd, Bh = ((fig["memcpy_bytes_per_s"],) * 2 if cpu else
               (fig["d2h_bytes_per_s"], fig["h2d_bytes_per_s"]))
-    zen_host_params = sum(share(r) * c for r, c in deferred)
+    zen_host_params = host_sum_params + dev_sum_params
     # Gathering the selected columns reads, and scattering them back reads and writes, every
     # 64-byte line that holds one: sparse columns cost nearly the whole matrix's traffic.
     touched = sum(r * min(c * item, k * 64) for r, c, k in mats if k)
     off_host_params = off_d2h // item
-    t = {"accumulate_s": zen_host_params / C, "adamw_s": zen_host_params / A,
-         "d2h_s": zen_d2h / Bd, "h2d_s": zen_h2d_window / Bh,
+    gather = sum(r * c for r, c in deferred) * item - zen_h2d_window if world > 1 else 0
+    t = {"accumulate_s": host_sum_params / C, "adamw_s": zen_host_params / A,
+         "d2h_s": zen_d2h_step / Bd, "h2d_s": zen_h2d_window / Bh,
+         "sums_d2h_s": zen_d2h_window_sums / Bd,
+         # one fused add per step: read the sum and the gradient, write the sum
+         "sum_add_s": dev_sum_params * (8 + item) / fig["device_copy_bytes_per_s"],
+         "install_gather_s": gather / fig["device_copy_bytes_per_s"],
          # AdamW on the selected columns and vectors, plus one read of every gradient (the global
          # norm) by the norm kernel, and the selected columns' gather and scatter (3 passes over
          # the touched lines = 1.5 copies)
@@ -148,6 +170,13 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                              1.5 * touched / fig["device_copy_bytes_per_s"]),
          "offload_host_s": off_host_params / C + off_host_params / A,
          "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
+    U = _expected_window(t, fwd_bwd_s, cpu, overlap) if U == "auto" else U
+    bus = {"zenflow": {"d2h_bytes_per_step": zen_d2h_step + zen_d2h_window_sums / U,
+                       "h2d_bytes_per_step": zen_h2d_window / U,
+                       "d2h_bytes_per_window": U * zen_d2h_step + zen_d2h_window_sums,
+                       "h2d_bytes_per_window": zen_h2d_window,
+                       "model_bytes": P * item},
+           "offload": {"d2h_bytes_per_step": off_d2h, "h2d_bytes_per_step": P * item}}
     times = _step_times(t, U, overlap, cpu, fwd_bwd_s)
     assumptions = [
         f"{world} GPU(s), all on one host, data parallel: each holds the full weights, gradients "
@@ -157,20 +186,51 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
         "AdamW = torch.optim.AdamW on the model's weights (moments in the weights' dtype); "
         "'AdamW fp32 master' = mixed precision with fp32 master weights and moments",
         "host throughput is a host-wide resource: each of the GPUs' workers gets 1/GPUs of it",
-        "ZenFlow copies whole rows of every matrix with deferred columns each step (one contiguous "
-        "copy) and installs whole matrices once per window",
+        "ZenFlow sums each matrix's window gradient on the device where the device-sum budget "
+        "allows (one fused add per step; the fp32 sum crosses once per window, and the next "
+        "window's first add waits for that copy); the other matrices' rows cross every step and "
+        "the worker sums them",
+        f"device-sum budget: {int(device_sum_budget) / GIB:.1f} GiB (activations counted: "
+        f"{activation_bytes / GIB:.1f} GiB; give --activation-gib for yours)",
         ("CPU device: copies are synchronous memcpy in the training thread" if cpu else
-         "device->host copies overlap the next forward/backward; the compute stream waits for "
-         "each install (host->device) once per window"),
+         "a step's device->host copy of host-summed rows starts at step() and the compute stream "
+         "waits for it at the end of step() (it overlaps only the device update); the compute "
+         "stream waits for each install (host->device: this rank's rows, then an all-gather on "
+         "the device) once per window"),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",
     ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
     return {"model": {"params": P, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,
                       "dtype": str(dtype).removeprefix("torch."), "source": source},
             "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
+                         "update_interval_asked": update_interval,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s},
             "per_gpu": per_gpu, "per_host": per_host, "bus": bus,
             "seconds": t, "time": times, "figures": fig, "assumptions": assumptions}
+
+
+def _device_time(t: dict, cpu: bool, fwd_bwd_s: float) -> float:
+    """The compute stream's time per step outside window ends: forward and backward, the device
+    update and the sums' add; the copy of host-summed rows runs beside the update and step()'s
+    end waits for it (CPU: the training thread copies)."""
+    if cpu:
+        return fwd_bwd_s + t["device_update_s"] + t["d2h_s"]
+    return fwd_bwd_s + max(t["device_update_s"] + t["sum_add_s"], t["d2h_s"])
+
+
+def _expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
+                     bounds: tuple[int, int] = (1, 16)) -> int:
+    """The window update_interval="auto" settles at (zenflow/optim/windows.py): long enough for
+    the host to finish a window's update behind the device's steps, and for the install to take
+    at most INSTALL_BUDGET of the window's time."""
+    if fwd_bwd_s is None or not overlap:
+        return bounds[0]
+    T_dev = _device_time(t, cpu, fwd_bwd_s)
+    if t["accumulate_s"] >= T_dev:
+        return bounds[1]
+    cover = math.ceil(t["adamw_s"] / (T_dev - t["accumulate_s"]) - 1e-9)
+    install = math.ceil((t["h2d_s"] + t["install_gather_s"]) / (INSTALL_BUDGET * T_dev) - 1e-9)
+    return max(bounds[0], min(bounds[1], max(1, cover, install)))
 
 
 def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | None) -> dict:
@@ -178,38 +238,40 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
     formulas = {
         "adamw": "fwd_bwd + params / device_adamw",
         "offload": "fwd_bwd + d2h(all grads) + host accumulate + host AdamW + h2d(all weights)",
-        "zenflow": ("max(T_dev, pipe, accumulate + host_adamw/U) + h2d_window/U" if overlap else
-                    "max(T_dev, pipe) + (pipe + host_adamw + h2d_window)/U"),
-        "T_dev": "fwd_bwd + device update (AdamW on selected columns and vectors, their "
-                 "gather/scatter, one gradient-norm pass)" + (" + d2h (memcpy)" if cpu else ""),
-        "pipe": "accumulate" if cpu else "d2h + accumulate (one staging buffer)",
+        "zenflow": ("max(T_dev, accumulate + host_adamw/U) + (install + sums_wait)/U" if overlap
+                    else "T_dev + (sums_d2h + host_adamw + install)/U"),
+        "T_dev": ("fwd_bwd + device update + d2h (memcpy)" if cpu else
+                  "fwd_bwd + max(device update + device sums' add, d2h of host-summed rows)"),
+        "install": "h2d of this rank's rows + the all-gather on the device (several ranks)",
+        "sums_wait": "max(0, sums_d2h - fwd_bwd): the next window's first add waits for the copy",
     }
     out = {"formulas": formulas}
     if fwd_bwd_s is None:
         return out
-    T_dev = fwd_bwd_s + t["device_update_s"] + (t["d2h_s"] if cpu else 0.0)
-    pipe = t["accumulate_s"] + (0.0 if cpu else t["d2h_s"])
+    T_dev = _device_time(t, cpu, fwd_bwd_s)
+    install = t["h2d_s"] + t["install_gather_s"]
     if overlap:
-        zen = max(T_dev, pipe, t["accumulate_s"] + t["adamw_s"] / U) + t["h2d_s"] / U
+        sums_wait = max(0.0, t["sums_d2h_s"] - fwd_bwd_s)
+        zen = max(T_dev, t["accumulate_s"] + t["adamw_s"] / U) + (install + sums_wait) / U
     else:
-        zen = max(T_dev, pipe) + (pipe + t["adamw_s"] + t["h2d_s"]) / U
+        zen = T_dev + (t["sums_d2h_s"] + t["adamw_s"] + install) / U
     offload = fwd_bwd_s + t["offload_d2h_s"] + t["offload_host_s"] + t["offload_h2d_s"]
     min_u, why = None, ""
-    if pipe >= T_dev:
-        why = "none: the per-step copy and accumulation alone take longer than the device's step"
-    elif t["accumulate_s"] >= T_dev:
-        why = "none: the per-step accumulation alone takes longer than the device's step"
+    if t["accumulate_s"] >= T_dev:
+        why = "none: the per-step host accumulation alone takes longer than the device's step"
     else:
         min_u = max(1, math.ceil(t["adamw_s"] / (T_dev - t["accumulate_s"]) - 1e-9))
-        why = "with overlap_step=True; the install, h2d/U per step, stays exposed"
+        why = "with overlap_step=True; the install, install/U per step, stays exposed"
+    floor = fwd_bwd_s + t["adamw_device_s"]
     out.update({
-        "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": fwd_bwd_s + t["adamw_device_s"],
+        "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": floor,
         "offload_step_s": offload, "offload_stall_s": offload - fwd_bwd_s,
         "zenflow_T_dev_s": T_dev, "zenflow_step_s": zen,
         "zenflow_optimizer_s": zen - fwd_bwd_s,     # time in step(), CPU-proxy: training thread
         "zenflow_stall_s": zen - T_dev, "zenflow_stall_s_per_window": (zen - T_dev) * U,
         # the part spent blocked on the host (what stats()["stall_s_*"] counts; no install)
-        "zenflow_blocked_s": max(0.0, zen - T_dev - t["h2d_s"] / U),
+        "zenflow_blocked_s": max(0.0, zen - T_dev - install / U),
+        "zenflow_vs_floor": zen / floor,
         "speedup_vs_offload": offload / zen,
         "min_update_interval_hiding_host": min_u, "min_update_interval_note": why})
     return out
@@ -230,7 +292,9 @@ def format_report(r: dict) -> str:
     out = [f"Model: {m['params'] / 1e9:.3f} B params ({m['matrices']} matrices, {m['vectors']} "
            f"vectors), {m['dtype']}; {m['source']}",
            f"Settings: {s['gpus']} GPU(s), topk_ratio {s['topk_ratio']}, update_interval "
-           f"{s['update_interval']}, overlap_step {s['overlap_step']}, device {s['target']}", "",
+           f"{s['update_interval']}" + (" (expected auto window)" if
+                                        s["update_interval_asked"] == "auto" else "") +
+           f", overlap_step {s['overlap_step']}, device {s['target']}", "",
            f"{'Per GPU (' + format(g['gpu_memory_bytes'] / GIB, '.1f') + ' GiB)':<30}" +
            "".join(f"{h:>16}" for h in ("AdamW", "AdamW fp32 mstr", "OffloadAdamW",
                                          "ZenFlowAdamW"))]
@@ -241,6 +305,8 @@ def format_report(r: dict) -> str:
     for name, vals in rows:
         out.append(f"  {name:<28}" + "".join(f"{_gib(v):>16}" for v in vals))
     out.append(f"  {'fits':<28}" + "".join(f"{'yes' if g['fits'][c] else 'NO':>16}" for c in cols))
+    out.append(f"  window sums on the device: {g['device_sum_matrices']} matrices, "
+               f"{g['device_sum_bytes'] / GIB:.2f} GiB; on the host: {g['host_sum_matrices']}")
     out += ["", f"{'Per host (' + str(s['gpus']) + ' GPU(s))':<32}{'OffloadAdamW':>16}"
             f"{'ZenFlowAdamW':>16}"]
     for name, key in (("host memory (state)", "host_bytes"), ("reserved (page-rounded)",
@@ -257,12 +323,16 @@ def format_report(r: dict) -> str:
             f"  {'host->device per step':<30}{_gib(o['h2d_bytes_per_step']):>16}"
             f"{_gib(z['h2d_bytes_per_step']):>16}",
             f"  {'per window (d2h / h2d)':<30}{'':>16}   {z['d2h_bytes_per_window'] / GIB:.2f} / "
-            f"{z['h2d_bytes_per_window'] / GIB:.2f} GiB"]
+            f"{z['h2d_bytes_per_window'] / GIB:.2f} GiB",
+            f"  {'both ways per step / model':<30}{'':>16}"
+            f"{(z['d2h_bytes_per_step'] + z['h2d_bytes_per_step']) / z['model_bytes']:>15.2f}x"]
     t, tm = r["seconds"], r["time"]
     out += ["", "Work per GPU per step / window",
             f"  host accumulate {_s(t['accumulate_s'])}/step, host AdamW {_s(t['adamw_s'])}/window, "
             f"d2h {_s(t['d2h_s'])}/step, h2d {_s(t['h2d_s'])}/window, device update "
             f"{_s(t['device_update_s'])}/step",
+            f"  device sums: add {_s(t['sum_add_s'])}/step, d2h {_s(t['sums_d2h_s'])}/window; "
+            f"install all-gather {_s(t['install_gather_s'])}/window",
             f"  OffloadAdamW: d2h {_s(t['offload_d2h_s'])}, host {_s(t['offload_host_s'])}, "
             f"h2d {_s(t['offload_h2d_s'])} per step"]
     out += ["", "Step time (model)"]
@@ -276,7 +346,8 @@ def format_report(r: dict) -> str:
                 f"{_s(tm['offload_stall_s'])}",
                 f"  ZenFlowAdamW                  {_s(tm['zenflow_step_s'])}   stall "
                 f"{_s(tm['zenflow_stall_s'])}/step, of it blocked on the host "
-                f"{_s(tm['zenflow_blocked_s'])}   ({tm['speedup_vs_offload']:.2f}x ZeRO-Offload)",
+                f"{_s(tm['zenflow_blocked_s'])}   ({tm['speedup_vs_offload']:.2f}x ZeRO-Offload, "
+                f"{tm['zenflow_vs_floor']:.2f}x the AdamW floor)",
                 f"  smallest update_interval hiding the host: "
                 f"{tm['min_update_interval_hiding_host'] or '-'} "
                 f"({tm['min_update_interval_note']})"]
@@ -299,7 +370,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="weight dtype (default: the config's or preset's, else bf16)")
     p.add_argument("--topk-ratio", type=float, default=0.1, help="ZenFlow topk_ratio")
-    p.add_argument("--update-interval", type=int, default=4, help="ZenFlow update_interval")
+    p.add_argument("--update-interval", type=_interval, default="auto",
+                   help='ZenFlow update_interval, or "auto": the window the optimizer settles at')
+    p.add_argument("--device-sum-budget", type=_budget, default="auto",
+                   help='GiB of device memory for window sums, or "auto" as the optimizer '
+                        "decides it (what is left less a tenth of the GPU)")
+    p.add_argument("--activation-gib", type=float, default=0.0,
+                   help="GiB of activations at the peak of forward and backward (for the "
+                        "auto device-sum budget)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ZenFlow overlap_step")
     p.add_argument("--fwd-bwd-seconds", type=float, default=None,
@@ -310,6 +388,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selftest-json", metavar="FILE", default=None,
                    help="measured figures from `zenflow selftest --json FILE`")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the estimate as JSON")
+
+
+def _interval(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'must be "auto" or an integer >= 1, got {text}')
+    return value
+
+
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f'must be "auto" or GiB >= 0, got {text}')
+    return int(value * GIB)
 
 
 def required_modules(args: argparse.Namespace) -> list[str]:
@@ -333,15 +429,17 @@ def run(args: argparse.Namespace) -> int:
             shapes, dtype, source = shapes_from.parse_shapes(args.shapes), None, "--shapes"
         if args.dtype:
             dtype = shapes_from.DTYPES[args.dtype]
-        if args.gpus < 1 or args.update_interval < 1 or not 0 <= args.topk_ratio <= 1:
-            raise ValueError("--gpus and --update-interval must be >= 1, --topk-ratio in [0, 1]")
+        if args.gpus < 1 or not 0 <= args.topk_ratio <= 1:
+            raise ValueError("--gpus must be >= 1 and --topk-ratio in [0, 1]")
         target = args.device or ("cpu" if measured and str(measured.get("device", "")
                                                              ).startswith("cpu") else "cuda")
         report = estimate(shapes, dtype or torch.bfloat16, gpus=args.gpus,
                           gpu_memory_bytes=int(args.gpu_memory * GIB) if args.gpu_memory else None,
                           topk_ratio=args.topk_ratio, update_interval=args.update_interval,
                           overlap=args.overlap, fwd_bwd_s=args.fwd_bwd_seconds,
-                          measured=measured, target=target, source=source)
+                          measured=measured, target=target, source=source,
+                          device_sum_budget=args.device_sum_budget,
+                          activation_bytes=int(args.activation_gib * GIB))
     except (ValueError, OSError) as exc:
         print(f"zenflow estimate: error: {exc}", file=sys.stderr)
         return 2
