@@ -52,6 +52,28 @@ log = logging.getLogger("zenflow.engine")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# Gradients are averaged across ranks this many bytes at a time: one flat temporary per bucket,
+# never one of the whole model (12.5 GiB for a 7B model in bf16), as DDP buckets them.
+GRADIENT_BUCKET_BYTES = 256 << 20
+
+
+def gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """`grads` in order, grouped by dtype into runs of at most `bucket_bytes` (a larger gradient
+    makes a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        bucket, size = open_bucket.get(g.dtype, ([], 0))
+        if bucket and size + nbytes > bucket_bytes:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(g)
+        open_bucket[g.dtype] = (bucket, size + nbytes)
+    buckets += [bucket for bucket, _ in open_bucket.values() if bucket]
+    return buckets
+
+
 class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
     """Wraps a model with its optimizer, schedule, precision and checkpointing."""
 
@@ -161,11 +183,11 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                                               torch.nn.parallel.DistributedDataParallel):
             return
         grads = [p.grad for p in self._params if p.grad is not None]
-        for dtype in {g.dtype for g in grads}:
-            same = [g for g in grads if g.dtype == dtype]
-            flat = partition.sum_(torch.cat([g.reshape(-1) for g in same]), "averaging gradients")
+        for bucket in gradient_buckets(grads, GRADIENT_BUCKET_BYTES):
+            flat = partition.sum_(torch.cat([g.reshape(-1) for g in bucket]),
+                                  "averaging gradients")
             flat /= partition.world_size
-            for g, averaged in zip(same, flat.split([g.numel() for g in same])):
+            for g, averaged in zip(bucket, flat.split([g.numel() for g in bucket])):
                 g.copy_(averaged.view_as(g))
 
     def _optimizer_step(self) -> None:

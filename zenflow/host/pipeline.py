@@ -385,6 +385,9 @@ class HostPipeline:
             self.torn = []
             self._queue.clear()
         self.drain()
+        # No copy may still read the buffers rewritten below: the last install (the install
+        # buffer) and the last copy of the device sums.
+        self.timer.stall(self._install_reader.wait() + self.device_sums.wait_copied())
         self._start_over()
         for i, s in enumerate(state["params"]):
             for kind in FP32_KINDS:

@@ -24,12 +24,15 @@ to_device, copies are plain and synchronous and their tickets already done.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 import time
 
 import torch
+
+log = logging.getLogger("zenflow")
 
 
 def uses_cuda(device: torch.device) -> bool:
@@ -225,15 +228,28 @@ class Transfers:
 
     def pin(self, tensors: list[torch.Tensor]) -> None:
         """Page-lock host buffers in place (cudaHostRegister: they live in shared memory, which
-        pin_memory=True cannot allocate). Only buffers that copies touch are worth it."""
+        pin_memory=True cannot allocate). Only buffers that copies touch are worth it. A buffer
+        the driver refuses to lock (RLIMIT_MEMLOCK, a container's limit) stays pageable: its
+        copies are synchronous and slower, which a warning says once, and nothing breaks."""
         if not self.cuda:
             return
         cudart = torch.cuda.cudart()
-        for t in tensors:
-            if t.numel() and not t.is_pinned():
-                nbytes = t.numel() * t.element_size()
-                if int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0:
-                    self._pinned.append(t.data_ptr())
+        refused = []
+        with torch.cuda.device(self.device):   # never the implicit current device
+            for t in tensors:
+                if t.numel() and not t.is_pinned():
+                    nbytes = t.numel() * t.element_size()
+                    code = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
+                    if code == 0:
+                        self._pinned.append(t.data_ptr())
+                    else:
+                        cudart.cudaGetLastError()   # clear it, or the next CUDA call reports it
+                        refused.append((nbytes, code))
+        if refused:
+            log.warning("page-locking %d host buffer(s) of %.2f GiB failed (cudaHostRegister "
+                        "error %d); their copies stay pageable: slower, and synchronous with the "
+                        "Python thread. Raise the locked-memory limit (ulimit -l) to fix it.",
+                        len(refused), sum(n for n, _ in refused) / 2**30, refused[0][1])
 
     def close(self) -> None:
         self._copy_cores = None
@@ -243,8 +259,12 @@ class Transfers:
         self.unpin()
 
     def unpin(self) -> None:
+        """Unlock the page-locked buffers, once no copy in flight reads or writes them."""
         if self._pinned:
+            self._d2h.synchronize()
+            self._h2d.synchronize()
             cudart = torch.cuda.cudart()
-            for ptr in self._pinned:
-                cudart.cudaHostUnregister(ptr)
+            with torch.cuda.device(self.device):
+                for ptr in self._pinned:
+                    cudart.cudaHostUnregister(ptr)
             self._pinned = []
