@@ -25,10 +25,11 @@ def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
     if not params:
         return
     device = params[0].device
-    steps = [torch.tensor(float(step), dtype=torch.float32, device=device)] * len(params)
+    # Filled on the device (a fill kernel), not copied from host memory: no transfer to wait for.
+    steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(params)
     divisor = None
     if grad_divisor != 1.0:
-        divisor = torch.tensor(float(grad_divisor), dtype=torch.float32, device=device)
+        divisor = torch.full((), float(grad_divisor), dtype=torch.float32, device=device)
     if _has_fused(device):
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,

@@ -1,27 +1,41 @@
 """The step's gradient norms and clipping factor (docs/semantics.md, "Clipping")."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def gradient_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each gradient, as fp32 scalar tensors (computed in fp32 for any dtype)."""
-    if all(g.dtype == torch.float32 for g in grads):
-        return list(torch._foreach_norm(grads))
-    return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    """The L2 norm of each gradient, as fp32 scalar tensors (computed in fp32 for any dtype), in
+    one multi-tensor launch per device and dtype."""
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
 def clip_coefficient(norms: list[torch.Tensor], max_grad_norm: float | None,
-                     grad_scale: float = 1.0) -> float | None:
-    """The factor to multiply every gradient by: 1 / grad_scale (a loss scale still in the
-    gradients) times what clip_grad_norm_ would scale the unscaled gradients by; or None when the
-    global gradient norm is not finite and the step must be skipped."""
+                     grad_scale: float | torch.Tensor | None = None,
+                     found_inf: torch.Tensor | None = None) -> tuple[float | None, bool]:
+    """(factor, amp_overflow): the factor to multiply every gradient by, 1 / grad_scale (a loss
+    scale still in the gradients) times what clip_grad_norm_ would scale the unscaled gradients
+    by; None when the step must be skipped, because GradScaler found inf/NaN (`found_inf`, then
+    amp_overflow is True) or the global gradient norm is not finite.
+
+    Everything the step's host side needs from the device (the norm, the clipping factor, the
+    scaler's flag and scale) comes back in one read: the step's only wait for the device."""
     total = torch.linalg.vector_norm(torch.stack(norms))
-    if not torch.isfinite(total):
-        return None
-    if grad_scale != 1.0:
-        total = total / grad_scale
-    if max_grad_norm is None:
-        return 1.0 / grad_scale
-    # The same fp32 tensor arithmetic as torch.nn.utils.clip_grad_norm_, so results match it.
-    return float(torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)) / grad_scale
+    scaled = total if grad_scale is None else total / grad_scale
+    reads = [total]
+    if max_grad_norm is not None:
+        # The same fp32 tensor arithmetic as torch.nn.utils.clip_grad_norm_, so results match it.
+        reads.append(torch.clamp(max_grad_norm / (scaled + 1e-6), max=1.0))
+    for extra in (found_inf, grad_scale):
+        if isinstance(extra, torch.Tensor):
+            reads.append(extra.to(total.device, torch.float32).reshape(()))
+    values = torch.stack(reads).tolist()
+    if found_inf is not None and values[-2 if isinstance(grad_scale, torch.Tensor) else -1] > 0:
+        return None, True
+    if not math.isfinite(values[0]):
+        return None, False
+    scale = 1.0 if grad_scale is None else (
+        values[-1] if isinstance(grad_scale, torch.Tensor) else float(grad_scale))
+    return (values[1] if max_grad_norm is not None else 1.0) / scale, False

@@ -74,9 +74,11 @@ def top_columns(importance: torch.Tensor, k: int) -> torch.Tensor:
     return order.sort().values
 
 
-def retained_mass(importance: torch.Tensor, selected: torch.Tensor, k: int) -> tuple[float, float]:
-    """(importance held by `selected`, importance held by the best k columns) for one matrix."""
+def retained_mass(importance: torch.Tensor, selected: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(importance held by `selected`, importance held by the best k columns) for one matrix, as
+    tensors on its device (the caller reads them all at once)."""
     if k == 0:
-        return 0.0, 0.0
-    best = torch.topk(importance, k).values.sum()
-    return float(importance[selected].sum()), float(best)
+        zero = importance.new_zeros(())
+        return zero, zero
+    return importance[selected].sum(), torch.topk(importance, k).values.sum()

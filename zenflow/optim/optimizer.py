@@ -180,11 +180,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._timer.begin()
         self._step_period.tick()
         norms = dict(zip(grads, gradient_norms(list(grads.values()))))
-        scale = self._amp_scale()
-        clip_coef = None if scale is None else clip_coefficient(
-            list(norms.values()), self.settings.max_grad_norm, scale)
+        # torch.amp.GradScaler sets grad_scale and found_inf around step() (None without one)
+        clip_coef, amp_overflow = clip_coefficient(
+            list(norms.values()), self.settings.max_grad_norm,
+            getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         if clip_coef is None:
-            self._skip(amp_overflow=scale is None)
+            self._skip(amp_overflow=amp_overflow)
             return loss
         self._consecutive_skips = 0
 
@@ -227,14 +228,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         "skipped steps, %d in all)", self._NAME, self.counters.step, n,
                         self.counters.skipped_steps)
         self._timer.end(skipped=True)
-
-    def _amp_scale(self) -> float | None:
-        """The loss scale of torch.amp.GradScaler, which sets self.grad_scale and self.found_inf
-        around step() (1.0 without one, or once unscale_() has run; None: it found inf/NaN)."""
-        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        if found_inf is not None and found_inf.item() > 0:
-            return None
-        return 1.0 if grad_scale is None else float(grad_scale)
 
     def _window_ends(self) -> bool:
         host_s = step_s = install_s = 0.0

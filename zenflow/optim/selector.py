@@ -111,10 +111,12 @@ class ColumnSelector:
 
     @staticmethod
     def _retained_fraction(todo: list[HostParam], importances) -> float:
-        held = best = 0.0
-        for m, importance in zip(todo, importances):
-            h, b = retained_mass(importance, m.selected.column_indices, m.k)
-            held, best = held + h, best + b
+        if not todo:
+            return 1.0
+        masses = [retained_mass(importance, m.selected.column_indices, m.k)
+                  for m, importance in zip(todo, importances)]
+        # One read of the device for every matrix (summed in double, as a Python loop would).
+        held, best = torch.stack([torch.stack(pair) for pair in masses]).double().sum(0).tolist()
         return 1.0 if best == 0.0 else held / best
 
     def state_dict(self) -> dict:
