@@ -298,3 +298,16 @@ def test_worker_false_runs_inline():
     assert not isinstance(opt._runner, WorkerHostRunner)
     with pytest.raises(TypeError, match="worker"):
         zenflow.ZenFlowAdamW(model.parameters(), worker="yes")
+
+
+def test_ranks_on_one_machine_get_whole_physical_cores(monkeypatch):
+    from zenflow.host import cores
+    # 4 physical cores, each with its hyperthread sibling numbered +4 (as Linux numbers them)
+    monkeypatch.setattr(cores, "_physical_cores",
+                        lambda cpus: [[c, c + 4] for c in range(4) if c in cpus])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shares = []
+    for rank in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        shares.append(cores.local_rank_share(list(range(8))))
+    assert shares == [[0, 4, 1, 5], [2, 6, 3, 7]]

@@ -50,10 +50,14 @@ def split_cores(reserved_perc: float, cpus: list[int] | None = None) -> tuple[li
 
 def local_rank_share(cores: list[int]) -> list[int]:
     """This process's share of the machine's cores when several ranks run on one machine
-    (torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE): ranks never share a worker core."""
+    (torchrun sets LOCAL_RANK and LOCAL_WORLD_SIZE): ranks never share a worker core, and each
+    gets whole physical cores (hyperthread siblings together), as many as the others."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_world <= 1 or len(cores) < local_world:
         return cores
-    per_rank = len(cores) // local_world
-    return cores[local_rank * per_rank:(local_rank + 1) * per_rank]
+    groups = _physical_cores(cores)
+    if len(groups) < local_world:    # fewer physical cores than ranks: split the siblings
+        groups = [[c] for c in sorted(cores)]
+    per_rank = len(groups) // local_world
+    return [c for g in groups[local_rank * per_rank:(local_rank + 1) * per_rank] for c in g]
