@@ -385,3 +385,30 @@ def test_zenflow_block_sets_the_window_options():
     assert settings.deferred_credit == "window" and settings.install_lookahead == 0.5
     with pytest.raises(ValueError, match="deferred_credit"):
         ZenFlowSection(deferred_credit="sum")
+
+
+def test_check_config_json_reports_an_invalid_config_as_json(tmp_path, capsys):
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps({"train_batch_size": 8, "bogus": 1}))
+    assert cli_main(["check-config", str(file), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report == {"file": str(file), "valid": False, "errors": ["bogus is not a known key"]}
+
+
+def test_check_config_takes_a_hugging_face_trainer_config_with_its_auto_values(tmp_path, capsys):
+    file = tmp_path / "hf.json"
+    file.write_text(json.dumps({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                              "zenflow": {"topk_ratio": 0.05, "update_interval": "auto"}}}))
+    assert cli_main(["check-config", str(file)]) == 1          # outside a Trainer: refused
+    capsys.readouterr()
+    assert cli_main(["check-config", str(file), "--hf-trainer", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid"] and report["optimizer"] == "zenflow.ZenFlowAdamW"
+    assert report["optimizer_kwargs"]["topk_ratio"] == 0.05
+    assert report["filled_by_the_trainer"] == [
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay"]

@@ -213,3 +213,12 @@ def test_hf_config_of_llama2_7b(tmp_path, capsys):
     assert report["model"]["params"] == 6_738_415_616
     assert report["model"]["dtype"] == "bfloat16"
     assert "meta device" in report["model"]["source"]
+
+
+def test_a_cpu_estimate_says_it_models_a_cpu_device_not_a_gpu(tmp_path, capsys):
+    selftest = tmp_path / "selftest.json"
+    selftest.write_text(json.dumps({"measured": {"device": "cpu"}}))
+    assert main(["estimate", "--preset", "cpu-small", "--selftest-json", str(selftest)]) == 0
+    out = capsys.readouterr().out
+    assert "device cpu" in out and "Per CPU device" in out and "Bus per CPU device" in out
+    assert "Per GPU" not in out and "Bus per GPU" not in out

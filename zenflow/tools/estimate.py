@@ -289,13 +289,14 @@ def _s(x) -> str:
 def format_report(r: dict) -> str:
     m, s, g, h, b = r["model"], r["settings"], r["per_gpu"], r["per_host"], r["bus"]
     cols = ("adamw", "adamw_fp32_master", "offload", "zenflow")
+    unit = "GPU" if s["target"] == "cuda" else "CPU device"   # what trains
     out = [f"Model: {m['params'] / 1e9:.3f} B params ({m['matrices']} matrices, {m['vectors']} "
            f"vectors), {m['dtype']}; {m['source']}",
            f"Settings: {s['gpus']} GPU(s), topk_ratio {s['topk_ratio']}, update_interval "
            f"{s['update_interval']}" + (" (expected auto window)" if
                                         s["update_interval_asked"] == "auto" else "") +
            f", overlap_step {s['overlap_step']}, device {s['target']}", "",
-           f"{'Per GPU (' + format(g['gpu_memory_bytes'] / GIB, '.1f') + ' GiB)':<30}" +
+           f"{f'Per {unit} (' + format(g['gpu_memory_bytes'] / GIB, '.1f') + ' GiB)':<30}" +
            "".join(f"{h:>16}" for h in ("AdamW", "AdamW fp32 mstr", "OffloadAdamW",
                                          "ZenFlowAdamW"))]
     rows = [("weights", [g["weights_bytes"]] * 4), ("gradients", [g["grads_bytes"]] * 4),
@@ -307,7 +308,7 @@ def format_report(r: dict) -> str:
     out.append(f"  {'fits':<28}" + "".join(f"{'yes' if g['fits'][c] else 'NO':>16}" for c in cols))
     out.append(f"  window sums on the device: {g['device_sum_matrices']} matrices, "
                f"{g['device_sum_bytes'] / GIB:.2f} GiB; on the host: {g['host_sum_matrices']}")
-    out += ["", f"{'Per host (' + str(s['gpus']) + ' GPU(s))':<32}{'OffloadAdamW':>16}"
+    out += ["", f"{'Per host (' + str(s['gpus']) + f' {unit}(s))':<32}{'OffloadAdamW':>16}"
             f"{'ZenFlowAdamW':>16}"]
     for name, key in (("host memory (state)", "host_bytes"), ("reserved (page-rounded)",
                                                                 "arena_bytes"),
@@ -317,7 +318,7 @@ def format_report(r: dict) -> str:
                f"{'yes' if h['fits']['zenflow'] else 'NO':>16}   "
                f"(available {h['available_host_bytes'] / GIB:.1f} GiB; /dev/shm not used)")
     z, o = b["zenflow"], b["offload"]
-    out += ["", f"{'Bus per GPU':<32}{'OffloadAdamW':>16}{'ZenFlowAdamW':>16}",
+    out += ["", f"{'Bus per ' + unit:<32}{'OffloadAdamW':>16}{'ZenFlowAdamW':>16}",
             f"  {'device->host per step':<30}{_gib(o['d2h_bytes_per_step']):>16}"
             f"{_gib(z['d2h_bytes_per_step']):>16}",
             f"  {'host->device per step':<30}{_gib(o['h2d_bytes_per_step']):>16}"
@@ -327,7 +328,7 @@ def format_report(r: dict) -> str:
             f"  {'both ways per step / model':<30}{'':>16}"
             f"{(z['d2h_bytes_per_step'] + z['h2d_bytes_per_step']) / z['model_bytes']:>15.2f}x"]
     t, tm = r["seconds"], r["time"]
-    out += ["", "Work per GPU per step / window",
+    out += ["", f"Work per {unit} per step / window",
             f"  host accumulate {_s(t['accumulate_s'])}/step, host AdamW {_s(t['adamw_s'])}/window, "
             f"d2h {_s(t['d2h_s'])}/step, h2d {_s(t['h2d_s'])}/window, device update "
             f"{_s(t['device_update_s'])}/step",
