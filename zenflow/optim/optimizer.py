@@ -44,6 +44,7 @@ from zenflow.optim.device_adam import group_hyperparameters
 from zenflow.optim.params import (
     HostParam,
     OutsideWrites,
+    built_layout,
     device_state_bytes,
     device_update,
     importance_split,
@@ -126,6 +127,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                                           AdamWHyperparameters.model_fields})
 
     def _build(self, schedule: SelectionSchedule) -> None:
+        self._built = built_layout(self.param_groups)
         self._host_params, self._vector_params = sort_params(
             self.param_groups, self.settings.topk_ratio, self._VECTORS_ON_HOST, self.device)
         self._timer = StepTimer()
@@ -145,7 +147,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._step_period = StepPeriod()
         self._consecutive_skips = 0
         self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
-                                             self._pipeline, self._NAME)
+                                             self._pipeline, self._NAME,
+                                             lambda: self._selector.has_chosen)
 
     @property
     def _runner(self):
@@ -173,8 +176,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
         self._pipeline.check()  # a dead worker fails this step, not only the next window end
-        self._outside_writes.adopt(self._selector.has_chosen)
-        grads = present_gradients(self.param_groups, self.device, self._NAME)
+        self._outside_writes.adopt()
+        grads = present_gradients(self.param_groups, self.device, self._NAME, self._built)
         if not grads:
             return loss
         self._timer.begin()
@@ -192,6 +195,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         count = self.counters
         warming_up = count.step < self.settings.full_warm_up_rounds
         if not warming_up and count.window_steps == 0:
+            self._outside_writes.adopt_data_writes()
             self._select_columns(grads)
         chosen = self._selector.has_chosen
         self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
@@ -250,12 +254,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _end_window(self, synchronous: bool) -> None:
         """Install the previous window's host update, hand this window's sums to the host, and
         with `synchronous` install that too before returning."""
+        self._outside_writes.adopt_data_writes()
         self._install_in_flight()
         self._pipeline.end_window([host_update_hyperparameters(
             m.group, self._pipeline.num_grads[m.host_index], self.settings, not synchronous)
             for m in self._host_params])
         if synchronous:
             self._install_in_flight()
+        self._outside_writes.fingerprint()
         self._window.ended(self.counters.window_steps)
         self.counters.window_steps = 0
         self.counters.num_windows += 1
@@ -279,6 +285,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not plan.first:
             self._install_in_flight()  # state can only move once the host is drained
         self._selector.select(plan, self.counters.step)
+        self._outside_writes.fingerprint()
         self._decided("select" if plan.first else "reselect")
 
     @property
@@ -292,7 +299,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         to wait for, and the weights stay as they are."""
         if self.closed:
             return
-        self._outside_writes.adopt(self._selector.has_chosen)
+        self._outside_writes.adopt()
+        self._outside_writes.adopt_data_writes()
         self._install_in_flight()
         if (self.settings.install_lookahead and self.settings.overlap_step
                 and self.counters.num_windows):
@@ -300,6 +308,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             chosen = self._selector.has_chosen
             self._write_selected_over(self._pipeline.install_masters(
                 [m.host_index for m in self._host_params if m.host_owns_columns(chosen)]))
+        self._outside_writes.fingerprint()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -61,15 +61,24 @@ class VectorParam:
             self.state.master.copy_(self.param.detach())
 
 
-def present_gradients(param_groups: list[dict], device: torch.device, owner: str) -> dict:
+def built_layout(param_groups: list[dict]) -> dict:
+    """What the optimizer built its state for, per trainable parameter: its dtype and that it is
+    contiguous (a parameter frozen then has no entry)."""
+    return {p: p.dtype for group in param_groups for p in group["params"] if p.requires_grad}
+
+
+def present_gradients(param_groups: list[dict], device: torch.device, owner: str,
+                      built: dict) -> dict:
     """{parameter: gradient} of the trainable parameters that have one, each checked to be dense
-    and on `device`."""
+    and on `device`, and to be what the optimizer was built for (`built_layout`)."""
     grads = {}
     for group in param_groups:
         for p in group["params"]:
             g = p.grad
             if g is None or not p.requires_grad:
                 continue
+            if built.get(p) != p.dtype or not p.is_contiguous():
+                raise ValueError(f"{owner}: {_changed_since_built(p, built.get(p))}")
             if g.is_sparse or g.device != device:
                 where = "sparse" if g.is_sparse else f"on {g.device}"
                 raise ValueError(f"{owner}: the gradient of a parameter of shape "
@@ -77,6 +86,21 @@ def present_gradients(param_groups: list[dict], device: torch.device, owner: str
                                  "are required")
             grads[p] = g
     return grads
+
+
+def _changed_since_built(p: torch.Tensor, dtype: torch.dtype | None) -> str:
+    shape = tuple(p.shape)
+    if dtype is None:
+        return (f"the parameter of shape {shape} did not require grad when the optimizer was "
+                "built and now has a gradient: it has no optimizer state and would never be "
+                "updated; build the optimizer after unfreezing it")
+    if p.dtype != dtype:
+        return (f"the parameter of shape {shape} is {p.dtype} but was {dtype} when the optimizer "
+                "was built (model.to(dtype) or .double() afterwards?); build the optimizer after "
+                "changing the model's dtype")
+    return (f"the parameter of shape {shape} is no longer contiguous (model.to(memory_format="
+            "torch.channels_last) afterwards?); build the optimizer after changing the memory "
+            "format, or keep the parameters contiguous")
 
 
 def device_update(host_params: list[HostParam], vector_params: list[VectorParam], grads: dict,
@@ -110,28 +134,79 @@ def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bo
     return host, vectors
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as integers of the same width: compared or summed, they tell any change."""
+    return t.view(_BITS[t.element_size()])
+
+
 class OutsideWrites:
-    """Parameters written outside the optimizer since it last wrote them (model.load_state_dict,
-    an in-place edit under no_grad: anything that bumps a tensor's version counter; the
-    optimizer's own writes go through .data and do not) become the new master values, as if the
-    optimizer had been built on them; the moments stay."""
+    """Parameters written outside the optimizer since it last wrote them become the new master
+    values, as if the optimizer had been built on them; the moments stay.
+
+    Most writes are seen at the next step: anything that bumps a tensor's version counter
+    (model.load_state_dict, an in-place edit under no_grad; the optimizer's own writes go
+    through .data and do not) and a parameter given new storage (`p.data = t`,
+    vector_to_parameters). In-place writes through `.data` (`p.data.clamp_()`) bump nothing; they
+    are found at window ends, where a fingerprint of what the optimizer last wrote (an exact
+    integer sum of the bits of the host-owned columns; the device-owned columns and bf16/fp16
+    vectors compared with their masters) costs one pass and one read per window. Such a write to
+    a column the device updates is overwritten by the next step, so the first one found is
+    reported with a warning."""
 
     def __init__(self, host_params: list[HostParam], vector_params: list[VectorParam],
-                 pipeline, owner: str):
+                 pipeline, owner: str, columns_chosen):
         self.host_params, self.vector_params = host_params, vector_params
         self.pipeline, self.owner = pipeline, owner
+        self.columns_chosen = columns_chosen     # () -> whether the selection has been made
+        self._warned = False
         self.forget()
 
-    def adopt(self, columns_chosen: bool) -> None:
-        host = [m for m in self.host_params if m.param._version != self._versions[m.param]]
-        vectors = [v for v in self.vector_params if v.param._version != self._versions[v.param]]
+    def adopt(self) -> None:
+        """At each step: adopt what version counters and storage pointers show."""
+        changed = {p for p in self._versions
+                   if p._version != self._versions[p] or p.data_ptr() != self._pointers[p]}
+        self._adopt([m for m in self.host_params if m.param in changed],
+                    [v for v in self.vector_params if v.param in changed])
+
+    def adopt_data_writes(self) -> None:
+        """At window ends: adopt writes through .data, found by the fingerprints."""
+        chosen = self.columns_chosen()
+        flags = [*(self._host_sum(m, chosen) != self._sums[m.param] for m in self.host_params),
+                 *(self._selected_differ(m) for m in self.host_params if chosen and m.k > 0),
+                 *(self._vector_differs(v) for v in self.vector_params
+                   if v.state.master.data_ptr() != v.param.data_ptr())]
+        if not flags:
+            return
+        changed = torch.stack(flags).tolist()   # the one read
+        n = len(self.host_params)
+        host = {m.param for m, c in zip(self.host_params, changed[:n]) if c}
+        with_columns = [m for m in self.host_params if chosen and m.k > 0]
+        host |= {m.param for m, c in zip(with_columns, changed[n:n + len(with_columns)]) if c}
+        watched = [v for v in self.vector_params
+                   if v.state.master.data_ptr() != v.param.data_ptr()]
+        vectors = [v for v, c in zip(watched, changed[n + len(with_columns):]) if c]
+        if (host or vectors) and not self._warned:
+            self._warned = True
+            log.warning("%s: parameter(s) were written through .data (found at a window end) "
+                        "and are adopted as the new master values; a write through .data to "
+                        "the columns and vectors the device updates every step is overwritten "
+                        "by the next step. Write under torch.no_grad() without .data (p.clamp_() "
+                        "rather than p.data.clamp_()) and the optimizer sees it at once.",
+                        self.owner)
+        self._adopt([m for m in self.host_params if m.param in host], vectors)
+
+    def _adopt(self, host: list[HostParam], vectors: list[VectorParam]) -> None:
         if not host and not vectors:
             return
         log.info("%s: adopting the new values of %d parameter(s) changed outside the optimizer",
                  self.owner, len(host) + len(vectors))
         self.pipeline.adopt([m.host_index for m in host])
+        chosen = self.columns_chosen()
         for m in host:
-            if columns_chosen and m.k > 0:
+            if chosen and m.k > 0:
                 m.selected_from_param()
         for v in vectors:
             v.master_from_param()
@@ -139,8 +214,33 @@ class OutsideWrites:
 
     def forget(self) -> None:
         """Take the parameters as they are now as the optimizer's own."""
-        self._versions = {p: p._version for p in (*(m.param for m in self.host_params),
-                                                  *(v.param for v in self.vector_params))}
+        params = (*(m.param for m in self.host_params), *(v.param for v in self.vector_params))
+        self._versions = {p: p._version for p in params}
+        self._pointers = {p: p.data_ptr() for p in params}
+        self.fingerprint()
+
+    def fingerprint(self) -> None:
+        """Remember the host-owned columns as the optimizer last wrote them (after installs,
+        selections and adoptions)."""
+        chosen = self.columns_chosen()
+        self._sums = {m.param: self._host_sum(m, chosen) for m in self.host_params}
+
+    @staticmethod
+    def _host_sum(m: HostParam, chosen: bool) -> torch.Tensor:
+        bits = _bits(columns.as_matrix(m.param.detach()))
+        total = bits.sum(dtype=torch.int64)
+        if chosen and m.k > 0:
+            total = total - bits[:, m.selected.column_indices].sum(dtype=torch.int64)
+        return total
+
+    @staticmethod
+    def _selected_differ(m: HostParam) -> torch.Tensor:
+        now = columns.as_matrix(m.param.detach())[:, m.selected.column_indices]
+        return (_bits(now) != _bits(m.selected.master.to(now.dtype))).any()
+
+    @staticmethod
+    def _vector_differs(v: VectorParam) -> torch.Tensor:
+        return (_bits(v.param.detach()) != _bits(v.state.master.to(v.param.dtype))).any()
 
 
 def device_state_bytes(host_params: list[HostParam], vector_params: list[VectorParam]) -> int:

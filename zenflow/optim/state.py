@@ -189,7 +189,8 @@ def save(opt, parts: StateParts) -> dict:
     written outside the optimizer are adopted first, so the state saved goes with them."""
     for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
         pre_hook(opt)
-    parts.outside_writes.adopt(parts.selector.has_chosen)
+    parts.outside_writes.adopt()
+    parts.outside_writes.adopt_data_writes()
     state_dict = compose(parts)
     for post_hook in opt._optimizer_state_dict_post_hooks.values():
         result = post_hook(opt, state_dict)

@@ -1,0 +1,119 @@
+"""Weights written outside the optimizer stick, however they are written, and a parameter set
+that changed since the optimizer was built is refused by name (issue: nothing lost, nothing
+silent). torch.optim.AdamW at lr 0 keeps every such write; so must ZenFlowAdamW."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import zenflow
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def _train(model, opt, steps, write=None, at=None):
+    for t in range(steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if t == at:
+            write(model)
+
+
+def _zenflow(model, **kw):
+    kw = {"lr": 0.0, "weight_decay": 0.0, "topk_ratio": 0.25, "update_interval": 2,
+          "worker": False, **kw}
+    return zenflow.ZenFlowAdamW(model.parameters(), **kw)
+
+
+def _replace(model):
+    for p in model.parameters():
+        p.data = torch.full_like(p, 0.5)
+
+
+def _vector_to_parameters(model):
+    n = sum(p.numel() for p in model.parameters())
+    torch.nn.utils.vector_to_parameters(torch.full((n,), 0.25), model.parameters())
+
+
+@pytest.mark.parametrize("write, value", [(_replace, 0.5), (_vector_to_parameters, 0.25)],
+                         ids=["p.data = t", "vector_to_parameters"])
+@pytest.mark.parametrize("at", [3, 4], ids=["window-boundary", "mid-window"])
+def test_new_storage_for_a_parameter_is_adopted_at_the_next_step(write, value, at):
+    model = _model()
+    opt = _zenflow(model, overlap_step=True)
+    _train(model, opt, 10, write, at)
+    opt.synchronize()
+    opt.close()
+    for p in model.parameters():
+        assert torch.equal(p.detach(), torch.full_like(p, value))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_in_place_writes_through_data_at_a_window_boundary_stick_and_are_reported(overlap,
+                                                                                     caplog):
+    def clamp(model):
+        for p in model.parameters():
+            p.data.clamp_(-0.05, 0.05)
+    model = _model()
+    opt = _zenflow(model, overlap_step=overlap)
+    with caplog.at_level(logging.WARNING, logger="zenflow"):
+        _train(model, opt, 10, clamp, at=3)    # windows of 2 steps: 3 ends one
+    opt.synchronize()
+    opt.close()
+    for p in model.parameters():
+        assert p.detach().abs().max() <= 0.05
+    assert caplog.text.count("written through .data") == 1
+
+
+def test_host_owned_columns_written_through_data_mid_window_stick():
+    def zero(model):
+        model[0].weight.data.zero_()
+    model = _model()
+    opt = _zenflow(model, topk_ratio=0.0, overlap_step=True)   # every column on the host
+    _train(model, opt, 10, zero, at=4)
+    opt.synchronize()
+    opt.close()
+    assert torch.count_nonzero(model[0].weight) == 0
+
+
+def test_a_parameter_unfrozen_after_construction_is_refused_by_name_and_nothing_changes():
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = _zenflow(model, lr=1e-2)
+    model[0].weight.requires_grad_(True)
+    model(torch.randn(4, 8)).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"shape \(16, 8\) did not require grad when the "
+                                         r"optimizer was built"):
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    assert opt.counters.step == 0
+    opt.close()
+
+
+def test_a_dtype_change_after_construction_is_refused_by_name():
+    model = _model()
+    opt = _zenflow(model, lr=1e-2)
+    model.double()
+    model(torch.randn(4, 8, dtype=torch.float64)).square().mean().backward()
+    with pytest.raises(ValueError, match=r"is torch.float64 but was torch.float32 when the "
+                                         r"optimizer was built"):
+        opt.step()
+    opt.close()
+
+
+def test_a_memory_format_change_after_construction_is_refused_by_name():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3)
+    opt = zenflow.ZenFlowAdamW(conv.parameters(), lr=1e-2, worker=False)
+    conv.to(memory_format=torch.channels_last)
+    conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    with pytest.raises(ValueError, match="no longer contiguous"):
+        opt.step()
+    opt.close()
