@@ -26,6 +26,7 @@ import inspect
 import logging
 import operator
 import os
+import threading
 import types
 import typing
 
@@ -55,6 +56,17 @@ from zenflow.optim.state import StepCounters
 from zenflow.optim.windows import StepPeriod, window_for
 
 log = logging.getLogger("zenflow")
+
+
+def _serialized(method):
+    """Run `method` under the optimizer's lock: step(), state_dict(), load_state_dict(),
+    synchronize() and close() from different threads (asynchronous checkpointing beside
+    training) take turns instead of tearing the host pipeline's bookkeeping."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.__dict__["_lock"]:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings,
@@ -97,6 +109,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
                  *, process_group=None, **knobs):
         self._closed = True          # until the worker exists, close() has nothing to do
+        self._lock = threading.RLock()
         self.settings = ZenFlowSettings.from_arguments(self._NAME, **knobs)
         schedule = SelectionSchedule.for_settings(self.settings, self._NAME)
         self._window = window_for(self.settings)
@@ -161,7 +174,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def num_reselections(self) -> int:
         return self._selector.num_reselections
 
+    def __deepcopy__(self, memo):
+        raise TypeError(f"{self._NAME} cannot be deep-copied: it owns a host worker process and "
+                        "shared host memory. Build a new optimizer over the copied model's "
+                        "parameters and load_state_dict(this.state_dict()) into it")
+
     # ------------------------------------------------------------------ the step
+    @_serialized
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -279,6 +298,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._selector.select(plan, self.counters.step)
         self._decided("select" if plan.first else "reselect")
 
+    @_serialized
     def synchronize(self) -> None:
         """Wait for the in-flight host update and install it now (before evaluation or saving
         the final model). Training continues correctly afterwards; the update is just visible
@@ -293,6 +313,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 [m.host_index for m in self._host_params if m.host_owns_columns(chosen)]))
 
     # ------------------------------------------------------------------ lifecycle
+    @_serialized
     def close(self) -> None:
         """Stop the host worker and release its memory. Idempotent.
 
@@ -321,6 +342,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return {"steps": list(self._timer.records), "host_updates": list(self._runner.updates)}
 
     # ------------------------------------------------------------------ checkpoints
+    @_serialized
     def state_dict(self) -> dict:
         """Everything needed to continue exactly (the format: zenflow/optim/state.py): host and device
         state, selection, counters and the partial window. Waits for in-flight host work first
@@ -331,6 +353,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Raise ValueError if load_state_dict(state_dict) would fail; changes nothing."""
         state_format.check(self._state_parts(), state_dict)
 
+    @_serialized
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict() from an optimizer over the same parameters.
         Everything is checked before anything changes: a failed load leaves this optimizer as
