@@ -310,3 +310,52 @@ def test_state_dict_from_another_thread_while_stepping_does_not_tear():
     finally:
         stop.set()
         opt.close()
+
+
+def test_memory_limits_read_from_cgroup_v1_and_v2(tmp_path):
+    """The container's memory limit counts whether it is set through cgroup v1 or v2, at the
+    process's own cgroup (item 12)."""
+    from zenflow.host import arena
+    proc = tmp_path / "cgroup"
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "job").mkdir(parents=True)
+    (v1 / "memory" / "job" / "memory.limit_in_bytes").write_text(str(3 << 30))
+    (v1 / "memory" / "job" / "memory.usage_in_bytes").write_text(str(1 << 30))
+    proc.write_text("12:memory:/job\n3:cpu,cpuacct:/job\n")
+    assert arena._cgroup_headroom(str(v1), str(proc)) == 2 << 30
+    (v1 / "memory" / "job" / "memory.limit_in_bytes").write_text(str(2 ** 63 - 4096))
+    assert arena._cgroup_headroom(str(v1), str(proc)) is None     # v1's "no limit"
+    v2 = tmp_path / "v2"
+    (v2 / "slice").mkdir(parents=True)
+    (v2 / "slice" / "memory.max").write_text(str(5 << 30))
+    (v2 / "slice" / "memory.current").write_text(str(1 << 30))
+    proc.write_text("0::/slice\n")
+    assert arena._cgroup_headroom(str(v2), str(proc)) == 4 << 30
+    (v2 / "slice" / "memory.max").write_text("max")
+    assert arena._cgroup_headroom(str(v2), str(proc)) is None
+
+
+def test_small_address_space_limit_is_a_clear_error_and_leaks_no_memfd(tmp_path):
+    """`ulimit -v` too small: HostMemoryError naming it, from the check and from the mapping
+    itself, with no memory file left open (item 12)."""
+    out = _run_script("""
+        import os, resource, torch
+        from zenflow.host.arena import Arena, HostMemoryError
+        def vm_size():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (64 << 20), resource.RLIM_INFINITY))
+        regions = [("master", torch.float32, 128 << 20)]   # 512 MiB
+        fds = len(os.listdir("/proc/self/fd"))
+        for available in (None, 1 << 40):   # the check; past the check, the mapping
+            try:
+                Arena.create(regions, "ZenFlowAdamW", available)
+            except HostMemoryError as exc:
+                assert "ulimit -v" in str(exc), exc
+            else:
+                raise AssertionError("mapped beyond RLIMIT_AS")
+            assert len(os.listdir("/proc/self/fd")) == fds, "a memory file leaked"
+        print("OK")
+    """, tmp_path)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr

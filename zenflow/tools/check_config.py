@@ -6,6 +6,7 @@ import json
 import sys
 
 from zenflow.config.deepspeed_json import ConfigError, parse_config, resolved_settings
+from zenflow.optim.selection_schedule import SelectionSchedule
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,16 @@ def run(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"  error: {problem}", file=sys.stderr)
         return 1
+    if cfg.zenflow is not None:
+        # The optimizer's own selection rule, as initialize applies it (select_strategy "epoch"
+        # needs an epoch length; initialize takes it from training_data when one is passed).
+        try:
+            SelectionSchedule.for_settings(cfg.zenflow_settings(), "zero_optimization.zenflow")
+        except ValueError as exc:
+            print(f"{args.file}: invalid config", file=sys.stderr)
+            print(f"  error: {exc} (initialize can take it from training_data; without that, "
+                  "set zero_optimization.zenflow.steps_per_epoch)", file=sys.stderr)
+            return 1
     settings = resolved_settings(cfg)
     if args.json:
         print(json.dumps(settings, indent=2, default=str))
