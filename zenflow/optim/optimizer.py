@@ -119,7 +119,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.device = _checks.parameters(self._NAME,
                                          [p for g in self.param_groups for p in g["params"]])
         self._partition = Partition.from_group(process_group, self.device)
+        self._check_replicas_agree()
         self._build(schedule)
+
+    def _check_replicas_agree(self) -> None:
+        """Data parallel: every rank must start from the same weights, or the ranks train apart
+        (each installs its own rows of every matrix). One checksum collective says."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        first = self._partition.first_disagreement(params, "checking the replicas agree")
+        if first is not None:
+            raise ValueError(
+                f"{self._NAME}: params[{first}] (shape {tuple(params[first].shape)}) differs "
+                f"between the {self._partition.world_size} ranks: every rank must start from the "
+                "same weights. Seed the model identically on every rank, wrap it in "
+                "DistributedDataParallel (which broadcasts rank 0's weights) or broadcast them "
+                "before building the optimizer; zenflow.initialize does it for you")
 
     def __getattr__(self, name: str):
         """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
