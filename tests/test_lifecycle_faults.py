@@ -135,7 +135,8 @@ def test_zenflow_importable_only_through_sys_path(tmp_path):
                 opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
             opt.synchronize()
         print("OK")
-    """, tmp_path, executable=str(venv / "bin" / "python"), cwd=str(tmp_path))
+    """, tmp_path, executable=str(venv / "bin" / "python"), cwd=str(tmp_path),
+                      env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
     assert sysconfig  # the venv's layout came from its own sysconfig
 
