@@ -123,3 +123,20 @@ def test_state_dict_fuzz_refuses_by_name_or_trains_finite(one_thread):
             outcomes["accepted"] += 1
     print("state-dict fuzz outcomes:", outcomes)
     assert outcomes["refused"] > CASES // 4 and outcomes["accepted"] > CASES // 10
+
+
+def test_a_state_saved_before_any_window_loads_into_a_trained_optimizer(one_thread):
+    """Values that start as None (the auto window's last length) load over a run that has them."""
+    model = make_mlp()
+    kw = dict(KW, update_interval="auto")
+    with zenflow.ZenFlowAdamW(model.parameters(), **kw) as fresh:
+        early = fresh.state_dict()
+    assert early["zenflow"]["window"]["last_interval"] is None
+    with zenflow.ZenFlowAdamW(model.parameters(), **kw) as opt:
+        for t in range(4):
+            opt.zero_grad()
+            mlp_loss(model, t).backward()
+            opt.step()
+        assert opt.state_dict()["zenflow"]["window"]["last_interval"] is not None
+        opt.load_state_dict(early)
+        assert opt.state_dict()["zenflow"]["window"]["last_interval"] is None

@@ -187,10 +187,12 @@ class Partition:
         """The index of the first tensor whose values differ between ranks (None: all agree),
         from one collective over two float64 checksums per tensor: its sum and the sum of its
         even-numbered elements (so most reorderings show too), accumulated without a copy."""
-        if not self.active or not tensors:
+        # Plain tensors only: a sharded parameter (a DTensor) differs between ranks by design.
+        plain = [i for i, t in enumerate(tensors) if type(t) in (torch.Tensor, torch.nn.Parameter)]
+        if not self.active or not plain:
             return None
         sums = []
-        for t in tensors:
+        for t in (tensors[i] for i in plain):
             flat = t.detach().reshape(-1)
             sums += [flat.sum(dtype=torch.float64), flat[::2].sum(dtype=torch.float64)]
         local = torch.stack(sums).to(self.device)
@@ -199,7 +201,7 @@ class Partition:
         self._run(what, dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
         high, low = both[:local.numel()], -both[local.numel():]
         differ = ((high != low) & ~(torch.isnan(high) & torch.isnan(low))).view(-1, 2).any(1)
-        return int(differ.nonzero()[0]) if bool(differ.any()) else None
+        return plain[int(differ.nonzero()[0])] if bool(differ.any()) else None
 
     def barrier(self, what: str) -> None:
         if self.active:

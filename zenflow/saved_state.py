@@ -45,11 +45,12 @@ def check_count(value, name: str, what: str = "", minimum: int = 0) -> None:
                          f"{value!r}")
 
 
-def check_like(saved, current: dict, what: str) -> None:
+def check_like(saved, current: dict, what: str, nullable: frozenset = frozenset()) -> None:
     """Raise ValueError unless the plain-data dict `saved` has the keys of `current` (a part's
     own state_dict()) with values of the same kind: a bool for a bool, an integer for an
     integer, a number for a float, and no value negative or NaN (counters, gaps, fractions and
-    importance sums never are). A None in `current` accepts None or such a number."""
+    importance sums never are). A None in `current`, or a key in `nullable` (a value that starts
+    as None, as a last window's length does), accepts None or such a number."""
     if not isinstance(saved, dict):
         raise ValueError(f"{_where(what)}saved state is {type(saved).__name__}, expected a dict")
     if set(saved) != set(current):
@@ -60,7 +61,7 @@ def check_like(saved, current: dict, what: str) -> None:
         if isinstance(have, dict):
             check_like(got, have, f"{what} {key}".strip())
             continue
-        if got is None and have is None:
+        if got is None and (have is None or key in nullable):
             continue
         ok = (isinstance(got, bool) if isinstance(have, bool) else
               isinstance(got, int) and not isinstance(got, bool) if isinstance(have, int) else

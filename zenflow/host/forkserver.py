@@ -120,15 +120,18 @@ class _ForkServer:
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the server and workers never use CUDA
-        # This zenflow's own directory first, then the training process's sys.path: the server
-        # imports the same zenflow (and torch) however the training process found them.
+        # This zenflow's own directory first, so the server imports the same zenflow however
+        # the training process found it (a vendored copy, sys.path.append); the training
+        # process's other sys.path entries after the interpreter's own (for torch and the
+        # like), so that nothing in a script's directory shadows the standard library.
         package_parent = os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))
-        path = [package_parent, *(os.path.abspath(p) for p in sys.path if p)]
+        extra = [os.path.abspath(p) for p in sys.path if p]
         self.process = subprocess.Popen(
-            [sys.executable, "-c", "import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
+            [sys.executable, "-c", "import json, sys; first, extra = json.loads(sys.argv[2]); "
+             "sys.path[:0] = first; sys.path += [p for p in extra if p not in sys.path]; "
              "from zenflow.host.forkserver import _server_main; _server_main(int(sys.argv[1]))",
-             str(theirs.fileno()), json.dumps(list(dict.fromkeys(path)))],
+             str(theirs.fileno()), json.dumps([[package_parent], extra])],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self.socket = ours

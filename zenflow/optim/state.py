@@ -150,7 +150,9 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     check_like({k: saved.get(k) for k in parts.counters.state_dict()},
                parts.counters.state_dict(), "counters")
     check_like(saved.get("selection"), parts.selector.state_dict(), "selection")
-    check_like(saved.get("window"), parts.window.state_dict(), "window")
+    # A window's length is None until its first window ends (a state saved before then).
+    check_like(saved.get("window"), parts.window.state_dict(), "window",
+               nullable=frozenset({"last_interval"}))
     world_size, rank = saved.get("world_size", 1), saved.get("rank", 0)
     if world_size != parts.world_size:
         raise ValueError(f"the state was saved by rank {rank} of {world_size}, but this run has "
