@@ -104,8 +104,11 @@ class _CopyThread:
                                         name="zenflow-copy")
         self._thread.start()
         self._creator_pid = os.getpid()
-        # Dropped without close() (its optimizer collected): the thread still ends.
+        # Dropped without close() (its optimizer collected): the thread still ends. Not at
+        # interpreter exit, though: a thread woken while the interpreter tears down can abort
+        # the process inside torch ("terminate called"); blocked, it just stops with it.
         self._stop = weakref.finalize(self, self._jobs.put, None)
+        self._stop.atexit = False
 
     def submit(self, pairs) -> Ticket:
         ticket = _ThreadTicket()
