@@ -232,6 +232,31 @@ def _checked(rank, world, overlap, steps, out_dir, options, result):
     engine.close()
 
 
+def _unseeded(rank, world, steps, worker, result):
+    """Each rank builds its model from its own seed, as unseeded processes do, with a head of
+    one row (fewer rows than ranks): the bare optimizer refuses replicas that differ, and
+    initialize starts every rank from rank 0's weights (issue 24, items 1 and 9)."""
+    def make():
+        torch.manual_seed(100 + rank)
+        return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 1))
+    try:
+        zenflow.ZenFlowAdamW(make().parameters(), worker=False).close()
+        result["bare"] = "accepted"
+    except ValueError as exc:
+        result["bare"] = str(exc)
+    config = engine_config(False, world, update_interval=2)
+    engine, *_ = zenflow.initialize(model=make(), config=config)
+    result["initial"] = _weights(engine.module)
+    for t in range(steps):
+        x, y = my_share(t, rank, world)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y[:, :1]))
+        engine.step()
+    engine.synchronize()
+    result["weights"] = _weights(engine.module)
+    engine.close()
+
+
 def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_dir: str,
               steps: int, worker: bool, options: dict | None = None):
     options = options or {}
@@ -275,6 +300,8 @@ def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_di
             _eval_loop(rank, world, steps, result)
         elif mode == "checkpoint_calls":
             _checkpoint_calls(rank, world, out_dir, result)
+        elif mode == "unseeded":
+            _unseeded(rank, world, steps, worker, result)
         elif mode == "rank_dies":
             engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(overlap, world))
             for t in range(steps):

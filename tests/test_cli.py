@@ -183,3 +183,18 @@ def test_built_wheel_installs_into_a_fresh_venv_offline(tmp_path):
     assert "client.py:4: error: Incompatible types in assignment (expression has type " \
            '"str", variable has type "int")' in typed.stdout, typed.stdout[-2000:]
     assert "Found 1 error in 1 file" in typed.stdout, typed.stdout[-2000:]
+
+
+def test_check_config_refuses_epoch_selection_without_an_epoch_length(tmp_path, capsys):
+    """check-config refuses what initialize would refuse (issue 24, item 12)."""
+    block = {"topk_ratio": 0.1, "select_strategy": "epoch", "select_interval": 2}
+    config = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                    "zenflow": block}}
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps(config))
+    assert main(["check-config", str(cfg)]) == 1
+    assert "steps_per_epoch" in capsys.readouterr().err
+    block["steps_per_epoch"] = 10
+    cfg.write_text(json.dumps(config))
+    assert main(["check-config", str(cfg)]) == 0

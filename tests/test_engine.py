@@ -362,3 +362,26 @@ def test_steps_per_epoch_comes_from_the_dataloader(make_engine):
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
     assert engine.global_steps == 5
+
+
+@pytest.mark.parametrize("how", ["load_module_only", "no_optimizer_states", "module_load"])
+def test_bf16_plain_adamw_keeps_weights_loaded_outside_the_optimizer(make_engine, tmp_path, how):
+    """bf16 with plain AdamW (fp32 masters in the engine): weights loaded by load_module_only,
+    load_optimizer_states=False or module.load_state_dict survive the next step (issue 24,
+    item 4); at lr 0 the step leaves them exactly as loaded."""
+    engine, opt, _, _ = make_engine(toys.make_model(), toys.config("adamw", bf16={"enabled": True}))
+    toys.train(engine, range(3))
+    engine.save_checkpoint(tmp_path, tag="early")
+    loaded = toys.weights(engine.module)
+    toys.train(engine, range(3, 8))
+    if how == "module_load":
+        engine.module.load_state_dict(loaded)
+    else:
+        engine.load_checkpoint(tmp_path, tag="early", load_module_only=how == "load_module_only",
+                               load_optimizer_states=False)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    toys.train(engine, range(8, 9))
+    for name, value in toys.weights(engine.module).items():
+        assert torch.equal(value, loaded[name]), name

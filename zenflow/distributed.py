@@ -167,6 +167,42 @@ class Partition:
         self._run(what, dist.broadcast_object_list, box, src=src, group=self.group)
         return box[0]
 
+    def broadcast_(self, tensors: list[torch.Tensor], what: str, src: int = 0) -> None:
+        """Every tensor := rank `src`'s, in place (one flat broadcast per dtype)."""
+        if not self.active:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in same])
+            if self.rank == src:
+                self._count(what, flat)
+            self._run(what, dist.broadcast, flat, src=src, group=self.group)
+            with torch.no_grad():
+                for t, part in zip(same, flat.split([t.numel() for t in same])):
+                    t.copy_(part.view_as(t))
+
+    def first_disagreement(self, tensors: list[torch.Tensor], what: str) -> int | None:
+        """The index of the first tensor whose values differ between ranks (None: all agree),
+        from one collective over two float64 checksums per tensor: its sum and the sum of its
+        even-numbered elements (so most reorderings show too), accumulated without a copy."""
+        # Plain tensors only: a sharded parameter (a DTensor) differs between ranks by design.
+        plain = [i for i, t in enumerate(tensors) if type(t) in (torch.Tensor, torch.nn.Parameter)]
+        if not self.active or not plain:
+            return None
+        sums = []
+        for t in (tensors[i] for i in plain):
+            flat = t.detach().reshape(-1)
+            sums += [flat.sum(dtype=torch.float64), flat[::2].sum(dtype=torch.float64)]
+        local = torch.stack(sums).to(self.device)
+        both = torch.cat([local, -local])   # max and -min in one all-reduce
+        self._count(what, both)
+        self._run(what, dist.all_reduce, both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = both[:local.numel()], -both[local.numel():]
+        differ = ((high != low) & ~(torch.isnan(high) & torch.isnan(low))).view(-1, 2).any(1)
+        return plain[int(differ.nonzero()[0])] if bool(differ.any()) else None
+
     def barrier(self, what: str) -> None:
         if self.active:
             self._run(what, dist.barrier, group=self.group)

@@ -15,6 +15,7 @@ it: a checkpoint holds tensors and plain data, and loading one never runs code.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -32,7 +33,9 @@ from zenflow.engine.checkpoint_lock import CheckpointError, TagLock
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "zenflow-checkpoint/1"
-_STAGED = re.compile(r"^\.(?P<tag>.+)\.(?P<kind>tmp|new|old)-[0-9a-f]{32}$")
+_STAGED = re.compile(r"^\.(?P<tag>.+)\.(?P<kind>tmp|new|old|shares)-[0-9a-f]{32}$")
+# The staging names add 41 bytes to a tag (".<tag>.shares-<32 hex>"); a name has at most 255.
+MAX_TAG_BYTES = 255 - 41
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -69,6 +72,14 @@ def check_tag(tag: str) -> str:
             or tag == LATEST:
         raise ValueError(f"checkpoint tag must be a plain directory name (no '/', not starting "
                          f"with '.', not {LATEST!r}), got {tag!r}")
+    if tag != tag.strip() or any(not c.isprintable() for c in tag):
+        # `latest` is read back stripped, so such a tag could never be loaded through it.
+        raise ValueError(f"checkpoint tag {tag!r} has surrounding whitespace or a control "
+                         "character (a newline, a tab); use a plain name")
+    if len(tag.encode("utf-8", "surrogateescape")) > MAX_TAG_BYTES:
+        raise ValueError(f"checkpoint tag {tag[:40]!r}... is {len(tag.encode('utf-8', 'surrogateescape'))} "
+                         f"bytes long; at most {MAX_TAG_BYTES} fit in a directory name beside the "
+                         "staging names' 41 bytes")
     return tag
 
 
@@ -79,7 +90,7 @@ def _fault_point(stage: str) -> None:
 def _leftovers(save_dir: Path, tag: str) -> dict[str, list[Path]]:
     """This tag's staging directories by kind: 'tmp' (partial), 'new' (complete, not yet
     committed) and 'old' (the replaced version, being deleted); newest first."""
-    out: dict[str, list[Path]] = {"tmp": [], "new": [], "old": []}
+    out: dict[str, list[Path]] = {"tmp": [], "new": [], "old": [], "shares": []}
     for entry in save_dir.iterdir():
         m = _STAGED.match(entry.name)
         if m and m.group("tag") == tag:
@@ -89,12 +100,13 @@ def _leftovers(save_dir: Path, tag: str) -> dict[str, list[Path]]:
     return out
 
 
-def _recover(save_dir: Path, tag: str) -> None:
+def _recover(save_dir: Path, tag: str, keep: Path | None = None) -> None:
     """Finish or undo an interrupted save of `tag` (the caller holds the tag's lock).
 
     If the tag directory is missing, the newest complete new version takes its name (roll
     forward), else the retired old one gets it back (roll back). Then every staging directory
-    of the tag is deleted.
+    of the tag is deleted (the shares of a data-parallel save that failed too), except `keep`
+    (the shares of the save in progress).
     """
     final = save_dir / tag
     found = _leftovers(save_dir, tag)
@@ -106,17 +118,57 @@ def _recover(save_dir: Path, tag: str) -> None:
                 break
     for paths in found.values():
         for path in paths:
-            if path.exists():
+            if path.exists() and path != keep:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+class _RecordingWriter:
+    """The file torch.save writes through, keeping the first exception its write() raised.
+
+    torch's C++ writer turns an exception in write() (a Ctrl-C's KeyboardInterrupt, a full
+    disk's OSError) into "RuntimeError: [enforce fail at inline_container.cc] unexpected pos";
+    kept here, the original is raised instead."""
+
+    def __init__(self, file):
+        self._file = file
+        self.error: BaseException | None = None
+
+    def write(self, data) -> int:
+        try:
+            _fault_point("writing")
+            return self._file.write(data)
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def _write_error(path: Path, exc: BaseException) -> BaseException:
+    """What a failed write of `path` raises: a KeyboardInterrupt as itself, a full disk as an
+    OSError naming ENOSPC and the file, anything else unchanged."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        name = errno.errorcode[exc.errno]
+        return OSError(exc.errno, f"{name}: no space left on the device (or the quota) while "
+                                  f"writing the checkpoint file; the previous checkpoint is "
+                                  f"intact. Free space and save again", str(path))
+    return exc
 
 
 def _save_object(path: Path, obj: Any) -> None:
     """torch.save straight to the file (no second copy in memory), fsynced; refuses anything a
     weights-only load would refuse (found by reading back only the file's pickle)."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    writer = None
+    try:
+        with open(path, "wb") as f:   # closing flushes: a full disk may surface there too
+            writer = _RecordingWriter(f)
+            torch.save(obj, writer)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as exc:
+        raise _write_error(path, (writer and writer.error) or exc) from None
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     if unsafe:
         name = path.name
@@ -174,8 +226,9 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / tag
+    shares = {Path(src).parent for src, _ in prewritten.values()}
     with TagLock(save_dir, tag):
-        _recover(save_dir, tag)
+        _recover(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
         ident = uuid.uuid4().hex
         tmp = save_dir / f".{tag}.tmp-{ident}"
         try:
@@ -212,7 +265,7 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
             if old is not None:
                 shutil.rmtree(old)
         except BaseException:
-            _recover(save_dir, tag)
+            _recover(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
             raise
     return final
 

@@ -16,6 +16,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or corrupted."""
 
 
+def _lock_holders(inode: int) -> list[int]:
+    """The pids holding a lock on the file with this inode (Linux's /proc/locks; [] elsewhere)."""
+    holders = []
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 5 and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    holders.append(int(fields[4]))
+    except (OSError, ValueError):
+        pass
+    return sorted(set(holders))
+
+
 class TagLock:
     """The lock of one tag, `<save_dir>/.<tag>.lock`: exclusive for a saver, shared for readers
     (so that the ranks of a job load one checkpoint at once); the file is removed on release.
@@ -45,7 +59,11 @@ class TagLock:
                     if self.optional:
                         return self
                     raise
-                fcntl.flock(fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
+                try:
+                    self._flock(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 try:
                     same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
                 except FileNotFoundError:
@@ -69,6 +87,27 @@ class TagLock:
                         f"another save of this tag holds {str(self.path)!r} since more than "
                         f"{self.timeout:g} s; if no other process is saving, delete that file")
                 time.sleep(0.05)
+
+    def _flock(self, fd: int) -> None:
+        """Take the lock within the timeout; a holder that keeps it longer (a stopped saver) is
+        a CheckpointError naming the lock file, how long we waited and who holds it."""
+        mode = (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+        start = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, mode)
+                return
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > self.timeout:
+                    holders = _lock_holders(os.fstat(fd).st_ino)
+                    raise CheckpointError(
+                        f"{str(self.path)!r} has been locked by another process"
+                        + (f" (pid {', '.join(map(str, holders))})" if holders else "")
+                        + f" for the {waited:.0f} s this "
+                        + ("load" if self.shared else "save") + " waited; a save of this tag "
+                        "is stuck (stopped or hung). End or resume that process, then retry")
+                time.sleep(min(0.05, self.timeout / 10))
 
     def __exit__(self, *exc):
         if self.fd is None:

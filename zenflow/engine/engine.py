@@ -91,6 +91,11 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         model.to(device=self.device)
         if self.dtype != torch.float32:
             model.to(dtype=self.dtype)
+        # Every rank starts from rank 0's weights (an unseeded model differs per process), as
+        # DeepSpeed's initialize does; buffers too (running statistics).
+        Partition.from_group().broadcast_(
+            [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())],
+            "broadcasting rank 0's weights at initialize")
 
         self.global_steps = 0      # optimizer steps attempted (incl. fp16-overflow skips)
         self.micro_steps = 0       # engine.step() calls (micro-batches)

@@ -9,14 +9,26 @@ class FP32Masters:
     """fp32 master copies for plain AdamW on bf16/fp16 weights (our optimizers have their own).
 
     The torch optimizer works on the masters; after each step their values are copied back into
-    the low-precision model weights.
+    the low-precision model weights. Weights written outside the optimizer since (a checkpoint's
+    weights loaded with load_module_only or without the optimizer state, module.load_state_dict,
+    an in-place edit) are adopted as the masters before the next step, so it never reverts them.
     """
 
     def __init__(self, model_params: list[torch.Tensor]):
         self.model_params = model_params
         self.masters = [p.detach().clone().float().requires_grad_(True) for p in model_params]
 
+    @torch.no_grad()
+    def adopt_outside_writes(self) -> None:
+        """masters := the weights wherever a weight no longer holds its master's rounded value
+        (element by element: the fp32 digits of the untouched elements are kept)."""
+        for p, m in zip(self.model_params, self.masters):
+            changed = p != m.to(p.dtype)
+            if changed.any():
+                m.copy_(torch.where(changed, p.float(), m))
+
     def load_grads(self, inv_scale: float) -> None:
+        self.adopt_outside_writes()
         for p, m in zip(self.model_params, self.masters):
             if p.grad is None:
                 m.grad = None

@@ -56,41 +56,88 @@ def plan(regions: list[tuple[str, torch.dtype, int]]) -> tuple[list[Region], int
     return placed, offset
 
 
-def available_host_bytes() -> int:
-    """Memory the host can still give: MemAvailable, capped by the cgroup's limit if any."""
-    available = None
+def _read(path: str) -> str | None:
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
+        with open(path) as f:
+            return f.read().strip()
     except OSError:
-        pass
+        return None
+
+
+def _cgroup_headroom(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+                     ) -> int | None:
+    """What this process's memory cgroup still allows (limit - usage), v2 or v1, at the
+    process's own cgroup or, where that is not visible (a container's namespace), at the root;
+    None without a limit."""
+    v2_paths, v1_paths = [""], [""]
+    for line in (_read(proc_cgroup) or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            v2_paths.insert(0, path)
+        elif "memory" in controllers.split(","):
+            v1_paths.insert(0, path)
+    candidates = [(f"{root}{p}".rstrip("/"), "memory.max", "memory.current") for p in v2_paths]
+    candidates += [(f"{root}/memory{p}".rstrip("/"), "memory.limit_in_bytes",
+                    "memory.usage_in_bytes") for p in v1_paths]
+    for directory, limit_file, usage_file in candidates:
+        limit, usage = _read(f"{directory}/{limit_file}"), _read(f"{directory}/{usage_file}")
+        if limit is None or usage is None:
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:   # v1 writes "no limit" as a huge number
+            return None
+        return int(limit) - int(usage)
+    return None
+
+
+def _address_space_headroom() -> int | None:
+    """What `ulimit -v` (RLIMIT_AS) still allows this process to map; None without a limit."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, AttributeError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith("VmSize:"):
+            return soft - int(line.split()[1]) * 1024
+    return None
+
+
+def available_host_bytes() -> int:
+    """Memory the host can still give this process: MemAvailable, capped by the memory
+    cgroup's limit (v2 or v1) and by the address-space limit (ulimit -v)."""
+    return host_memory()[0]
+
+
+def host_memory() -> tuple[int, str]:
+    """available_host_bytes(), and which of the limits it comes from, in words."""
+    available, source = None, "MemAvailable"
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
     if available is None:
         available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    try:  # cgroup v2: what is left under memory.max
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read())
-        if limit != "max":
-            available = min(available, int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return max(0, available)
+    for headroom, what in ((_cgroup_headroom(), "the container's memory limit (cgroup)"),
+                           (_address_space_headroom(), "the address-space limit (ulimit -v)")):
+        if headroom is not None and headroom < available:
+            available, source = headroom, what
+    return max(0, available), source
 
 
 def check_fits(nbytes: int, owner: str, available: int | None = None) -> None:
     """Raise HostMemoryError, before anything is allocated, when `nbytes` will not fit."""
-    available = available_host_bytes() if available is None else available
+    source = "as given"
+    if available is None:
+        available, source = available_host_bytes(), host_memory()[1]
     if nbytes > available:
         gib = 1 << 30
         raise HostMemoryError(
             f"{owner}: the host state needs {nbytes / gib:.2f} GiB of host memory but only "
-            f"{available / gib:.2f} GiB is available (MemAvailable, or the container's memory "
-            "limit). It is fp32 master values, two Adam moments and gradient sums for every "
-            "matrix parameter, whatever topk_ratio is, so a smaller topk_ratio does not help. "
-            "Free host memory, raise the container's memory limit (docker run --memory), "
+            f"{available / gib:.2f} GiB is available (limited by {source}). It is fp32 master "
+            "values, two Adam moments and gradient sums for every matrix parameter, whatever "
+            "topk_ratio is, so a smaller topk_ratio does not help. Free host memory, raise the "
+            "container's memory limit (docker run --memory) or `ulimit -v`, "
             "or train on more ranks: data parallel splits the host state across them. "
             "(The memory is not in /dev/shm, so --shm-size does not matter.)")
 
@@ -130,7 +177,16 @@ class Arena:
         placed, size = plan(regions)
         check_fits(size, owner, available)
         fd = _memory_file(max(size, _ALIGN))
-        return cls._mapped(placed, size, fd)
+        try:
+            return cls._mapped(placed, size, fd)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise HostMemoryError(
+                f"{owner}: could not map {size / (1 << 30):.2f} GiB of host state: {exc}. The "
+                "address-space limit (ulimit -v) or the memory limit is too small for it; raise "
+                "it, or train on more ranks (data parallel splits the host state)") from None
 
     @classmethod
     def attach(cls, regions: list[Region], size: int, fd: int) -> Arena:

@@ -25,6 +25,7 @@ the previous window reads the other.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,9 +38,10 @@ from zenflow.distributed import Partition
 from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
 from zenflow.host.device_sums import DeviceSums, choose_device_summed
+from zenflow.host.signals import sigint_deferred
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
-from zenflow.saved_state import check_saved_tensors
+from zenflow.saved_state import check_count, check_saved_tensors
 
 log = logging.getLogger("zenflow")
 
@@ -139,7 +141,7 @@ class HostPipeline:
                 return
             self.torn = sorted({i for c in unfinished for i in c.matrices()})
             raise RuntimeError(
-                f"{exc}\nIt died in the middle of host work on {len(self.torn)} parameter(s) "
+                f"{exc}\nIt stopped in the middle of host work on {len(self.torn)} parameter(s) "
                 f"(host indices {self.torn[:10]}{'...' if len(self.torn) > 10 else ''}), whose "
                 "host state may be half-written. Roll back with load_state_dict() from the last "
                 "checkpoint: that restores every host buffer and starts a new worker.") from exc
@@ -161,7 +163,7 @@ class HostPipeline:
         while self._queue and (block or self._queue[0].ticket.done()) and not (until and until()):
             queued = self._queue[0]
             self.timer.stall(queued.ticket.wait())
-            with self._worker_guard():
+            with self._worker_guard(), sigint_deferred():  # sent, dequeued and noted at once
                 seq = self.runner.send(queued.command)
                 self._queue.popleft()
                 if queued.on_sent is not None:
@@ -368,12 +370,33 @@ class HostPipeline:
             jobs = [list(job) for job in self.in_flight.jobs]
         return {"params": per_param, "in_flight": in_flight, "in_flight_jobs": jobs}
 
-    def check_state_dict(self, state: dict) -> None:
-        """Raise ValueError unless `state`, as state_dict() returns it, fits these parameters."""
-        for i, (saved, param) in enumerate(zip(state["params"], self.params)):
-            check_saved_tensors(saved, {kind: self.host.fp32(kind, i) for kind in FP32_KINDS},
-                                f"host state of the parameter of shape {tuple(param.shape)}")
-        check_in_flight_jobs(state.get("in_flight_jobs"), state.get("in_flight") or [])
+    def check_state_dict(self, state: dict, window_steps: int | None = None) -> None:
+        """Raise ValueError unless `state`, as state_dict() returns it, fits these parameters:
+        finite fp32 state of each one's shape (a non-negative exp_avg_sq), a gradient sum,
+        integer counts, no more gradients summed than the window has steps (`window_steps`),
+        and an in-flight update naming distinct parameters with well-formed jobs."""
+        saved_params = state.get("params")
+        if not isinstance(saved_params, list) or len(saved_params) != len(self.params):
+            raise ValueError(f"saved host state covers {_length(saved_params)} parameter(s), "
+                             f"this optimizer has {len(self.params)}")
+        for i, (saved, param) in enumerate(zip(saved_params, self.params)):
+            what = f"host state of the parameter of shape {tuple(param.shape)}"
+            buffers = {kind: self.host.fp32(kind, i) for kind in FP32_KINDS}
+            check_saved_tensors(saved, {**buffers, "grad_sum": buffers["master"]}, what)
+            check_count(saved.get("host_step"), "host_step", what)
+            check_count(saved.get("num_grads"), "num_grads", what)
+            if window_steps is not None and saved["num_grads"] > window_steps:
+                raise ValueError(f"{what}: saved num_grads {saved['num_grads']} exceeds the "
+                                 f"saved window_steps {window_steps}")
+        in_flight = state.get("in_flight")
+        if in_flight is not None and not (
+                isinstance(in_flight, list)
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in in_flight)
+                and in_flight == sorted(set(in_flight))
+                and all(0 <= i < len(self.params) for i in in_flight)):
+            raise ValueError(f"saved in_flight must be None or distinct ascending parameter "
+                             f"numbers in 0..{len(self.params) - 1}, got {in_flight!r}")
+        check_in_flight_jobs(state.get("in_flight_jobs"), in_flight or [])
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict() returned (check_state_dict() it first). After a worker died
@@ -445,10 +468,33 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int]) -> Ticket:
     return ticket
 
 
+def _length(value) -> str:
+    return str(len(value)) if isinstance(value, list) else type(value).__name__
+
+
 def check_in_flight_jobs(jobs, matrices: list[int]) -> None:
-    """A saved in-flight update's jobs (None for states saved without them) fit its matrices."""
-    if jobs is not None and not (
-            isinstance(jobs, list) and [j[0] for j in jobs if len(j) == 9] == list(matrices)
-            and all(isinstance(x, (int, float)) for j in jobs for x in j)):
-        raise ValueError("'in_flight_jobs' must hold one [matrix, step, num_grads, lr, beta1, "
-                         "beta2, eps, weight_decay, lookahead] per in-flight matrix")
+    """A saved in-flight update's jobs (None for states saved without them) fit its matrices:
+    one [matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead] each, with
+    counts that are positive integers and hyperparameters that AdamW accepts."""
+    if jobs is None:
+        return
+    shape = ("'in_flight_jobs' must hold one [matrix, step, num_grads, lr, beta1, beta2, eps, "
+             "weight_decay, lookahead] per in-flight matrix")
+    if not (isinstance(jobs, list) and all(isinstance(j, (list, tuple)) and len(j) == 9
+                                           for j in jobs)
+            and [j[0] for j in jobs] == list(matrices)):
+        raise ValueError(shape)
+    for job in jobs:
+        matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead = job
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1
+                   for x in (step, num_grads)):
+            raise ValueError(f"{shape}; the job of matrix {matrix} has step {step!r} and "
+                             f"num_grads {num_grads!r}, expected positive integers")
+        numbers = (lr, beta1, beta2, eps, weight_decay, lookahead)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                   for x in numbers) or not (
+                lr >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1 and eps > 0 and weight_decay >= 0
+                and lookahead >= 0):
+            raise ValueError(f"{shape}; the job of matrix {matrix} has (lr, beta1, beta2, eps, "
+                             f"weight_decay, lookahead) = {numbers}, expected finite lr >= 0, "
+                             "betas in [0, 1), eps > 0, weight_decay >= 0, lookahead >= 0")

@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
@@ -95,30 +96,40 @@ class _ThreadTicket(Ticket):
         return time.perf_counter() - start
 
 
+def _copy_loop(jobs: queue.SimpleQueue, cores: list[int]) -> None:
+    """The copy thread's body. It holds only its queue (never its owner, nor a finished job's
+    tensors), so a dropped optimizer is collected, and its finalizer's None ends the loop."""
+    try:
+        os.sched_setaffinity(threading.get_native_id(), cores)
+    except (AttributeError, OSError):
+        pass  # an optimisation only
+    while (job := jobs.get()) is not None:
+        pairs, ticket = job
+        try:
+            for dst, src in pairs:
+                dst.copy_(src)
+        except BaseException as exc:   # handed to whoever waits for the ticket
+            ticket.error = exc
+        finally:
+            ticket.landed.set()
+        del job, pairs, ticket
+
+
 class _CopyThread:
     """The CPU's stand-in for a copy engine: copies queued pairs in order on its own thread,
     pinned to `cores` (the worker's), and completes a ticket per batch."""
 
     def __init__(self, cores: list[int]):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(cores,), daemon=True,
+        self._thread = threading.Thread(target=_copy_loop, args=(self._jobs, cores), daemon=True,
                                         name="zenflow-copy")
         self._thread.start()
-
-    def _run(self, cores: list[int]) -> None:
-        try:
-            os.sched_setaffinity(threading.get_native_id(), cores)
-        except (AttributeError, OSError):
-            pass  # an optimisation only
-        while (job := self._jobs.get()) is not None:
-            pairs, ticket = job
-            try:
-                for dst, src in pairs:
-                    dst.copy_(src)
-            except BaseException as exc:   # handed to whoever waits for the ticket
-                ticket.error = exc
-            finally:
-                ticket.landed.set()
+        self._creator_pid = os.getpid()
+        # Dropped without close() (its optimizer collected): the thread still ends. Not at
+        # interpreter exit, though: a thread woken while the interpreter tears down can abort
+        # the process inside torch ("terminate called"); blocked, it just stops with it.
+        self._stop = weakref.finalize(self, self._jobs.put, None)
+        self._stop.atexit = False
 
     def submit(self, pairs) -> Ticket:
         ticket = _ThreadTicket()
@@ -126,6 +137,8 @@ class _CopyThread:
         return ticket
 
     def close(self) -> None:
+        if self._stop.detach() is None or os.getpid() != self._creator_pid:
+            return   # closed already, or a forked child's copy (the thread is the parent's)
         self._jobs.put(None)
         self._thread.join()
 

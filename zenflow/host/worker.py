@@ -23,6 +23,7 @@ polls briefly and checks the worker, so a dead worker becomes a RuntimeError nam
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
@@ -32,10 +33,18 @@ from multiprocessing.connection import Connection
 
 from zenflow.host.commands import HostCommand, Update
 from zenflow.host.forkserver import _ForkServer
-from zenflow.host.worker_main import _alive
+from zenflow.host.signals import sigint_deferred as _sigint_deferred
+from zenflow.host.worker_main import _alive, process_state
+
+log = logging.getLogger("zenflow")
 
 _POLL_S = 0.05          # how long one wait slice blocks before checking the process
 _CLOSE_TIMEOUT_S = 5.0  # how long close() waits for a clean exit before killing
+# A wait on the worker that sees no progress this long logs a warning, and this long raises: a
+# stopped or starved worker becomes an error naming it, never a silent hang. Host updates of the
+# largest models take seconds, so the limit is generous; ZENFLOW_WORKER_TIMEOUT_S changes it.
+_WARN_AFTER_S = 60.0
+_WAIT_TIMEOUT_S = float(os.environ.get("ZENFLOW_WORKER_TIMEOUT_S", 1800))
 
 
 # ---------------------------------------------------------------------------- the parent's side
@@ -56,6 +65,10 @@ class WorkerDied(RuntimeError):
     """The worker process is gone (killed, out of memory) or failed in a command."""
 
 
+class WorkerStuck(WorkerDied):
+    """The worker made no progress for the wait's deadline (stopped, starved, or hung)."""
+
+
 # Runners not yet closed, held weakly so that an optimizer can still be garbage collected; one
 # atexit hook closes whatever is left when the interpreter exits.
 _live_runners: weakref.WeakSet[WorkerHostRunner] = weakref.WeakSet()
@@ -63,6 +76,8 @@ _live_runners: weakref.WeakSet[WorkerHostRunner] = weakref.WeakSet()
 
 @atexit.register
 def _close_live_runners() -> None:
+    # In a process forked from the training process (its atexit hooks run at sys.exit), the
+    # runners are the parent's: each one's close() leaves its worker alone.
     for runner in list(_live_runners):
         try:
             runner.close()
@@ -87,6 +102,7 @@ class WorkerHostRunner:
         self._unfinished: dict[int, HostCommand] = {}   # seq -> command, until its "done" arrives
         self._error: str | None = None
         self._closed = False
+        self._creator_pid = os.getpid()   # the worker belongs to this process, not to its forks
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         init = {"layout": host.layout, "regions": host.arena.regions, "size": host.arena.size,
                 "cores": cores, "parent_pid": os.getpid()}
@@ -112,14 +128,24 @@ class WorkerHostRunner:
         the worker reported an error or is dead."""
         if self._error is not None:
             raise WorkerDied(self._error)
-        try:
-            message = self._conn.recv() if self._conn.poll(timeout) else None
-        except (EOFError, OSError):
+        with _sigint_deferred():   # a message taken off the socket is always booked
+            try:
+                message = self._conn.recv() if self._conn.poll(timeout) else None
+            except (EOFError, OSError):
+                message = EOFError
+            if message is not None and message is not EOFError:
+                self._book(message)
+        if message is EOFError:
             self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
         if message is None:
             if not _alive(self.pid):
                 self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
             return False
+        if message[0] == "error":
+            self._fail(f"failed in a host command:\n{message[2]}")
+        return True
+
+    def _book(self, message) -> None:
         kind = message[0]
         if kind == "done":
             seq, start, end = message[1:]
@@ -132,9 +158,6 @@ class WorkerHostRunner:
             while self._done_through + 1 in self._finished:
                 self._done_through += 1
                 self._finished.discard(self._done_through)
-        elif kind == "error":
-            self._fail(f"failed in a host command:\n{message[2]}")
-        return True
 
     def check(self) -> None:
         """Raise RuntimeError now if the worker died or reported an error; never blocks."""
@@ -149,14 +172,18 @@ class WorkerHostRunner:
     def send(self, command: HostCommand) -> int:
         """Hand `command` to the worker; returns its sequence number at once."""
         self.check()
-        self._seq += 1
-        self._unfinished[self._seq] = command
-        try:
-            self._conn.send((self._seq, command))
-        except (BrokenPipeError, OSError):
-            del self._unfinished[self._seq]   # never delivered: nothing of it was done
+        with _sigint_deferred():   # sent and booked, or neither
+            seq = self._seq + 1
+            try:
+                self._conn.send((seq, command))
+            except (BrokenPipeError, OSError):
+                seq = None   # never delivered: nothing of it was done
+            else:
+                self._seq = seq
+                self._unfinished[seq] = command
+        if seq is None:
             self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
-        return self._seq
+        return seq
 
     def done(self, seq: int) -> bool:
         self.check()
@@ -173,10 +200,27 @@ class WorkerHostRunner:
         self.check()
         if finished():
             return 0.0
-        start = time.perf_counter()
+        start = progress = time.perf_counter()
+        warned = False
         while not finished():
-            self._receive(_POLL_S)
+            if self._receive(_POLL_S):
+                progress = time.perf_counter()
+                continue
+            quiet = time.perf_counter() - progress
+            if quiet > _WARN_AFTER_S and not warned:
+                warned = True
+                log.warning("still waiting for the ZenFlow host worker (pid %d) after %.0f s "
+                            "without progress%s", self.pid, quiet, self._state_note())
+            if quiet > _WAIT_TIMEOUT_S:
+                self._error = (f"ZenFlow host worker (pid {self.pid}) made no progress for "
+                               f"{quiet:.0f} s{self._state_note()} (limit: "
+                               f"ZENFLOW_WORKER_TIMEOUT_S={_WAIT_TIMEOUT_S:g})")
+                raise WorkerStuck(self._error)
         return time.perf_counter() - start
+
+    def _state_note(self) -> str:
+        state = process_state(self.pid)
+        return f"; it is {state}" if state else ""
 
     @property
     def last_update_seconds(self) -> float:
@@ -189,6 +233,11 @@ class WorkerHostRunner:
             return
         self._closed = True
         _live_runners.discard(self)
+        if os.getpid() != self._creator_pid:
+            # A forked child (exiting through sys.exit, atexit or garbage collection): the
+            # worker is its parent's. Drop our copy of the socket, leave the worker alone.
+            self._conn.close()
+            return
         try:
             self._conn.send(None)
         except (BrokenPipeError, OSError):

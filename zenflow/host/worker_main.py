@@ -30,6 +30,20 @@ def _alive(pid: int) -> bool:
         return True
 
 
+_STATES = {"T": "stopped (SIGSTOP, or Ctrl-Z in its terminal)", "t": "stopped by a debugger",
+           "D": "waiting on disk or memory (uninterruptible sleep)"}
+
+
+def process_state(pid: int) -> str:
+    """What is unusual about process `pid`'s state, in words ("" when running or unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return _STATES.get(code, "")
+
+
 def _ignore_shutdown_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

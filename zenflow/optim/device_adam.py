@@ -11,7 +11,7 @@ import torch
 
 from zenflow.adamw import FP32_STATE, adamw_
 from zenflow.optim import columns
-from zenflow.saved_state import check_saved_tensors
+from zenflow.saved_state import check_count, check_saved_tensors
 
 
 class _SavedAdamState:
@@ -26,6 +26,7 @@ class _SavedAdamState:
     def check_state_dict(self, state: dict, what: str = "") -> None:
         """Raise ValueError, saying `what` failed, unless load_state_dict(state) would fit."""
         check_saved_tensors(state, {name: getattr(self, name) for name in self.SAVED}, what)
+        check_count(state.get("step"), "step", what)
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
@@ -55,6 +56,15 @@ class DeviceColumns(_SavedAdamState):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (*(getattr(self, name) for name in self.SAVED), self.grad))
+
+    def check_columns(self, state: dict, num_columns: int, what: str) -> None:
+        """Raise ValueError unless the saved column indices are distinct columns of a matrix of
+        `num_columns` columns, in ascending order (check_state_dict() the state first)."""
+        saved = state["column_indices"]
+        if saved.numel() and (int(saved.min()) < 0 or int(saved.max()) >= num_columns
+                              or not bool((saved[1:] > saved[:-1]).all())):
+            raise ValueError(f"{what}: saved column_indices must be distinct columns in "
+                             f"0..{num_columns - 1}, ascending; got {saved.tolist()[:20]}")
 
 
 @dataclass

@@ -27,6 +27,7 @@ import inspect
 import logging
 import operator
 import os
+import threading
 import types
 import typing
 
@@ -57,6 +58,17 @@ from zenflow.optim.state import StepCounters
 from zenflow.optim.windows import StepPeriod, window_for
 
 log = logging.getLogger("zenflow")
+
+
+def _serialized(method):
+    """Run `method` under the optimizer's lock: step(), state_dict(), load_state_dict(),
+    synchronize() and close() from different threads (asynchronous checkpointing beside
+    training) take turns instead of tearing the host pipeline's bookkeeping."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.__dict__["_lock"]:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings,
@@ -99,6 +111,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
                  *, process_group=None, **knobs):
         self._closed = True          # until the worker exists, close() has nothing to do
+        self._lock = threading.RLock()
         self.settings = ZenFlowSettings.from_arguments(self._NAME, **knobs)
         schedule = SelectionSchedule.for_settings(self.settings, self._NAME)
         self._window = window_for(self.settings)
@@ -108,7 +121,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.device = _checks.parameters(self._NAME,
                                          [p for g in self.param_groups for p in g["params"]])
         self._partition = Partition.from_group(process_group, self.device)
+        self._check_replicas_agree()
         self._build(schedule)
+
+    def _check_replicas_agree(self) -> None:
+        """Data parallel: every rank must start from the same weights, or the ranks train apart
+        (each installs its own rows of every matrix). One checksum collective says."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        first = self._partition.first_disagreement(params, "checking the replicas agree")
+        if first is not None:
+            raise ValueError(
+                f"{self._NAME}: params[{first}] (shape {tuple(params[first].shape)}) differs "
+                f"between the {self._partition.world_size} ranks: every rank must start from the "
+                "same weights. Seed the model identically on every rank, wrap it in "
+                "DistributedDataParallel (which broadcasts rank 0's weights) or broadcast them "
+                "before building the optimizer; zenflow.initialize does it for you")
 
     def __getattr__(self, name: str):
         """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
@@ -166,7 +193,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def num_reselections(self) -> int:
         return self._selector.num_reselections
 
+    def __deepcopy__(self, memo):
+        raise TypeError(f"{self._NAME} cannot be deep-copied: it owns a host worker process and "
+                        "shared host memory. Build a new optimizer over the copied model's "
+                        "parameters and load_state_dict(this.state_dict()) into it")
+
     # ------------------------------------------------------------------ the step
+    @_serialized
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -292,6 +325,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def closed(self) -> bool:
         return getattr(self, "_closed", True)
 
+    @_serialized
     def synchronize(self) -> None:
         """Wait for the in-flight host update and install it now (before evaluation or saving
         the final model). Training continues correctly afterwards; the update is just visible
@@ -311,6 +345,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._outside_writes.fingerprint()
 
     # ------------------------------------------------------------------ lifecycle
+    @_serialized
     def close(self) -> None:
         """Stop the host worker and release its memory. Idempotent.
 
@@ -339,6 +374,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return {"steps": list(self._timer.records), "host_updates": list(self._runner.updates)}
 
     # ------------------------------------------------------------------ checkpoints
+    @_serialized
     def state_dict(self) -> dict:
         """Everything needed to continue exactly (the format: zenflow/optim/state.py): host and device
         state, selection, counters and the partial window. Waits for in-flight host work first
@@ -349,6 +385,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Raise ValueError if load_state_dict(state_dict) would fail; changes nothing."""
         state_format.check(self._state_parts(), state_dict)
 
+    @_serialized
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state saved by state_dict() from an optimizer over the same parameters.
         Everything is checked before anything changes: a failed load leaves this optimizer as

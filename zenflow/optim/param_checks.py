@@ -93,6 +93,10 @@ def parameters(owner: str, params: list[torch.Tensor]) -> torch.device:
         if p.device != device:
             _fail(owner, f"all params must be on one device: params[0] is on {device}, "
                          f"{where} is on {p.device}")
+        if p.device.type == "meta":
+            _fail(owner, f"{where} is on the meta device, which holds no values; materialize "
+                         "the model first (model.to_empty(device=...) and initialize its "
+                         "weights, or load them) and build the optimizer over those parameters")
         if p.is_sparse or not p.is_contiguous():
             _fail(owner, f"{where} must be a dense contiguous tensor")
     return device

@@ -25,6 +25,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from zenflow.config.settings import AdamWHyperparameters
+from zenflow.saved_state import check_like
+
 
 @dataclass
 class StepCounters:
@@ -118,6 +121,10 @@ def check(parts: StateParts, state_dict: dict) -> dict:
         return _check(parts, state_dict)
     except ValueError as exc:
         raise ValueError(f"{parts.owner}: load_state_dict: {exc}") from None
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        # A shape no check above foresaw: still a refusal before anything changed.
+        raise ValueError(f"{parts.owner}: load_state_dict: the state is malformed "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
 def _check(parts: StateParts, state_dict: dict) -> dict:
@@ -128,10 +135,24 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     state_dict = {**state_dict, "zenflow": saved}
     if saved.get("optimizer", parts.owner) != parts.owner:
         raise ValueError(f"the state was saved by {saved['optimizer']}, not {parts.owner}")
-    sizes = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise ValueError("'param_groups' must be a list of dicts, each with a 'params' list")
+    sizes = [len(g["params"]) for g in groups]
     if sizes != [len(g["params"]) for g in parts.param_groups]:
         raise ValueError(f"saved param groups have sizes {sizes}, this optimizer's have "
                          f"{[len(g['params']) for g in parts.param_groups]}")
+    for i, (group, saved_group) in enumerate(zip(parts.param_groups, groups)):
+        _check_hyperparameters(parts.owner, i, {**group, **saved_group})
+    if not isinstance(state_dict.get("state"), dict):
+        raise ValueError("'state' must be a dict of per-parameter states")
+    check_like({k: saved.get(k) for k in parts.counters.state_dict()},
+               parts.counters.state_dict(), "counters")
+    check_like(saved.get("selection"), parts.selector.state_dict(), "selection")
+    # A window's length is None until its first window ends (a state saved before then).
+    check_like(saved.get("window"), parts.window.state_dict(), "window",
+               nullable=frozenset({"last_interval"}))
     world_size, rank = saved.get("world_size", 1), saved.get("rank", 0)
     if world_size != parts.world_size:
         raise ValueError(f"the state was saved by rank {rank} of {world_size}, but this run has "
@@ -145,15 +166,27 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     number, states = _numbers(parts), state_dict["state"]
     for m in parts.host_params:
         piece = _saved_piece(states.get(number[m.param]), "host", m.param)
-        m.selected.check_state_dict(piece["device"], f"the selected columns of the parameter of "
-                                                     f"shape {tuple(m.param.shape)}")
+        what = f"the selected columns of the parameter of shape {tuple(m.param.shape)}"
+        m.selected.check_state_dict(piece.get("device"), what)
+        if saved["selection"]["has_chosen"]:
+            m.selected.check_columns(piece["device"], m.num_columns, what)
     for v in parts.vector_params:
         v.state.check_state_dict(_saved_piece(states.get(number[v.param]), "vector", v.param),
                                  f"the parameter of shape {tuple(v.param.shape)}")
     parts.pipeline.check_state_dict(
         {"params": [states[number[m.param]]["host"] for m in parts.host_params],
-         "in_flight": saved.get("in_flight"), "in_flight_jobs": saved.get("in_flight_jobs")})
+         "in_flight": saved.get("in_flight"), "in_flight_jobs": saved.get("in_flight_jobs")},
+        window_steps=saved["window_steps"])
     return state_dict
+
+
+def _check_hyperparameters(owner: str, index: int, group: dict) -> None:
+    """The AdamW numbers a param group would hold after the load pass the settings' rules."""
+    try:
+        AdamWHyperparameters.from_arguments(
+            owner, **{k: group.get(k) for k in AdamWHyperparameters.model_fields})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"param_groups[{index}]: {str(exc).removeprefix(owner + ': ')}") from None
 
 
 def _saved_piece(saved, kind: str, param) -> dict:

@@ -12,6 +12,7 @@ import sys
 
 from zenflow.config.deepspeed_json import ConfigError, parse_config, resolved_settings
 from zenflow.config.loading import load_config_dict
+from zenflow.optim.selection_schedule import SelectionSchedule
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +53,14 @@ def run(args: argparse.Namespace) -> int:
                                                          "train_micro_batch_size_per_gpu")):
                 config["train_micro_batch_size_per_gpu"] = 1   # the Trainer's per-device batch
         cfg = parse_config(config, world_size=args.world_size)
+        if cfg.zenflow is not None:
+            # The optimizer's own selection rule, as initialize applies it (select_strategy
+            # "epoch" needs an epoch length; initialize takes it from training_data if passed).
+            try:
+                SelectionSchedule.for_settings(cfg.zenflow_settings(), "zero_optimization.zenflow")
+            except ValueError as exc:
+                raise ConfigError([f"{exc} (initialize can take it from training_data; without "
+                                   "that, set zero_optimization.zenflow.steps_per_epoch)"]) from None
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"file": args.file, "valid": False, "errors": exc.problems},
