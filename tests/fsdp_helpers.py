@@ -107,7 +107,28 @@ def _refused(rank, world, steps, options, result):
     result["errors"] = errors
 
 
-MODES = {"fsdp": _fsdp, "refused": _refused}
+def _resume(rank, world, steps, options, result):
+    """20 steps straight, and 10 steps, a save of each rank's shards (the model's sharded state
+    dict and the optimizer's per-rank state), a fresh model and optimizer loading them, 10 more."""
+    kwargs = dict(optimizer_kwargs(True), weight_decay=0.01, worker=True)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
+        train(model, opt, 0, steps, rank, world)
+        result["straight"] = full_weights(model)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
+        train(model, opt, 0, steps // 2, rank, world)
+        saved = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                 "optimizer": opt.state_dict()}
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed"] = full_weights(model)
+
+
+MODES = {"fsdp": _fsdp, "refused": _refused, "resume": _resume}
 
 
 def _runs(rank, world, steps, options, result):

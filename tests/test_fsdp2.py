@@ -62,10 +62,11 @@ def check_matches_single_process(ranks, world, overlap):
 
 def test_fsdp2_on_two_ranks(tmp_path):
     """One set of 2 ranks: ZenFlowAdamW with and without overlap, OffloadAdamW, bf16 mixed
-    precision, and the refusals."""
+    precision, the refusals, and a bit-exact resume from each rank's saved shards."""
     runs = {"sync": ("fsdp", {}), "overlap": ("fsdp", {"overlap": True, "worker": True}),
             "offload": ("fsdp", {"offload": True}),
-            "mixed": ("fsdp", {"mixed_precision": True}), "refused": ("refused", {})}
+            "mixed": ("fsdp", {"mixed_precision": True}), "refused": ("refused", {}),
+            "resume": ("resume", {})}
     ranks = run_fsdp(tmp_path, "runs", world=2, runs=runs)
     assert_ok(ranks)
     for name in ("sync", "overlap"):
@@ -83,6 +84,9 @@ def test_fsdp2_on_two_ranks(tmp_path):
         assert w.dtype == torch.float32   # the sharded parameters stay fp32
         # bf16 compute with fp32 state: near the fp32 run, not equal to it
         torch.testing.assert_close(w, single["weights"][name], rtol=0, atol=3e-2)
+
+    for r in ranks:
+        assert_same(r["resume"]["resumed"], r["resume"]["straight"], exact=True)
 
     errors = ranks[0]["refused"]["errors"]
     assert "Replicate()" in errors["replicate"] and "Shard(dim=0)" in errors["replicate"]
