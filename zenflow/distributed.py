@@ -32,6 +32,14 @@ device explicitly (`from_host`), so a CPU run under a group that says "nccl" exe
 a GPU run does (tests/test_dist_backends.py checks every collective's tensors that way). The
 module-level `dist` is the one handle on torch.distributed, so a test can intercept it.
 
+FSDP2 (`fully_shard`). Its parameters are DTensors sharded `Shard(0)` on a 1-D mesh: each rank
+already holds one block of rows of every parameter, the same row partition the host state uses.
+The Partition then says `rows_are_local`: a rank's rows are its whole local tensor (`local()`),
+nothing is sliced out of a replica and nothing is gathered at an install or a handoff (the rows
+never leave their rank); column norms are summed across ranks as above, and so are the squared
+gradient norms for clipping, since no rank holds the whole gradient (`splits_rows` is the DDP
+case: replicas, whose host rows are gathered back into every replica).
+
 A collective that fails (a rank died, the network broke) raises a RuntimeError that says so;
 the process group's timeout bounds how long a lost peer can make the others wait.
 """
@@ -43,6 +51,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+try:  # DTensor is part of torch.distributed; builds without distributed support have none
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover
+    DTensor = Shard = None
 
 HOST_BACKENDS = ("gloo", "mpi")   # backends whose collectives take CPU tensors
 _CPU = torch.device("cpu")
@@ -65,6 +78,54 @@ def environment_without_group(owner: str, process_group=None) -> None:
             "building the optimizer, or use zenflow.initialize, which does it")
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds: a DTensor's local shard (a view sharing its storage, so
+    writes reach the parameter), any other tensor itself. Callers ask again at each use: FSDP2
+    may swap a parameter's local tensor object (same storage) at its first forward."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t._local_tensor
+    return t
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def row_sharding_group(owner: str, params: list[torch.Tensor], process_group=None):
+    """The process group of FSDP2-sharded `params` (None when no parameter is a DTensor),
+    refusing what this code does not support: a mix of DTensors and plain tensors, placements
+    other than Shard(0) on a 1-D mesh, parameters on different meshes, or a `process_group`
+    that is not the mesh's."""
+    sharded = [i for i, p in enumerate(params) if is_sharded(p)]
+    if not sharded:
+        return None
+    if len(sharded) != len(params):
+        plain = next(i for i, p in enumerate(params) if not is_sharded(p))
+        raise ValueError(
+            f"{owner}: params mixes DTensors (FSDP2-sharded, e.g. params[{sharded[0]}]) and plain "
+            f"tensors (params[{plain}], shape {tuple(params[plain].shape)}); shard every "
+            "parameter with fully_shard (wrap the root module too) or none")
+    mesh = params[0].device_mesh
+    for i, p in enumerate(params):
+        where = f"params[{i}] (shape {tuple(p.shape)})"
+        if p.device_mesh.ndim != 1:
+            raise ValueError(f"{owner}: {where} is a DTensor on a {p.device_mesh.ndim}-D device "
+                             "mesh; only a 1-D mesh (fully_shard's FSDP) is supported, not HSDP "
+                             "or tensor parallel meshes")
+        if tuple(p.placements) != (Shard(0),):
+            raise ValueError(f"{owner}: {where} is a DTensor placed {tuple(p.placements)}; only "
+                             "(Shard(dim=0),), fully_shard's default, is supported (not "
+                             "Replicate() or Shard(1): each rank must hold whole rows)")
+        if p.device_mesh != mesh:
+            raise ValueError(f"{owner}: {where} is on another device mesh than params[0]; all "
+                             "parameters must share one mesh")
+    group = mesh.get_group()
+    if process_group is not None and process_group is not group:
+        raise ValueError(f"{owner}: process_group is not the device mesh's group of the "
+                         "FSDP2-sharded parameters; leave process_group out (the mesh's is used)")
+    return group
+
+
 @dataclass
 class Partition:
     """This rank's place in the process group (a single process is rank 0 of 1), the device its
@@ -75,14 +136,17 @@ class Partition:
     bytes_sent: dict = field(default_factory=dict)
     backend: str | None = None
     device: torch.device = _CPU   # where tensors handed to this group's collectives live
+    # The parameters are row shards already (FSDP2): a rank's rows are its whole local tensor.
+    rows_are_local: bool = False
 
     @classmethod
-    def from_group(cls, group=None, device: torch.device | str | None = None) -> Partition:
+    def from_group(cls, group=None, device: torch.device | str | None = None,
+                   rows_are_local: bool = False) -> Partition:
         """`device`: the rank's device (the optimizer's); collectives of a device backend (NCCL)
         use it (default: the current CUDA device, which init_distributed set from LOCAL_RANK),
-        those of gloo/mpi the CPU."""
+        those of gloo/mpi the CPU. `rows_are_local`: the parameters are FSDP2 row shards."""
         if not (dist.is_available() and dist.is_initialized()):
-            return cls()
+            return cls(rows_are_local=rows_are_local)
         backend = str(dist.get_backend(group)).lower()
         if backend in HOST_BACKENDS:
             device = _CPU
@@ -90,7 +154,7 @@ class Partition:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else _CPU)
         return cls(dist.get_rank(group), dist.get_world_size(group), group, backend=backend,
-                   device=torch.device(device))
+                   device=torch.device(device), rows_are_local=rows_are_local)
 
     @property
     def active(self) -> bool:
@@ -101,13 +165,30 @@ class Partition:
         """Whether collectives run on the rank's device (NCCL) rather than on the CPU (gloo)."""
         return self.backend is not None and self.backend not in HOST_BACKENDS
 
+    @property
+    def splits_rows(self) -> bool:
+        """Whether each rank holds a replica of which its host owns some rows (DDP), so that
+        installs and handoffs gather the other ranks' rows; not so for FSDP2's shards."""
+        return self.active and not self.rows_are_local
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether each rank holds only some rows of every gradient (FSDP2), so that a norm over
+        whole gradients is summed across ranks."""
+        return self.active and self.rows_are_local
+
     def rows(self, num_rows: int) -> slice:
-        """This rank's rows of a matrix with `num_rows` rows: equal contiguous blocks."""
+        """This rank's rows of a matrix with `num_rows` rows (of the tensor this rank holds):
+        equal contiguous blocks of a replica, or all of them when the rows are local already."""
+        if self.rows_are_local:
+            return slice(0, num_rows)
         per_rank = math.ceil(num_rows / self.world_size)
         start = min(num_rows, self.rank * per_rank)
         return slice(start, min(num_rows, start + per_rank))
 
     def rows_per_rank(self, num_rows: int) -> int:
+        if self.rows_are_local:
+            return num_rows
         return math.ceil(num_rows / self.world_size)
 
     def from_host(self, host: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.distributed import Partition
+from zenflow.distributed import Partition, local
 from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
 from zenflow.host.device_sums import DeviceSums, choose_device_summed
@@ -66,12 +66,16 @@ class _Queued:
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
-    """The [rows, cols] view the host keeps of a parameter or gradient (vectors: one row)."""
-    return t.reshape(t.shape[0], -1) if t.ndim >= 2 else t.reshape(1, -1)
+    """The [rows, cols] view the host keeps of a parameter or gradient (vectors: one row). A
+    shard may hold no rows (FSDP2, fewer rows than ranks): its view is [0, cols]."""
+    if t.ndim >= 2:
+        return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    return t.reshape(1, t.numel())
 
 
 class HostPipeline:
-    """Host state of a list of parameters (each viewed [rows, cols]) and its data path."""
+    """Host state of a list of parameters (each viewed [rows, cols]) and its data path. Of an
+    FSDP2-sharded parameter, the pipeline sees the rank's local shard only (`local`)."""
 
     def __init__(self, params: list[torch.Tensor], partition: Partition, device: torch.device,
                  overlap: bool, worker_cores: list[int] | None, timer: StepTimer,
@@ -79,10 +83,10 @@ class HostPipeline:
                  device_sum_budget: int | str = 0):
         self.params = params
         self.partition = partition
-        self.rows = [partition.rows(host_view(p).shape[0]) for p in params]
+        self.rows = [partition.rows(host_view(local(p)).shape[0]) for p in params]
         self.timer = timer
-        shapes = [(len(range(host_view(p).shape[0])[r]), host_view(p).shape[1], p.dtype)
-                  for p, r in zip(params, self.rows)]
+        shapes = [(len(range(host_view(local(p)).shape[0])[r]), host_view(local(p)).shape[1],
+                   p.dtype) for p, r in zip(params, self.rows)]
         self.transfers = Transfers(device, copy_cores=worker_cores)
         self.layout = HostLayout.build(shapes, sum_slots=2 if overlap else 1,
                                        staging_slots=2 if self.transfers.copies_outlive_step else 1)
@@ -305,7 +309,7 @@ class HostPipeline:
     def _load_masters(self, indices) -> None:
         """The host master values of `indices` := the parameters' current values (own rows)."""
         for i in indices:
-            self.host.fp32("master", i).copy_(host_view(self.params[i].detach())[self.rows[i]])
+            self.host.fp32("master", i).copy_(host_view(local(self.params[i]).detach())[self.rows[i]])
 
     def ready(self) -> bool:
         """Whether no host update is in flight (never blocks)."""
@@ -440,23 +444,23 @@ class HostPipeline:
 
 
 def copy_rows_to_params(pipe: HostPipeline, indices: list[int]) -> Ticket:
-    """Queue the install buffer's values of `indices` into their parameters, every rank's rows;
-    returns the copies' Ticket."""
+    """Queue the install buffer's values of `indices` into their parameters, every rank's rows
+    (FSDP2: this rank's shard, which is all it holds); returns the copies' Ticket."""
     start = time.perf_counter()
     host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
     pairs, nbytes, gathers = [], 0, []
     what = "installing host-updated rows"
     for i in indices:
-        param = host_view(pipe.params[i].data)
+        param = host_view(local(pipe.params[i]).data)
         values = host.install(i)
-        if partition.active and partition.on_device:
+        if partition.splits_rows and partition.on_device:
             # NCCL: this rank's rows to the device, then all ranks gather there.
             own = partition.own_rows_buffer(param.shape[0], param)
             pairs.append((own[: values.shape[0]], values))
             gathers.append((param, own))
             nbytes += values.numel() * values.element_size()
             continue
-        if partition.active:  # gloo: every rank's rows, gathered in host memory
+        if partition.splits_rows:  # gloo: every rank's rows, gathered in host memory
             values = partition.gather_rows(values, param.shape[0], what)
         pairs.append((param, values))
         nbytes += param.numel() * param.element_size()

@@ -7,6 +7,8 @@ cache fixes it. Column gathers and scatters are as fast or faster in one call (a
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 _BLOCK_BYTES = 256 * 1024
@@ -14,7 +16,7 @@ _BLOCK_BYTES = 256 * 1024
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:
     """The [out, in] view of a parameter or gradient with ndim >= 2 (no copy for contiguous t)."""
-    return t.reshape(t.shape[0], -1)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))   # not -1: a shard may have no rows
 
 
 def _row_block(matrix: torch.Tensor) -> int:

@@ -20,10 +20,11 @@ _KINDS = FP32_STATE
 def _host_columns(host_rows: torch.Tensor, cols: torch.Tensor, num_rows: int,
                   partition: Partition) -> torch.Tensor:
     """host[:, cols] over all rows of the matrix (other ranks hold the other rows); on the
-    collectives' device under data parallel (NCCL: this rank's rows go to the device first)."""
+    collectives' device under data parallel (NCCL: this rank's rows go to the device first).
+    Under FSDP2 a rank's device holds only its own rows: nothing to gather."""
     own = columns.gather_columns(host_rows, cols,
                                  out=host_rows.new_empty(host_rows.shape[0], len(cols)))
-    if not partition.active:
+    if not partition.splits_rows:
         return own
     return partition.gather_rows(partition.from_host(own), num_rows,
                                  "moving columns to the device")

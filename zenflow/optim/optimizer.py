@@ -34,7 +34,7 @@ import typing
 import torch
 
 from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
-from zenflow.distributed import Partition, environment_without_group
+from zenflow.distributed import Partition, environment_without_group, row_sharding_group
 from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
@@ -96,7 +96,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         process_group: the torch.distributed group to partition the host state across (default:
             the default group when torch.distributed is initialized). Gradients must already be
             averaged across ranks (DDP or zenflow.initialize do it); the optimizer never reduces
-            them again.
+            them again. FSDP2-sharded parameters (`fully_shard`: DTensors, Shard(0) on a 1-D
+            mesh) use their mesh's group: each rank keeps the state of its own rows only, and
+            the ranks sum column norms and squared gradient norms (docs/fsdp2.md).
     """
 
     _NAME = "ZenFlowAdamW"
@@ -120,8 +122,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.device = _checks.parameters(self._NAME,
                                          [p for g in self.param_groups for p in g["params"]])
-        self._partition = Partition.from_group(process_group, self.device)
-        self._check_replicas_agree()
+        # FSDP2-sharded parameters bring their own group (their mesh's), and their rows.
+        shard_group = row_sharding_group(self._NAME, [p for g in self.param_groups
+                                                      for p in g["params"]], process_group)
+        self._partition = Partition.from_group(shard_group or process_group, self.device,
+                                               rows_are_local=shard_group is not None)
+        if shard_group is None:   # replicas (DDP) must agree; shards differ by design
+            self._check_replicas_agree()
         self._build(schedule)
 
     def _check_replicas_agree(self) -> None:
@@ -219,7 +226,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # torch.amp.GradScaler sets grad_scale and found_inf around step() (None without one)
         clip_coef, amp_overflow = clip_coefficient(
             list(norms.values()), self.settings.max_grad_norm,
-            getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            getattr(self, "grad_scale", None), getattr(self, "found_inf", None), self._partition)
         if clip_coef is None:
             self._skip(amp_overflow=amp_overflow)
             return loss
@@ -237,7 +244,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
             if present:
-                self._window.observe(*importance_split(present, norms, clip_coef))
+                self._window.observe(*importance_split(present, norms, clip_coef,
+                                                       self._partition))
         self._pipeline.accumulate()
         count.window_steps += 1
         if warming_up or self._window_ends():

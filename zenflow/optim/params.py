@@ -3,6 +3,10 @@
 A `HostParam` (every matrix; for OffloadAdamW every parameter) keeps its fp32 master values and
 moments in the host pipeline, except for its `k` selected columns, whose state is on the device
 (`DeviceColumns`). A `VectorParam` (a bias, a norm weight) is updated on the device every step.
+
+`param` is the parameter as the optimizer was given it (the key of its gradient and of its saved
+state); `local` is what this rank holds of it and what the optimizer reads and writes: the
+parameter itself, or an FSDP2 parameter's local row shard.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zenflow.distributed import local
 from zenflow.optim import columns
 from zenflow.optim.device_adam import DeviceColumns, DeviceVector, device_step
 from zenflow.optim.importance import num_selected
@@ -25,7 +30,11 @@ class HostParam:
     group: dict
     host_index: int            # its number in the HostPipeline
     k: int                     # number of columns updated on the device
-    selected: DeviceColumns    # the selected columns and their state, on the device
+    selected: DeviceColumns    # the selected columns and their state, on the device (own rows)
+
+    @property
+    def local(self) -> torch.Tensor:
+        return local(self.param)
 
     @property
     def num_columns(self) -> int:
@@ -38,13 +47,13 @@ class HostParam:
 
     def selected_from_param(self) -> None:
         """The selected columns' master values := the parameter's (weights written outside)."""
-        columns.gather_columns(columns.as_matrix(self.param.detach()),
+        columns.gather_columns(columns.as_matrix(self.local.detach()),
                                self.selected.column_indices, out=self.selected.master)
 
     def param_from_selected(self) -> None:
         """The parameter's selected columns := their device master values, which are newer than
         the host's (after the host's update of the other columns was installed)."""
-        columns.scatter_columns(columns.as_matrix(self.param.data), self.selected.column_indices,
+        columns.scatter_columns(columns.as_matrix(self.local.data), self.selected.column_indices,
                                 self.selected.master)
 
 
@@ -55,10 +64,14 @@ class VectorParam:
     group: dict
     state: DeviceVector
 
+    @property
+    def local(self) -> torch.Tensor:
+        return local(self.param)
+
     def master_from_param(self) -> None:
         """The master values := the parameter's (weights written outside the optimizer)."""
-        if self.state.master.data_ptr() != self.param.data_ptr():
-            self.state.master.copy_(self.param.detach())
+        if self.state.master.data_ptr() != self.local.data_ptr():
+            self.state.master.copy_(self.local.detach())
 
 
 def built_layout(param_groups: list[dict]) -> dict:
@@ -70,7 +83,8 @@ def built_layout(param_groups: list[dict]) -> dict:
 def present_gradients(param_groups: list[dict], device: torch.device, owner: str,
                       built: dict) -> dict:
     """{parameter: gradient} of the trainable parameters that have one, each checked to be dense
-    and on `device`, and to be what the optimizer was built for (`built_layout`)."""
+    and on `device` (of an FSDP2 parameter: its local shard), and to be what the optimizer was
+    built for (`built_layout`)."""
     grads = {}
     for group in param_groups:
         for p in group["params"]:
@@ -84,7 +98,7 @@ def present_gradients(param_groups: list[dict], device: torch.device, owner: str
                 raise ValueError(f"{owner}: the gradient of a parameter of shape "
                                  f"{tuple(p.shape)} is {where}; dense gradients on {device} "
                                  "are required")
-            grads[p] = g
+            grads[p] = local(g)
     return grads
 
 
@@ -107,9 +121,9 @@ def device_update(host_params: list[HostParam], vector_params: list[VectorParam]
                   clip_coef: float) -> None:
     """AdamW on the device: the selected columns of `host_params` and every vector (those without
     a gradient this step are left alone, as torch.optim does)."""
-    matrices = [(m.param, grads[m.param], m.selected, m.group) for m in host_params
+    matrices = [(m.local, grads[m.param], m.selected, m.group) for m in host_params
                 if m.k > 0 and m.param in grads]
-    vectors = [(v.param, grads[v.param], v.state, v.group) for v in vector_params
+    vectors = [(v.local, grads[v.param], v.state, v.group) for v in vector_params
                if v.param in grads]
     device_step(matrices, vectors, clip_coef)
 
@@ -126,11 +140,11 @@ def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bo
             if p.ndim >= 2 or vectors_on_host:
                 k = num_selected(topk_ratio, p.numel() // p.shape[0]) \
                     if p.ndim >= 2 else 0
-                rows = p.shape[0] if p.ndim >= 2 else 1
+                rows = local(p).shape[0] if p.ndim >= 2 else 1
                 host.append(HostParam(p, group, len(host), k,
                                       DeviceColumns.empty(rows, k, device, step=0)))
             else:
-                vectors.append(VectorParam(p, group, DeviceVector.for_param(p)))
+                vectors.append(VectorParam(p, group, DeviceVector.for_param(local(p))))
     return host, vectors
 
 
@@ -166,8 +180,9 @@ class OutsideWrites:
 
     def adopt(self) -> None:
         """At each step: adopt what version counters and storage pointers show."""
-        changed = {p for p in self._versions
-                   if p._version != self._versions[p] or p.data_ptr() != self._pointers[p]}
+        changed = {x.param for x in (*self.host_params, *self.vector_params)
+                   if x.local._version != self._versions[x.param]
+                   or x.local.data_ptr() != self._pointers[x.param]}
         self._adopt([m for m in self.host_params if m.param in changed],
                     [v for v in self.vector_params if v.param in changed])
 
@@ -177,7 +192,7 @@ class OutsideWrites:
         flags = [*(self._host_sum(m, chosen) != self._sums[m.param] for m in self.host_params),
                  *(self._selected_differ(m) for m in self.host_params if chosen and m.k > 0),
                  *(self._vector_differs(v) for v in self.vector_params
-                   if v.state.master.data_ptr() != v.param.data_ptr())]
+                   if v.state.master.data_ptr() != v.local.data_ptr())]
         if not flags:
             return
         changed = torch.stack(flags).tolist()   # the one read
@@ -186,7 +201,7 @@ class OutsideWrites:
         with_columns = [m for m in self.host_params if chosen and m.k > 0]
         host |= {m.param for m, c in zip(with_columns, changed[n:n + len(with_columns)]) if c}
         watched = [v for v in self.vector_params
-                   if v.state.master.data_ptr() != v.param.data_ptr()]
+                   if v.state.master.data_ptr() != v.local.data_ptr()]
         vectors = [v for v, c in zip(watched, changed[n + len(with_columns):]) if c]
         if (host or vectors) and not self._warned:
             self._warned = True
@@ -214,9 +229,9 @@ class OutsideWrites:
 
     def forget(self) -> None:
         """Take the parameters as they are now as the optimizer's own."""
-        params = (*(m.param for m in self.host_params), *(v.param for v in self.vector_params))
-        self._versions = {p: p._version for p in params}
-        self._pointers = {p: p.data_ptr() for p in params}
+        held = (*self.host_params, *self.vector_params)
+        self._versions = {x.param: x.local._version for x in held}
+        self._pointers = {x.param: x.local.data_ptr() for x in held}
         self.fingerprint()
 
     def fingerprint(self) -> None:
@@ -227,7 +242,7 @@ class OutsideWrites:
 
     @staticmethod
     def _host_sum(m: HostParam, chosen: bool) -> torch.Tensor:
-        bits = _bits(columns.as_matrix(m.param.detach()))
+        bits = _bits(columns.as_matrix(m.local.detach()))
         total = bits.sum(dtype=torch.int64)
         if chosen and m.k > 0:
             total = total - bits[:, m.selected.column_indices].sum(dtype=torch.int64)
@@ -235,33 +250,40 @@ class OutsideWrites:
 
     @staticmethod
     def _selected_differ(m: HostParam) -> torch.Tensor:
-        now = columns.as_matrix(m.param.detach())[:, m.selected.column_indices]
+        now = columns.as_matrix(m.local.detach())[:, m.selected.column_indices]
         return (_bits(now) != _bits(m.selected.master.to(now.dtype))).any()
 
     @staticmethod
     def _vector_differs(v: VectorParam) -> torch.Tensor:
-        return (_bits(v.param.detach()) != _bits(v.state.master.to(v.param.dtype))).any()
+        return (_bits(v.local.detach()) != _bits(v.state.master.to(v.local.dtype))).any()
 
 
 def device_state_bytes(host_params: list[HostParam], vector_params: list[VectorParam]) -> int:
     """Bytes of optimizer state on the device: the selected columns' and the vectors'."""
     return (sum(m.selected.nbytes() for m in host_params)
-            + sum(v.state.nbytes(v.param) for v in vector_params))
+            + sum(v.state.nbytes(v.local) for v in vector_params))
 
 
-def importance_split(present: list[HostParam], norms: dict, clip_coef: float
-                     ) -> tuple[float, int, float, int]:
+def importance_split(present: list[HostParam], norms: dict, clip_coef: float,
+                     partition=None) -> tuple[float, int, float, int]:
     """(squared norm, columns) of the deferred and of the selected columns of the matrices
     `present` this step, for the auto window. The device update has just gathered and clipped the
     selected columns, so their norms take no extra pass over the gradients; `norms` holds each
-    whole gradient's norm before clipping."""
+    whole gradient's norm before clipping. Where each rank holds some rows of every gradient
+    (FSDP2, `partition.shards_gradients`), the squares are summed across ranks (one all-reduce),
+    so every rank sees the whole matrices' split."""
     selected = [m for m in present if m.k > 0]
     selected_norms = torch._foreach_norm([m.selected.grad for m in selected]) if selected else []
+    squares = torch.cat([(torch.stack([norms[m.param] for m in present]).double() * clip_coef
+                          ).square(),
+                         torch.stack(selected_norms).double().square() if selected
+                         else torch.zeros(0, dtype=torch.float64, device=norms[present[0].param].device)])
+    if partition is not None and partition.shards_gradients:
+        squares = partition.sum_(squares, "summing the deferred and selected gradient norms")
     # One stacked transfer instead of one device sync per matrix.
-    total_sq = (torch.stack([norms[m.param] for m in present]).double() * clip_coef
-                ).square().tolist()
-    sel_sq = dict(zip((id(m) for m in selected),
-                      torch.stack(selected_norms).double().square().tolist() if selected else []))
+    squares = squares.tolist()
+    total_sq = squares[:len(present)]
+    sel_sq = dict(zip((id(m) for m in selected), squares[len(present):]))
     deferred_sq = sum(max(0.0, t - sel_sq.get(id(m), 0.0)) for m, t in zip(present, total_sq))
     return (deferred_sq, sum(m.num_columns - m.k for m in present), sum(sel_sq.values()),
             sum(m.k for m in present))

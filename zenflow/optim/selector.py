@@ -78,12 +78,12 @@ class ColumnSelector:
                     for kind in FP32_STATE}
             host_step = self.pipeline.host_step[m.host_index]
             if plan.first:
-                handoff.take_from_host(m.selected, host, chosen, host_step, m.param.shape[0],
+                handoff.take_from_host(m.selected, host, chosen, host_step, m.local.shape[0],
                                        self.partition)
             else:
                 betas = tuple(float(b) for b in m.group["betas"])
                 handoff.move_columns(m.selected, host, chosen, host_step, betas,
-                                     self.pipeline.rows[m.host_index], m.param.shape[0],
+                                     self.pipeline.rows[m.host_index], m.local.shape[0],
                                      self.partition)
         self.has_chosen = True
         self.schedule.selected(step)
@@ -92,7 +92,8 @@ class ColumnSelector:
 
     def _importances(self, grads: dict, todo: list[HostParam]) -> list[torch.Tensor]:
         """Column importance of each matrix. Across ranks, each computes its measure's partial over
-        its own rows and the ranks add them up: one number per column travels, never a gradient."""
+        its own rows and the ranks add them up: one number per column travels, never a gradient.
+        (Under FSDP2 a rank's own rows are its shard: the same sum gives the same selection.)"""
         partial = []
         for m in todo:
             g = grads.get(m.param)

@@ -1,0 +1,157 @@
+"""Code that runs inside the FSDP2 tests (spawned ranks, gloo on 127.0.0.1): the MLP of the DDP
+tests, sharded with fully_shard per Linear and at the root, trained by the bare optimizers."""
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from conftest import make_mlp
+from dist_helpers import my_share, optimizer_kwargs
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import zenflow
+
+
+def sharded_mlp(mixed_precision: bool = False) -> torch.nn.Module:
+    """make_mlp() (the same initial weights on every rank) with fully_shard on each Linear and
+    at the root: its parameters are DTensors, Shard(0) on a 1-D mesh."""
+    model = make_mlp()
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mixed_precision else MixedPrecisionPolicy())
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def full_weights(model) -> dict:
+    """Every parameter whole (all ranks take part: full_tensor() is a collective)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def selections(opt) -> list[list[int]]:
+    return [m.selected.column_indices.tolist() for m in opt._host_params]
+
+
+def train(model, opt, start: int, stop: int, rank: int, world: int) -> None:
+    for t in range(start, stop):
+        x, y = my_share(t, rank, world)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _fsdp(rank, world, steps, options, result):
+    model = sharded_mlp(options.get("mixed_precision", False))
+    cls = zenflow.OffloadAdamW if options.get("offload") else zenflow.ZenFlowAdamW
+    kwargs = dict(optimizer_kwargs(options.get("overlap", False)), weight_decay=0.01,
+                  worker=options.get("worker", False))
+    if cls is zenflow.OffloadAdamW:
+        kwargs = {k: kwargs[k] for k in ("lr", "weight_decay", "max_grad_norm", "worker")}
+    opt = cls(model.parameters(), **kwargs)
+    train(model, opt, 0, steps, rank, world)
+    stats = opt.stats()
+    result.update(
+        weights=full_weights(model), selections=selections(opt),
+        host_rows=[m.local.shape[0] for m in opt._host_params],
+        host_bytes=stats["host_bytes"], d2h_bytes=stats["d2h_bytes_total"],
+        h2d_bytes=stats["h2d_bytes_total"], reselections=stats["reselections"],
+        windows=stats["windows"], skipped=stats["skipped_steps"],
+        collective_bytes_sent=stats["collective_bytes_sent"])
+    opt.close()
+
+
+def single_process_fsdp_reference(steps: int, overlap: bool) -> dict:
+    """One process, the whole global batch each step, plain tensors (the reference)."""
+    from dist_helpers import batch
+    model = make_mlp()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=False,
+                               **optimizer_kwargs(overlap))
+    for t in range(steps):
+        x, y = batch(t)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    stats = opt.stats()
+    out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+           "selections": selections(opt), "host_bytes": stats["host_bytes"],
+           "d2h_bytes": stats["d2h_bytes_total"], "h2d_bytes": stats["h2d_bytes_total"],
+           "reselections": stats["reselections"], "windows": stats["windows"]}
+    opt.close()
+    return out
+
+
+def _refused(rank, world, steps, options, result):
+    """Placements other than Shard(0) on a 1-D mesh, and a mix of sharded and plain parameters,
+    are refused before any work starts, by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    errors = {}
+    for name, placement in (("replicate", Replicate()), ("shard1", Shard(1))):
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [placement]))
+        try:
+            zenflow.ZenFlowAdamW([p], lr=1e-3, worker=False)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    model = sharded_mlp()
+    try:
+        zenflow.ZenFlowAdamW([*model.parameters(), torch.nn.Parameter(torch.randn(3, 3))],
+                             lr=1e-3, worker=False)
+    except ValueError as exc:
+        errors["mixed"] = str(exc)
+    result["errors"] = errors
+
+
+def _resume(rank, world, steps, options, result):
+    """20 steps straight, and 10 steps, a save of each rank's shards (the model's sharded state
+    dict and the optimizer's per-rank state), a fresh model and optimizer loading them, 10 more."""
+    kwargs = dict(optimizer_kwargs(True), weight_decay=0.01, worker=True)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
+        train(model, opt, 0, steps, rank, world)
+        result["straight"] = full_weights(model)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
+        train(model, opt, 0, steps // 2, rank, world)
+        saved = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                 "optimizer": opt.state_dict()}
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed"] = full_weights(model)
+
+
+MODES = {"fsdp": _fsdp, "refused": _refused, "resume": _resume}
+
+
+def _runs(rank, world, steps, options, result):
+    """Several runs in one set of processes (starting ranks is most of a test's time here):
+    options["runs"] is {name: (mode, options)}; result[name] is that run's result."""
+    for name, (mode, run_options) in options["runs"].items():
+        result[name] = {}
+        MODES[mode](rank, world, steps, run_options, result[name])
+
+
+MODES["runs"] = _runs
+
+
+def fsdp_rank_main(rank: int, world: int, port: int, mode: str, out_dir: str, steps: int,
+                   options: dict):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    result = {}
+    try:
+        MODES[mode](rank, world, steps, options, result)
+    except Exception:
+        result["error"] = traceback.format_exc()
+    finally:
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
