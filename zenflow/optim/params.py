@@ -165,8 +165,8 @@ class OutsideWrites:
     through .data and do not) and a parameter given new storage (`p.data = t`,
     vector_to_parameters). In-place writes through `.data` (`p.data.clamp_()`) bump nothing; they
     are found at window ends, where a fingerprint of what the optimizer last wrote (an integer
-    sum of each matrix's bits less its device-owned columns' masters; bf16/fp16 vectors compared
-    with theirs) costs two passes and one read per window. Such a write to
+    sum of the bits of each matrix's host-owned columns; bf16/fp16 vectors compared with their
+    masters) costs two passes and one read per window. Such a write to
     a column the device updates is overwritten by the next step, so the first one found is
     reported with a warning."""
 
@@ -238,16 +238,16 @@ class OutsideWrites:
 
     @staticmethod
     def _host_sum(m: HostParam, chosen: bool) -> torch.Tensor:
-        """The parameter's bits summed, less what its device-owned columns hold by right (their
-        masters in its dtype, a small contiguous buffer): it changes when any value the optimizer
-        did not write changes, host-owned or device-owned, and needs no column gather. int32
-        sums wrap around, exact modulo 2**32, and run as fast as a float sum (an int64 sum is
-        25x slower on a CPU, where it would cost more than the step)."""
-        param = m.local.detach()
-        total = _bits(param).sum(dtype=torch.int32)
-        if chosen and m.k > 0:
-            total = total - _bits(m.selected.master.to(param.dtype)).sum(dtype=torch.int32)
-        return total
+        """The bits of the parameter's host-owned columns, summed: per-column sums in one
+        contiguous pass (no column gather), less the device-owned columns'. int32 sums wrap
+        around, exact modulo 2**32, and run as fast as a float sum (an int64 sum is 25x slower
+        on a CPU, where it would cost more than the step)."""
+        bits = _bits(columns.as_matrix(m.local.detach()))
+        if not (chosen and m.k > 0):
+            return bits.sum(dtype=torch.int32)
+        per_column = bits.sum(dim=0, dtype=torch.int32)
+        return per_column.sum(dtype=torch.int32) - per_column[m.selected.column_indices].sum(
+            dtype=torch.int32)
 
     @staticmethod
     def _vector_differs(v: VectorParam) -> torch.Tensor:
