@@ -34,9 +34,8 @@ def engine_config(overlap: bool, world: int = 2, update_interval=3) -> dict:
                                               "overlap_step": overlap}}}
 
 
-def single_process_run(steps: int, overlap: bool, synchronized: bool = False) -> dict:
-    """The reference: one process, the whole global batch each step; `synchronized`: with the
-    update in flight installed, as the engine's state_dict() reads the weights."""
+def train_single_process(steps: int, overlap: bool):
+    """(model, optimizer) after `steps` steps of one process on the whole global batch."""
     model = make_mlp()
     opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=False,
                                **optimizer_kwargs(overlap))
@@ -45,6 +44,13 @@ def single_process_run(steps: int, overlap: bool, synchronized: bool = False) ->
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+    return model, opt
+
+
+def single_process_run(steps: int, overlap: bool, synchronized: bool = False) -> dict:
+    """The reference: one process, the whole global batch each step; `synchronized`: with the
+    update in flight installed, as the engine's state_dict() reads the weights."""
+    model, opt = train_single_process(steps, overlap)
     if synchronized:
         opt.synchronize()
     stats = opt.stats()

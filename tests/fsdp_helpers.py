@@ -67,15 +67,8 @@ def _fsdp(rank, world, steps, options, result):
 
 def single_process_fsdp_reference(steps: int, overlap: bool) -> dict:
     """One process, the whole global batch each step, plain tensors (the reference)."""
-    from dist_helpers import batch
-    model = make_mlp()
-    opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=False,
-                               **optimizer_kwargs(overlap))
-    for t in range(steps):
-        x, y = batch(t)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    from dist_helpers import train_single_process
+    model, opt = train_single_process(steps, overlap)
     stats = opt.stats()
     out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
            "selections": selections(opt), "host_bytes": stats["host_bytes"],

@@ -23,10 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=120, world=2,
-              options=None):
-    ctx = mp.spawn(rank_main, args=(world, free_port(), mode, overlap, str(tmp_path), steps,
-                                    worker, options), nprocs=world, join=False)
+def spawn_ranks(target, args: tuple, tmp_path, world: int, timeout: float) -> list:
+    """Run target(rank, world, port, *args) on `world` processes; each writes rank<r>.pt under
+    tmp_path. Fails as a hang when a rank is still running after `timeout` seconds."""
+    ctx = mp.spawn(target, args=(world, free_port(), *args), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     for p in ctx.processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -36,6 +36,12 @@ def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=
     assert not alive, f"ranks still running after {timeout}s: a hang"
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
             if (tmp_path / f"rank{r}.pt").exists() else None for r in range(world)]
+
+
+def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=120, world=2,
+              options=None):
+    return spawn_ranks(rank_main, (mode, overlap, str(tmp_path), steps, worker, options),
+                       tmp_path, world, timeout)
 
 
 def assert_same(a, b, exact):

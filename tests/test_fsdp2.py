@@ -5,30 +5,19 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from fsdp_helpers import fsdp_rank_main, single_process_fsdp_reference
-from test_distributed import COLS, ROWS, assert_ok, assert_same, free_port, rows_of
+from test_distributed import COLS, ROWS, assert_ok, assert_same, rows_of, spawn_ranks
 
 STEPS = 20
 
 
 def run_fsdp(tmp_path, mode, world=2, steps=STEPS, timeout=120, **options):
-    ctx = mp.spawn(fsdp_rank_main, args=(world, free_port(), mode, str(tmp_path), steps, options),
-                   nprocs=world, join=False)
-    deadline = time.monotonic() + timeout
-    for p in ctx.processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"ranks still running after {timeout}s: a hang"
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-            if (tmp_path / f"rank{r}.pt").exists() else None for r in range(world)]
+    return spawn_ranks(fsdp_rank_main, (mode, str(tmp_path), steps, options), tmp_path, world,
+                       timeout)
 
 
 def check_matches_single_process(ranks, world, overlap):

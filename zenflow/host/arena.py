@@ -142,13 +142,19 @@ def check_fits(nbytes: int, owner: str, available: int | None = None) -> None:
             "(The memory is not in /dev/shm, so --shm-size does not matter.)")
 
 
-def _memory_file(nbytes: int) -> int:
+def anonymous_file(name: str) -> int:
+    """A descriptor of a new, empty file in memory that no path names (a memfd; elsewhere an
+    unlinked temporary file): nothing is left behind when its last descriptor closes."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("zenflow-host-state", os.MFD_CLOEXEC)
-    else:
-        handle = tempfile.TemporaryFile()
-        fd = os.dup(handle.fileno())
-        handle.close()
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    handle = tempfile.TemporaryFile()
+    fd = os.dup(handle.fileno())
+    handle.close()
+    return fd
+
+
+def _memory_file(nbytes: int) -> int:
+    fd = anonymous_file("zenflow-host-state")
     try:
         os.ftruncate(fd, nbytes)
         if hasattr(os, "posix_fallocate"):

@@ -23,10 +23,10 @@ import pickle
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
+from zenflow.host.arena import anonymous_file
 from zenflow.host.worker_main import process_state
 
 _POLL_S = 0.05
@@ -39,12 +39,7 @@ _FORK_TIMEOUT_S = 30.0      # a fork, once the server is up, takes milliseconds
 def _init_file(init: dict) -> int:
     """A memory file holding pickle(init), rewound, for the worker to read (its descriptor)."""
     data = pickle.dumps(init)
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("zenflow-worker-init", os.MFD_CLOEXEC)
-    else:
-        handle = tempfile.TemporaryFile()
-        fd = os.dup(handle.fileno())
-        handle.close()
+    fd = anonymous_file("zenflow-worker-init")
     try:
         view = memoryview(data)
         while view:

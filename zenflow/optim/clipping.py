@@ -37,18 +37,17 @@ def clip_coefficient(norms: list[torch.Tensor], max_grad_norm: float | None,
         if isinstance(found_inf, torch.Tensor):
             found_inf = summed[1]
     scaled = total if grad_scale is None else total / grad_scale
-    reads = [total]
+    reads = {"norm": total}
     if max_grad_norm is not None:
         # The same fp32 tensor arithmetic as torch.nn.utils.clip_grad_norm_, so results match it.
-        reads.append(torch.clamp(max_grad_norm / (scaled + 1e-6), max=1.0))
-    for extra in (found_inf, grad_scale):
+        reads["clip"] = torch.clamp(max_grad_norm / (scaled + 1e-6), max=1.0)
+    for name, extra in (("found_inf", found_inf), ("scale", grad_scale)):
         if isinstance(extra, torch.Tensor):
-            reads.append(extra.to(total.device, torch.float32).reshape(()))
-    values = torch.stack(reads).tolist()
-    if found_inf is not None and values[-2 if isinstance(grad_scale, torch.Tensor) else -1] > 0:
+            reads[name] = extra.to(total.device, torch.float32).reshape(())
+    values = dict(zip(reads, torch.stack(list(reads.values())).tolist()))
+    if values.get("found_inf", 0.0) > 0:
         return None, True
-    if not math.isfinite(values[0]):
+    if not math.isfinite(values["norm"]):
         return None, False
-    scale = 1.0 if grad_scale is None else (
-        values[-1] if isinstance(grad_scale, torch.Tensor) else float(grad_scale))
-    return (values[1] if max_grad_norm is not None else 1.0) / scale, False
+    scale = 1.0 if grad_scale is None else values.get("scale", grad_scale)
+    return values.get("clip", 1.0) / float(scale), False
