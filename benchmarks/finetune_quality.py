@@ -1,13 +1,21 @@
 """Fine-tuning quality: does ZenFlow fine-tune a pretrained causal LM as well as AdamW?
 
-A byte-level GPT (zenflow.tools.bench.model.GPT: 4 layers, width 128, context 64) is pretrained with
-AdamW on Shakespeare (cached after the first run), then fine-tuned on BBC News text with each
-optimizer, over several seeds (the seed sets the batch order; the pretrained weights and the data
-split never change). Each run is scored after `synchronize()` on held-out BBC articles (the new
-domain) and on held-out Shakespeare plays (the old one). Within a seed the systems run in a
-rotated order. Writes benchmarks/results/<name>.json and <name>.png.
+A byte-level GPT (zenflow.tools.bench.model.GPT: 4 layers, context 64) is pretrained with AdamW on
+one corpus (cached after the first run), then fine-tuned on the other with each optimizer, over
+several seeds (the seed sets the batch order; the pretrained weights and the data split never
+change). Two directions: Shakespeare -> BBC News at width 128 (the default) and BBC News ->
+Shakespeare at width 256. Each run is scored after `synchronize()` on held-out text of the new
+domain and of the old one. Within a seed the systems run in a rotated order. Writes
+benchmarks/results/<name>.json and <name>.png.
+
+The default systems are the windows a GPU runs: on a GPU the device is several times faster than
+the host, so ZenFlow's windows are 4-16 steps long, where on this CPU machine the host keeps up
+after one step. Fixed `update_interval` 4 and 8, and the default auto windows with the host
+emulated as slow (`emulated_host_steps`, a benchmark-only setting of
+zenflow.tools.finetune.optim.make_optimizer), show what a GPU user gets.
 
     python benchmarks/finetune_quality.py                       # the default comparison
+    python benchmarks/finetune_quality.py --direction bbc-to-shakespeare --seeds 0
     python benchmarks/finetune_quality.py --systems AdamW "ZenFlow default" --seeds 0
 """
 from __future__ import annotations
@@ -15,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -29,27 +36,57 @@ from zenflow.tools.bench.harness import machine_info
 from zenflow.tools.bench.model import GPT, GPTConfig
 from zenflow.tools.finetune.optim import make_optimizer
 
-MODEL = GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=256, seq_len=64)
 
-# name -> (optimizer kind, ZenFlow keyword arguments)
-# The settings that set the defaults before 2026-11-22: DeepSpeed's paper setting.
-FIXED_WINDOWS = dict(update_interval=4, install_lookahead=0.0)
-SYSTEMS = {
-    "AdamW": ("adamw", {}),
-    "OffloadAdamW": ("offload", {}),
-    "ZenFlow default": ("zenflow", {}),
-    "ZenFlow U=4 (k=0.1, overlap, no lookahead)": ("zenflow", FIXED_WINDOWS),
-    "ZenFlow DeepSpeed auto (auto_ratio=0.99)": ("zenflow", dict(auto_ratio=0.99,
-                                                                  install_lookahead=0.0)),
-    "ZenFlow sync": ("zenflow", dict(FIXED_WINDOWS, overlap_step=False)),
-    "ZenFlow sync, window credit": ("zenflow", dict(FIXED_WINDOWS, overlap_step=False,
-                                                    deferred_credit="window")),
-    "ZenFlow U=1, lookahead 1": ("zenflow", dict(update_interval=1, install_lookahead=1.0)),
-    "ZenFlow k=0.05 (the seeds' ratio)": ("zenflow", dict(topk_ratio=0.05)),
-    "ZenFlow k=0.2": ("zenflow", dict(topk_ratio=0.2)),
+@dataclass(frozen=True)
+class Direction:
+    pretrain: str        # corpus the model is pretrained on (the old domain)
+    finetune: str        # corpus it is fine-tuned on (the new domain)
+    model: GPTConfig
+
+
+DIRECTIONS = {
+    "shakespeare-to-bbc": Direction("shakespeare", "bbc", GPTConfig(
+        n_layer=4, n_embd=128, n_head=4, vocab_size=256, seq_len=64)),
+    "bbc-to-shakespeare": Direction("bbc", "shakespeare", GPTConfig(
+        n_layer=4, n_embd=256, n_head=4, vocab_size=256, seq_len=64)),
 }
-# Five systems x 3 seeds: about 15 minutes on the 2-core machine.
-DEFAULT_SYSTEMS = list(SYSTEMS)[:5]
+
+
+@dataclass(frozen=True)
+class System:
+    kind: str                       # make_optimizer's kind
+    kwargs: dict                    # ZenFlow settings
+    emulated_host_steps: int = 0    # auto windows: the host as slow as on a GPU
+
+
+# The seeds' ZenFlow block (DeepSpeed's zf_config.json): k=0.05, U=4, overlap, select "auto",
+# DeepSpeed's arithmetic (one AdamW step per window on the mean gradient, no lookahead).
+SEEDS_BLOCK = dict(topk_ratio=0.05, update_interval=4, install_lookahead=0.0)
+SYSTEMS = {
+    "AdamW": System("adamw", {}),
+    "OffloadAdamW": System("offload", {}),
+    # The defaults, with the windows this machine gives them (one step: the host keeps up).
+    "ZenFlow default": System("zenflow", {}),
+    # The windows a GPU runs.
+    "seeds' block, U=4": System("zenflow", SEEDS_BLOCK),
+    "seeds' block, U=8": System("zenflow", dict(SEEDS_BLOCK, update_interval=8)),
+    "defaults, U=4": System("zenflow", dict(update_interval=4)),
+    "defaults, U=8": System("zenflow", dict(update_interval=8)),
+    "defaults, host 4 steps slow": System("zenflow", {}, emulated_host_steps=4),
+    "defaults, host 8 steps slow": System("zenflow", {}, emulated_host_steps=8),
+    # Options measured before (one-step windows unless said).
+    "ZenFlow DeepSpeed auto (auto_ratio=0.99)": System("zenflow", dict(auto_ratio=0.99,
+                                                                        install_lookahead=0.0)),
+    "ZenFlow sync U=4": System("zenflow", dict(update_interval=4, overlap_step=False)),
+    "ZenFlow sync U=4, window credit": System("zenflow", dict(
+        update_interval=4, overlap_step=False, deferred_credit="window")),
+    "ZenFlow U=4, window credit": System("zenflow", dict(update_interval=4,
+                                                         deferred_credit="window")),
+    "ZenFlow k=0.2, U=4": System("zenflow", dict(topk_ratio=0.2, update_interval=4)),
+}
+# The GPU regime: 7 systems x 3 seeds, about 25 minutes on the 2-core machine (width 128).
+DEFAULT_SYSTEMS = ["AdamW", "ZenFlow default", "seeds' block, U=4", "defaults, U=4",
+                   "seeds' block, U=8", "defaults, U=8", "defaults, host 4 steps slow"]
 
 
 @dataclass(frozen=True)
@@ -66,24 +103,28 @@ class Setting:
 
 
 # -- data -------------------------------------------------------------------------------------
-def corpora() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{'old': Shakespeare (train, test), 'new': BBC News (train, test)} as uint8 byte tensors.
+SEQ_LEN = 64   # both directions' context
+
+
+def corpora(direction: Direction) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{'old': the pretraining corpus (train, test), 'new': the fine-tuning one} as byte tensors.
     Held-out text is whole plays / whole articles never seen in training."""
     from zenflow.tools.finetune.data import bbc_news_articles, shakespeare_bytes, split_by_article
 
     def as_tensor(data: bytes) -> torch.Tensor:
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
-    old_train, old_test, _ = shakespeare_bytes(seed=0, n_test=4)
-    new_train, new_test = split_by_article(bbc_news_articles(), test_fraction=0.2, seed=0)
+    shakespeare_train, shakespeare_test, _ = shakespeare_bytes(seed=0, n_test=4)
+    bbc_train, bbc_test = split_by_article(bbc_news_articles(), test_fraction=0.2, seed=0)
     join = lambda ex: "\n\n".join(e.text_a for e in ex).encode("utf-8")
-    return {"old": (as_tensor(old_train), as_tensor(old_test)),
-            "new": (as_tensor(join(new_train)), as_tensor(join(new_test)))}
+    corpus = {"shakespeare": (as_tensor(shakespeare_train), as_tensor(shakespeare_test)),
+              "bbc": (as_tensor(join(bbc_train)), as_tensor(join(bbc_test)))}
+    return {"old": corpus[direction.pretrain], "new": corpus[direction.finetune]}
 
 
 def batch(stream: torch.Tensor, batch_size: int, generator: torch.Generator):
-    starts = torch.randint(len(stream) - MODEL.seq_len - 1, (batch_size,), generator=generator)
-    seq = torch.stack([stream[s:s + MODEL.seq_len + 1] for s in starts.tolist()])
+    starts = torch.randint(len(stream) - SEQ_LEN - 1, (batch_size,), generator=generator)
+    seq = torch.stack([stream[s:s + SEQ_LEN + 1] for s in starts.tolist()])
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -91,7 +132,7 @@ def batch(stream: torch.Tensor, batch_size: int, generator: torch.Generator):
 def held_out_loss(model: GPT, stream: torch.Tensor, windows: int) -> float:
     """Mean next-byte loss over `windows` evenly spaced windows of the held-out stream."""
     model.eval()
-    span = MODEL.seq_len + 1
+    span = SEQ_LEN + 1
     starts = torch.linspace(0, len(stream) - span - 1, windows).long().tolist()
     total = 0.0
     for i in range(0, windows, 128):
@@ -114,14 +155,18 @@ def cache_dir() -> Path:
     return root / "zenflow" / "finetune_quality"
 
 
-def pretrained(setting: Setting, data, progress: bool) -> dict[str, torch.Tensor]:
-    key = json.dumps([asdict(MODEL), setting.pretrain_steps, setting.pretrain_lr,
-                      setting.batch_size, torch.__version__], sort_keys=True)
+def pretrained(setting: Setting, direction: Direction, data,
+               progress: bool) -> dict[str, torch.Tensor]:
+    key = [asdict(direction.model), setting.pretrain_steps, setting.pretrain_lr,
+           setting.batch_size, torch.__version__]
+    if direction.pretrain != "shakespeare":   # the first direction's cache keeps its name
+        key.append(direction.pretrain)
+    key = json.dumps(key, sort_keys=True)
     path = cache_dir() / f"pretrained-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
     if path.exists():
         return torch.load(path, weights_only=True)
     torch.manual_seed(0)
-    model = GPT(MODEL)
+    model = GPT(direction.model)
     opt = torch.optim.AdamW(model.parameters(), lr=setting.pretrain_lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1234)
     train = data["old"][0]
@@ -144,13 +189,15 @@ def pretrained(setting: Setting, data, progress: bool) -> dict[str, torch.Tensor
 
 
 # -- one fine-tune (the optimizers built as every example and benchmark builds them) ---------------
-def finetune(name: str, seed: int, weights, setting: Setting, data) -> dict:
-    kind, kwargs = SYSTEMS[name]
-    model = GPT(MODEL)
+def finetune(name: str, seed: int, weights, setting: Setting, direction: Direction,
+             data) -> dict:
+    system = SYSTEMS[name]
+    kind = system.kind
+    model = GPT(direction.model)
     model.load_state_dict(weights)
     opt = make_optimizer(kind, model.parameters(), lr=setting.lr,
                          weight_decay=setting.weight_decay, max_grad_norm=setting.max_grad_norm,
-                         **kwargs)
+                         emulated_host_steps=system.emulated_host_steps, **system.kwargs)
     gen = torch.Generator().manual_seed(seed)
     train = data["new"][0]
     losses, times = [], []
@@ -182,6 +229,7 @@ def finetune(name: str, seed: int, weights, setting: Setting, data) -> dict:
         "median_step_s": statistics.median(times[min(10, len(times) // 2):]),  # warmed up
         "reselections": stats.get("reselections"),
         "windows": stats.get("windows"),
+        "mean_window_steps": (setting.steps / stats["windows"]) if stats.get("windows") else None,
         "losses": losses,
     }
 
@@ -196,6 +244,7 @@ def summarize(runs: list[dict], systems: list[str]) -> dict:
     out = {}
     base = [r for r in runs if r["system"] == "AdamW"]
     base_new = statistics.fmean(r["new_loss"] for r in base) if base else None
+    base_old = statistics.fmean(r["old_loss"] for r in base) if base else None
     base_step = statistics.median(r["median_step_s"] for r in base) if base else None
     for name in systems:
         mine = [r for r in runs if r["system"] == name]
@@ -204,9 +253,11 @@ def summarize(runs: list[dict], systems: list[str]) -> dict:
         new = spread([r["new_loss"] for r in mine])
         entry = {"new_loss": new, "old_loss": spread([r["old_loss"] for r in mine]),
                  "median_step_s": statistics.median(r["median_step_s"] for r in mine),
-                 "reselections": [r["reselections"] for r in mine]}
+                 "reselections": [r["reselections"] for r in mine],
+                 "mean_window_steps": [r.get("mean_window_steps") for r in mine]}
         if base_new:
             entry["new_gap_pct"] = 100.0 * (new["mean"] / base_new - 1.0)
+            entry["old_gap_pct"] = 100.0 * (entry["old_loss"]["mean"] / base_old - 1.0)
             entry["step_time_vs_adamw"] = entry["median_step_s"] / base_step
         out[name] = entry
     return out
@@ -223,8 +274,10 @@ def plot(result: dict, path: Path) -> None:
     summary = result["summary"]
     names = list(summary)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for ax, key, title in ((ax1, "new_loss", "held-out BBC News (new domain)"),
-                           (ax2, "old_loss", "held-out Shakespeare (old domain)")):
+    corpus = {"bbc": "BBC News", "shakespeare": "Shakespeare"}
+    direction = DIRECTIONS[result["direction"]]
+    for ax, key, title in ((ax1, "new_loss", f"held-out {corpus[direction.finetune]} (new domain)"),
+                           (ax2, "old_loss", f"held-out {corpus[direction.pretrain]} (old domain)")):
         means = [summary[n][key]["mean"] for n in names]
         stds = [summary[n][key]["std"] for n in names]
         ax.barh(range(len(names)), means, xerr=stds, color="tab:blue", alpha=0.7)
@@ -240,7 +293,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("loss (nats/byte), mean ± std over seeds")
         ax.set_title(title)
         ax.invert_yaxis()
-    fig.suptitle(f"fine-tune {result['setting']['steps']} steps, {result['machine']}")
+    fig.suptitle(f"{result['direction']}, width {direction.model.n_embd}, "
+                 f"{result['setting']['steps']} steps, {result['machine']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -254,13 +308,16 @@ def machine() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--direction", choices=list(DIRECTIONS), default="shakespeare-to-bbc")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--systems", nargs="*", default=DEFAULT_SYSTEMS, choices=list(SYSTEMS))
     ap.add_argument("--zenflow", nargs="+", default=[], metavar="JSON",
                     help='extra ZenFlow systems given as keyword arguments, e.g. '
                          '\'{"topk_ratio": 0.2, "update_interval": 2}\'')
     ap.add_argument("--steps", type=int, default=Setting.steps)
-    ap.add_argument("--name", default="finetune_quality")
+    ap.add_argument("--name", default=None,
+                    help="output file stem (default: finetune_quality, or finetune_quality_<direction> "
+                         "for the second direction)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--quick", action="store_true",
@@ -273,41 +330,47 @@ def main(argv=None) -> int:
     for text in args.zenflow:
         kwargs = json.loads(text)
         name = "ZenFlow " + " ".join(f"{k}={v}" for k, v in kwargs.items())
-        SYSTEMS[name] = ("zenflow", kwargs)
+        SYSTEMS[name] = System("zenflow", kwargs)
         args.systems.append(name)
+    direction = DIRECTIONS[args.direction]
+    if args.name is None:
+        args.name = ("finetune_quality" if args.direction == "shakespeare-to-bbc"
+                     else f"finetune_quality_{args.direction}")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     start = time.perf_counter()
-    data = corpora()
-    weights = pretrained(setting, data, progress=not args.quiet)
+    data = corpora(direction)
+    weights = pretrained(setting, direction, data, progress=not args.quiet)
     runs = []
     total = len(args.seeds) * len(args.systems)
     for i, seed in enumerate(args.seeds):
         order = args.systems[i % len(args.systems):] + args.systems[:i % len(args.systems)]
         for name in order:
-            run = finetune(name, seed, weights, setting, data)
+            run = finetune(name, seed, weights, setting, direction, data)
             runs.append(run)
             if not args.quiet:
                 print(f"[{len(runs)}/{total}] seed {seed} {name:34s} new {run['new_loss']:.4f}  "
                       f"old {run['old_loss']:.4f}  step {1e3 * run['median_step_s']:.1f} ms  "
-                      f"reselections {run['reselections']}  "
+                      f"windows {run['windows']}  reselections {run['reselections']}  "
                       f"({time.perf_counter() - start:.0f} s)", flush=True)
     result = {"benchmark": "finetune_quality", "machine": machine(), "setting": asdict(setting),
-              "model": asdict(MODEL), "seeds": args.seeds,
-              "systems": {n: {"kind": SYSTEMS[n][0], "kwargs": SYSTEMS[n][1]}
-                          for n in args.systems},
+              "direction": args.direction, "model": asdict(direction.model), "seeds": args.seeds,
+              "systems": {n: asdict(SYSTEMS[n]) for n in args.systems},
               "summary": summarize(runs, args.systems), "runs": runs,
               "wall_s": time.perf_counter() - start}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     plot(result, out / f"{args.name}.png")
-    print(f"\n{'system':36s} {'new domain':>18s} {'gap':>8s} {'old domain':>18s} {'step':>7s}")
+    print(f"\n{'system':36s} {'new domain':>18s} {'gap':>8s} {'old domain':>18s} {'gap':>8s} "
+          f"{'window':>7s}")
     for name, s in result["summary"].items():
-        gap = s.get("new_gap_pct")
+        gaps = [s.get(k) for k in ("new_gap_pct", "old_gap_pct")]
+        gaps = ["" if g is None else f"{g:+.2f}%" for g in gaps]
+        windows = [w for w in s["mean_window_steps"] if w is not None]
+        window = f"{statistics.fmean(windows):.1f}" if windows else "-"
         print(f"{name:36s} {s['new_loss']['mean']:.4f} ± {s['new_loss']['std']:.4f} "
-              f"{'' if gap is None else f'{gap:+.2f}%':>8s} "
-              f"{s['old_loss']['mean']:.4f} ± {s['old_loss']['std']:.4f} "
-              f"{s.get('step_time_vs_adamw', math.nan):6.2f}x")
+              f"{gaps[0]:>8s} {s['old_loss']['mean']:.4f} ± {s['old_loss']['std']:.4f} "
+              f"{gaps[1]:>8s} {window:>7s}")
     print(f"wrote {out / (args.name + '.json')} ({result['wall_s']:.0f} s)")
     return 0
 

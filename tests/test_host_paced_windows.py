@@ -142,3 +142,31 @@ def test_the_install_time_is_measured():
     transfers.to_device([(dst, src)])
     assert transfers.last_install_seconds > 0.0 and torch.equal(dst, src)
     transfers.close()
+
+
+def test_an_emulated_slow_host_gives_the_windows_a_gpu_runs():
+    """Benchmarks emulate a GPU's speed ratio (the host several device steps behind) on a CPU
+    machine, whose host keeps up after one step: the auto windows then cover that many steps."""
+    from zenflow.tools.finetune.optim import make_optimizer
+    w = AutoWindow(None, min_steps=1, max_steps=16, overlap=True)
+    w.emulated_host_steps = 5
+    assert w.hide_steps(0.0, 0.1) == 5 and w.hide_steps(0.0, 0.0) == 5
+    assert w.hide_steps(0.9, 0.1) == 9            # a host slower than emulated still counts
+    assert not w.should_end(4, True, 0.0, 0.1) and w.should_end(5, True, 0.0, 0.1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = make_optimizer("zenflow", model.parameters(), lr=1e-2, emulated_host_steps=3)
+    try:
+        for _ in range(12):
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert opt.stats()["last_window_steps"] in (None, 3)
+        assert opt.stats()["windows"] == 4
+    finally:
+        opt.close()
+    with pytest.raises(ValueError, match="update_interval='auto'"):
+        make_optimizer("zenflow", model.parameters(), lr=1e-2, update_interval=4,
+                       emulated_host_steps=3)
+    with pytest.raises(ValueError, match="only ZenFlow's auto windows"):
+        make_optimizer("adamw", model.parameters(), lr=1e-2, emulated_host_steps=3)

@@ -112,6 +112,10 @@ class AutoWindow:
         self.pending_importance = 0.0  # sum of r_t over the current window
         self.last_interval = None      # length of the last window
         self.reason = ""
+        # Benchmark-only, never a setting: treat every host update as taking at least this many
+        # device steps, so a CPU machine (whose host keeps up after one step) runs the windows a
+        # GPU would (zenflow.tools.bench.harness.emulate_slow_host). Not saved in state_dict().
+        self.emulated_host_steps = 0
 
     def observe(self, deferred_sq: float, deferred_cols: int, selected_sq: float,
                 selected_cols: int) -> None:
@@ -128,9 +132,11 @@ class AutoWindow:
                    install_seconds: float = 0.0) -> int:
         """Steps a window needs (overlap only) to cover one host update with the device's steps
         and to keep installing its result within INSTALL_BUDGET of the window's time."""
-        if not self.overlap or step_seconds <= 0.0:
+        if not self.overlap:
             return 1
-        cover = math.ceil(host_seconds / step_seconds)
+        if step_seconds <= 0.0:
+            return max(1, self.emulated_host_steps)
+        cover = max(math.ceil(host_seconds / step_seconds), self.emulated_host_steps)
         install = math.ceil(install_seconds / (INSTALL_BUDGET * step_seconds))
         return max(1, cover, install)
 

@@ -17,16 +17,24 @@ ZENFLOW_AUTO = dict(select_strategy="auto", select_interval="auto", update_inter
 
 def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float,
                    weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
-                   max_grad_norm: float | None = None, **zenflow_settings: Any) -> torch.optim.Optimizer:
+                   max_grad_norm: float | None = None, emulated_host_steps: int = 0,
+                   **zenflow_settings: Any) -> torch.optim.Optimizer:
     """`adamw`: torch.optim.AdamW; `offload`: zenflow.OffloadAdamW (synchronous ZeRO-Offload);
     `zenflow`: ZenFlowAdamW with the given ZenFlowSettings fields (the rest at their defaults);
-    `zenflow-auto`: with select_strategy, select_interval and update_interval all "auto"."""
+    `zenflow-auto`: with select_strategy, select_interval and update_interval all "auto".
+
+    `emulated_host_steps` (benchmarks only): with `update_interval="auto"`, treat each host update
+    as taking at least that many device steps, as on a GPU, whose device is several times faster
+    than its host; on a CPU machine the host keeps up after one step."""
     import zenflow
 
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer={kind!r} is not allowed; choose one of {list(OPTIMIZERS)}")
     if kind in ("adamw", "offload") and zenflow_settings:
         raise ValueError(f"ZenFlow settings {sorted(zenflow_settings)} given for optimizer {kind!r}")
+    if emulated_host_steps and kind not in ("zenflow", "zenflow-auto"):
+        raise ValueError(f"emulated_host_steps={emulated_host_steps} given for optimizer {kind!r}: "
+                         "only ZenFlow's auto windows follow the host's speed")
     params = [p for p in params if p.requires_grad]
     adamw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     if kind == "adamw":
@@ -35,8 +43,17 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float
     if kind == "offload":
         return zenflow.OffloadAdamW(params, **adamw, max_grad_norm=max_grad_norm)
     auto = ZENFLOW_AUTO if kind == "zenflow-auto" else {}
-    return zenflow.ZenFlowAdamW(params, **adamw, max_grad_norm=max_grad_norm,
-                                **{**auto, **zenflow_settings})
+    opt = zenflow.ZenFlowAdamW(params, **adamw, max_grad_norm=max_grad_norm,
+                               **{**auto, **zenflow_settings})
+    if emulated_host_steps:
+        from zenflow.optim.windows import AutoWindow
+        if not isinstance(opt._window, AutoWindow) or not opt.settings.overlap_step:
+            opt.close()
+            raise ValueError(f"emulated_host_steps={emulated_host_steps} needs "
+                             "update_interval='auto' and overlap_step=True, got update_interval="
+                             f"{opt.settings.update_interval!r}, overlap_step={opt.settings.overlap_step}")
+        opt._window.emulated_host_steps = emulated_host_steps
+    return opt
 
 
 def optimizer_from_config(config: str | Path | dict, params, *, lr: float | None = None,
