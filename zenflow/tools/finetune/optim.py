@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 OPTIMIZERS = ("adamw", "offload", "zenflow", "zenflow-auto")
-ZENFLOW_AUTO = dict(select_strategy="auto", select_interval="auto", update_interval="auto")
+# Everything decided at run time: windows by update_interval "auto", reselection on drift ("auto"
+# would be DeepSpeed's once per epoch, and these loops pass no epoch length).
+ZENFLOW_AUTO = dict(select_strategy="drift", select_interval="auto", update_interval="auto")
 
 
 def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float,
@@ -20,7 +22,7 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float
                    max_grad_norm: float | None = None, **zenflow_settings: Any) -> torch.optim.Optimizer:
     """`adamw`: torch.optim.AdamW; `offload`: zenflow.OffloadAdamW (synchronous ZeRO-Offload);
     `zenflow`: ZenFlowAdamW with the given ZenFlowSettings fields (the rest at their defaults);
-    `zenflow-auto`: with select_strategy, select_interval and update_interval all "auto"."""
+    `zenflow-auto`: with update_interval "auto" and reselection on drift."""
     import zenflow
 
     if kind not in OPTIMIZERS:
