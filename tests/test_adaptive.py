@@ -166,3 +166,15 @@ def test_bad_auto_settings_are_named():
     # DeepSpeed's bounds, [0, 1]: 0 is allowed (issue 26), above 1 is not.
     with pytest.raises(ValueError, match="auto_ratio must be between 0.0 and 1.0, got 1.5"):
         zenflow.ZenFlowAdamW(MODELS["mlp"][0]().parameters(), auto_ratio=1.5)
+
+
+def test_auto_ratio_zero_ends_each_window_as_soon_as_the_bounds_allow():
+    """auto_ratio 0, which DeepSpeed's [0, 1] allows: no importance needs to gather, so each
+    window is min_steps long (without overlap nothing else holds it back)."""
+    make, loss_fn = MODELS["mlp"]
+    model = make()
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1, update_interval="auto",
+                              auto_ratio=0.0, auto_update_bounds=(2, 16), overlap_step=False,
+                              worker=False) as opt:
+        train(opt, model, loss_fn, 12)
+    assert window_lengths(opt.decisions) == [2] * 6
