@@ -3,7 +3,8 @@
 Runs the BBC News fine-tune of all-MiniLM-L6-v2 (held-out accuracy) and the byte-level GPT on
 Shakespeare (held-out loss) with torch AdamW, OffloadAdamW (synchronous ZeRO-Offload),
 ZenFlowAdamW (topk_ratio=0.1, update_interval=4, overlap_step=True) and ZenFlowAdamW all-auto
-(select_strategy, select_interval, update_interval "auto"), over several seeds. The seed sets the
+(update_interval "auto", reselection on drift; "all-auto" before select_strategy "auto" took
+DeepSpeed's once-per-epoch meaning), over several seeds. The seed sets the
 classifier head / model initialisation and the batch order; the data split never changes. Within
 each seed the optimizers run in a rotated order. Writes benchmarks/results/accuracy.json and
 accuracy.png.

@@ -46,7 +46,7 @@ def test_auto_interval_follows_the_deferred_share():
         p = torch.zeros(16, 40, requires_grad=True)
         opt = zenflow.ZenFlowAdamW([p], lr=1e-3, topk_ratio=0.1, update_interval="auto",
                                    auto_ratio=0.99, auto_update_bounds=(1, 32), overlap_step=False,
-                                   select_interval=10 ** 6)
+                                   select_strategy="step", select_interval=10 ** 6)
         for t in range(96):
             g = torch.randn(16, 40, generator=gen) * deferred_scale
             g[:, :4] = torch.randn(16, 4, generator=gen) * 10  # the selected columns
@@ -146,6 +146,7 @@ def test_warm_up_works_with_every_strategy():
     for kwargs in (dict(select_strategy="step", select_interval=3),
                    dict(select_strategy="epoch", select_interval=1, steps_per_epoch=4),
                    dict(select_strategy="auto", select_interval="auto"),
+                   dict(select_strategy="drift", select_interval="auto"),
                    dict(update_interval="auto")):
         make, loss_fn = MODELS["mlp"]
         model = make()
@@ -162,5 +163,18 @@ def test_bad_auto_settings_are_named():
     params = MODELS["mlp"][0]().parameters()
     with pytest.raises(ValueError, match="auto_update_bounds must have min <= max"):
         zenflow.ZenFlowAdamW(params, update_interval="auto", auto_update_bounds=(5, 2))
-    with pytest.raises(ValueError, match="auto_ratio must be > 0"):
-        zenflow.ZenFlowAdamW(MODELS["mlp"][0]().parameters(), auto_ratio=0.0)
+    # DeepSpeed's bounds, [0, 1]: 0 is allowed (issue 26), above 1 is not.
+    with pytest.raises(ValueError, match="auto_ratio must be between 0.0 and 1.0, got 1.5"):
+        zenflow.ZenFlowAdamW(MODELS["mlp"][0]().parameters(), auto_ratio=1.5)
+
+
+def test_auto_ratio_zero_ends_each_window_as_soon_as_the_bounds_allow():
+    """auto_ratio 0, which DeepSpeed's [0, 1] allows: no importance needs to gather, so each
+    window is min_steps long (without overlap nothing else holds it back)."""
+    make, loss_fn = MODELS["mlp"]
+    model = make()
+    with zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.1, update_interval="auto",
+                              auto_ratio=0.0, auto_update_bounds=(2, 16), overlap_step=False,
+                              worker=False) as opt:
+        train(opt, model, loss_fn, 12)
+    assert window_lengths(opt.decisions) == [2] * 6

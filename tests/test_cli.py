@@ -185,16 +185,25 @@ def test_built_wheel_installs_into_a_fresh_venv_offline(tmp_path):
     assert "Found 1 error in 1 file" in typed.stdout, typed.stdout[-2000:]
 
 
-def test_check_config_refuses_epoch_selection_without_an_epoch_length(tmp_path, capsys):
-    """check-config refuses what initialize would refuse (issue 24, item 12)."""
+def test_check_config_says_when_the_columns_are_chosen_again(tmp_path, capsys):
+    """Epoch selection without an epoch length selects once, as DeepSpeed does (issue 26; issue
+    24 had it refused): check-config says so, and what training_data would change."""
     block = {"topk_ratio": 0.1, "select_strategy": "epoch", "select_interval": 2}
     config = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                     "zenflow": block}}
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps(config))
-    assert main(["check-config", str(cfg)]) == 1
-    assert "steps_per_epoch" in capsys.readouterr().err
+    assert main(["check-config", str(cfg)]) == 0
+    assert ('column_selection: once (select_strategy="epoch" with no epoch length; given one, '
+            "every 2 epoch(s)); initialize(training_data=...) gives the epoch length"
+            in capsys.readouterr().out)
     block["steps_per_epoch"] = 10
     cfg.write_text(json.dumps(config))
+    assert main(["check-config", "--json", str(cfg)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["column_selection"] == "every 20 steps (2 epoch(s) of 10 steps)"
+    block.update(select_strategy="step", select_interval=10)
+    cfg.write_text(json.dumps(config))
     assert main(["check-config", str(cfg)]) == 0
+    assert "column_selection: every 10 steps" in capsys.readouterr().out

@@ -123,15 +123,15 @@ MALFORMED = [
     (with_(zero_optimization={"zenflow": {"select_interval": "often"}}),
      "zero_optimization.zenflow.select_interval", '"auto" or a positive integer'),
     (with_(zero_optimization={"zenflow": {"select_strategy": "random"}}),
-     "zero_optimization.zenflow.select_strategy", "'auto', 'step' or 'epoch'"),
+     "zero_optimization.zenflow.select_strategy", "'auto', 'step', 'epoch' or 'drift'"),
     (with_(zero_optimization={"zenflow": {"overlap_step": "yes"}}),
      "zero_optimization.zenflow.overlap_step", "must be true or false"),
     (with_(zero_optimization={"zenflow": {"full_warm_up_rounds": -1}}),
      "zero_optimization.zenflow.full_warm_up_rounds", "must be >= 0"),
     (with_(zero_optimization={"zenflow": {"auto_ratio": 2}}),
      "zero_optimization.zenflow.auto_ratio", "between 0 and 1"),
-    (with_(zero_optimization={"zenflow": {"auto_ratio": 0.0}}),
-     "zero_optimization.zenflow.auto_ratio", "between 0 and 1 (0 excluded), got 0.0"),
+    (with_(zero_optimization={"zenflow": {"auto_ratio": -0.1}}),
+     "zero_optimization.zenflow.auto_ratio", "between 0 and 1, got -0.1"),
     (with_(zero_optimization={"zenflow": {"pt_reserved_cores_perc": -0.5}}),
      "zero_optimization.zenflow.pt_reserved_cores_perc", "between 0 and 1"),
     (with_(zero_optimization={"zenflow": {"topk": 0.1}}),
@@ -370,12 +370,13 @@ def test_initialize_accepts_numpy_scalars_and_refuses_tensors_before_building(tm
 
 
 def test_a_huge_select_interval_means_never_reselect_and_is_accepted():
-    cfg = parse_config(with_(zero_optimization={"zenflow": {"select_interval": 10**6}}),
+    step = {"select_strategy": "step"}
+    cfg = parse_config(with_(zero_optimization={"zenflow": {**step, "select_interval": 10**6}}),
                        world_size=1)
     assert optimizer_kwargs(cfg)["select_interval"] == 10**6
     with pytest.raises(ConfigError, match='select_interval must be "auto" or an integer '
                                           '<= 1000000000, got 10000000000'):
-        parse_config(with_(zero_optimization={"zenflow": {"select_interval": 10**10}}),
+        parse_config(with_(zero_optimization={"zenflow": {**step, "select_interval": 10**10}}),
                      world_size=1)
 
 

@@ -266,10 +266,14 @@ def test_zero_optimization_true_is_stage_1_and_auto_values():
     assert any(p.startswith('optimizer.params.lr is "auto"') for p in problems)
     assert any(p.startswith('optimizer.params.betas is "auto"') for p in problems)
     assert not any("zero_optimization" in p for p in problems)  # auto is fine there
+    # DeepSpeed's bounds for auto_ratio, 0 to 1 inclusive (issue 26)
+    assert parse_config(dict(base, train_batch_size=8,
+                             zero_optimization={"zenflow": {"auto_ratio": 0.0}}),
+                        world_size=1).zenflow.auto_ratio == 0.0
     with pytest.raises(ConfigError, match=r"zero_optimization.zenflow.auto_ratio must be "
-                                          r"between 0 and 1 \(0 excluded\)"):
+                                          r"between 0 and 1, got 1.5"):
         parse_config(dict(base, train_batch_size=8,
-                          zero_optimization={"zenflow": {"auto_ratio": 0.0}}), world_size=1)
+                          zero_optimization={"zenflow": {"auto_ratio": 1.5}}), world_size=1)
     with pytest.raises(ConfigError, match="dist_backend must be one of nccl, gloo"):
         parse_config(dict(base, train_batch_size=8, dist_backend="tcp"), world_size=1)
 

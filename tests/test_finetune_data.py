@@ -148,6 +148,12 @@ def test_config_maps_to_optimizer(tmp_path):
     with optimizer_from_config(path, model.parameters()) as opt:
         assert isinstance(opt, zenflow.ZenFlowAdamW)
         assert opt.param_groups[0]["lr"] == 3e-4 and opt.param_groups[0]["weight_decay"] == 0.05
+        assert opt.settings.select_strategy == "auto" and opt.settings.steps_per_epoch is None
+    # The loop's epoch length, for DeepSpeed's "auto" selection (once per epoch), as initialize
+    # takes it from training_data.
+    with optimizer_from_config(path, model.parameters(), steps_per_epoch=7) as opt:
+        assert opt.settings.steps_per_epoch == 7
+        assert opt._selector.schedule.every_steps == 7
     del cfg["zero_optimization"]["zenflow"]
     opt = optimizer_from_config(cfg, model.parameters(), lr=1e-3)
     assert isinstance(opt, zenflow.OffloadAdamW) and opt.param_groups[0]["lr"] == 1e-3

@@ -84,7 +84,8 @@ def test_a_busy_host_lengthens_the_window_and_the_update_lands_whole():
     ref = ReferenceZenFlow([p.detach().clone() for p in model.parameters()], lr=3e-3,
                            update_interval=10 ** 6, overlap_step=True, install_lookahead=1.0)
     with zenflow.ZenFlowAdamW(model.parameters(), lr=3e-3, worker=False,
-                              auto_update_bounds=(1, 5), select_interval=10 ** 6) as opt:
+                              auto_update_bounds=(1, 5), select_strategy="step",
+                              select_interval=10 ** 6) as opt:
         busy_at = {2, 4, 5}   # steps at whose end the host is still working
         opt._pipeline.ready = lambda: (opt.counters.step not in busy_at
                                        or opt._pipeline.in_flight is None)

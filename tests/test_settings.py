@@ -28,11 +28,13 @@ def test_optimizer_keeps_its_validated_settings():
 
 
 def test_json_block_keys_are_settings_fields_with_deepspeed_defaults():
-    # A DeepSpeed config trains as under DeepSpeed: only these two defaults are DeepSpeed's own
-    # (update_interval is "auto" in both; ours has no importance threshold, auto_ratio=None).
+    # A DeepSpeed config trains as under DeepSpeed: only these three defaults are DeepSpeed's
+    # own (update_interval is "auto" in both; ours has no importance threshold, auto_ratio=None;
+    # ours reselects on drift, DeepSpeed's "auto" once per epoch).
     block = ZenFlowSection().settings(max_grad_norm=None)
     differ = {k for k, v in block.model_dump().items() if v != getattr(DEFAULTS, k)}
-    assert differ == {"auto_ratio", "overlap_step"}
+    assert differ == {"auto_ratio", "overlap_step", "select_strategy"}
+    assert block.select_strategy == "auto" and DEFAULTS.select_strategy == "drift"
     assert set(ZenFlowSection.model_fields) - {"offload"} <= set(ZenFlowSettings.model_fields)
 
 
@@ -43,8 +45,8 @@ def test_config_builds_the_settings_its_kwargs_show():
                                                           "update_interval": 3}}}, world_size=1)
     settings = cfg.zenflow_settings()
     assert settings == DEFAULTS.replace(topk_ratio=0.2, update_interval=3, overlap_step=False,
-                                        select_interval="auto", max_grad_norm=2.0,
-                                        auto_ratio=0.99)
+                                        select_strategy="auto", select_interval="auto",
+                                        max_grad_norm=2.0, auto_ratio=0.99)
     kwargs = optimizer_kwargs(cfg)
     assert all(kwargs[k] == getattr(settings, k) for k in kwargs if k in ZenFlowSettings.model_fields)
     assert kwargs["lr"] == 1e-2 and kwargs["weight_decay"] == 0.0   # DeepSpeed's default

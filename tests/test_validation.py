@@ -27,7 +27,19 @@ BAD_ARGUMENTS = [
     (dict(select_interval="often"), ValueError, "select_interval must be an integer >= 1 or \"auto\""),
     (dict(select_interval=0), ValueError, "select_interval must be >= 1"),
     (dict(select_strategy="random"), ValueError, "select_strategy must be one of"),
-    (dict(select_strategy="epoch", select_interval=2), ValueError, "needs steps_per_epoch"),
+    (dict(select_strategy="drift", select_interval=4), ValueError,
+     r"select_interval must be 'auto' with select_strategy=\"drift\" .*got 4; for every 4 steps "
+     r"use select_strategy=\"step\""),
+    (dict(select_interval=4), ValueError, r"select_interval must be 'auto' with select_strategy="),
+    (dict(select_strategy="auto", select_interval=4), ValueError,
+     r"select_interval must be 'auto' with select_strategy=\"auto\" \(it reselects once per "
+     r"epoch, as DeepSpeed's\), got 4"),
+    (dict(select_strategy="step"), ValueError,
+     r"select_interval must be an integer >= 1 \(steps between reselections\) with "
+     r"select_strategy=\"step\", got 'auto'"),
+    (dict(select_strategy="epoch", select_interval="auto"), ValueError,
+     r"select_interval must be an integer >= 1 \(epochs between reselections\) with "
+     r"select_strategy=\"epoch\""),
     (dict(full_warm_up_rounds=-1), ValueError, "full_warm_up_rounds must be >= 0"),
     (dict(full_warm_up_rounds=True), TypeError, "full_warm_up_rounds must be an integer"),
     (dict(overlap_step="yes"), TypeError, "overlap_step must be True or False"),
@@ -48,7 +60,8 @@ BAD_ARGUMENTS = [
     (dict(full_warm_up_rounds=10**30), ValueError, r"full_warm_up_rounds must be <= 1000000000"),
     (dict(update_interval="auto", auto_update_bounds=(1, 10**30)), ValueError,
      r"auto_update_bounds\[1\] must be <= 100000"),
-    (dict(auto_ratio=float("inf")), ValueError, r"auto_ratio must be <= 1.0, got inf"),
+    (dict(auto_ratio=float("inf")), ValueError, r"auto_ratio must be between 0.0 and 1.0, got inf"),
+    (dict(auto_ratio=-0.5), ValueError, r"auto_ratio must be between 0.0 and 1.0, got -0.5"),
     (dict(max_grad_norm=float("inf")), ValueError, r"max_grad_norm must be finite, got inf"),
     (dict(lr=torch.tensor(0.1)), TypeError, r"lr must be a number, got tensor\(0.1"),
     (dict(select_strategy=["step"]), ValueError, r"select_strategy must be one of .* got \['step'\]"),

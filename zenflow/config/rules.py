@@ -34,15 +34,20 @@ class Invalid(ValueError):
         self.type_error, self.where = type_error, where
 
 
+def pydantic_error(exc: Invalid) -> PydanticCustomError:
+    """`exc` as the pydantic error that both entry points turn into their own wording."""
+    return PydanticCustomError(ERROR_TYPE, "{json}", {
+        "json": exc.json, "python": exc.python, "type_error": exc.type_error,
+        "where": exc.where})
+
+
 def rule(check: Callable[[Any], Any]) -> PlainValidator:
     """A pydantic validator running `check` (which returns the value or raises Invalid)."""
     def validate(value):
         try:
             return check(value)
         except Invalid as exc:
-            raise PydanticCustomError(ERROR_TYPE, "{json}", {
-                "json": exc.json, "python": exc.python, "type_error": exc.type_error,
-                "where": exc.where}) from None
+            raise pydantic_error(exc) from None
     return PlainValidator(validate)
 
 
@@ -189,7 +194,6 @@ def pair(element: Callable, what: str, *, ordered: bool = False) -> Callable:
 # The types that settings are declared with.
 
 Fraction = Annotated[float, rule(real(0.0, 1.0, between=True))]           # [0, 1]
-Ratio = Annotated[float, rule(real(0.0, 1.0, lo_open=True, between=True))]  # (0, 1]
 Positive = Annotated[float, rule(real(0.0, lo_open=True))]
 NonNegFloat = Annotated[float, rule(real(0.0))]
 LearningRate = Annotated[float, rule(real(0.0, _limits.MAX_LR))]
@@ -210,7 +214,34 @@ SelectInterval = Annotated[int | Literal["auto"], rule(auto_or_count(_limits.MAX
 IntervalBounds = Annotated[tuple[int, int], rule(pair(count(1, _limits.MAX_INTERVAL),
                                                       "(min_steps, max_steps)", ordered=True))]
 Flag = Annotated[bool, rule(flag)]
-SelectStrategy = Annotated[str, rule(one_of("auto", "step", "epoch"))]
+SelectStrategy = Annotated[str, rule(one_of("auto", "step", "epoch", "drift"))]
 Importance = Annotated[str, rule(one_of("l2", "l1"))]
 DeferredCredit = Annotated[str, rule(one_of("mean", "window"))]
 Lookahead = Annotated[float, rule(real(0.0, 4.0, between=True))]                # [0, 4]
+
+
+def select_interval_for(strategy: str, interval: int | str) -> None:
+    """Raise Invalid (said of `select_interval`) unless `interval` fits `strategy`.
+
+    DeepSpeed's pairs (deepspeed/runtime/zenflow/engine.py, configure_zenflow): "step" and
+    "epoch" count steps or epochs, so they need a number (DeepSpeed raises a ValueError for
+    "auto"); "auto" reselects once per epoch and takes no number (DeepSpeed raises for one, saying
+    it would be overwritten). "drift", ours, decides by itself, so it takes no number either.
+    Refused when the setting is read, before any work, naming both keys."""
+    if strategy in ("step", "epoch") and interval == "auto":
+        unit = "steps" if strategy == "step" else "epochs"
+        raise Invalid(
+            f'must be an integer >= 1 ({unit} between reselections) with select_strategy='
+            f'"{strategy}", got \'auto\'; select_strategy="drift" reselects when the selection '
+            f'drifts',
+            f'must be a positive integer ({unit} between reselections) when select_strategy is '
+            f'"{strategy}", got "auto"; select_strategy "drift" reselects when the selection '
+            f'drifts')
+    if strategy in ("auto", "drift") and interval != "auto":
+        what = ("reselects once per epoch, as DeepSpeed's" if strategy == "auto"
+                else "reselects when the selection drifts")
+        raise Invalid(
+            f'must be \'auto\' with select_strategy="{strategy}" (it {what}), got {interval!r}; '
+            f'for every {interval} steps use select_strategy="step"',
+            f'must be "auto" when select_strategy is "{strategy}" (it {what}), got '
+            f'{interval!r}; for every {interval} steps set select_strategy "step"')

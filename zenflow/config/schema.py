@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from zenflow.config.loading import validation_problems
 from zenflow.config.rules import (
@@ -20,6 +28,7 @@ from zenflow.config.rules import (
     Exponent,
     Flag,
     Fraction,
+    Invalid,
     Iteration,
     LearningRate,
     Lookahead,
@@ -28,11 +37,12 @@ from zenflow.config.rules import (
     NonNegFloat,
     NonNegInt,
     PosInt,
-    Ratio,
     SelectInterval,
     SelectStrategy,
     UpdateInterval,
     WeightDecay,
+    pydantic_error,
+    select_interval_for,
 )
 from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 
@@ -60,25 +70,48 @@ class ZenFlowSection(_Section):
     """The keys of DeepSpeed's zenflow block: each is the ZenFlowSettings field of that name,
     checked by the same rule. A key left out takes DeepSpeed 0.19's default, so that a DeepSpeed
     config trains here as it does under DeepSpeed: ZenFlowSettings' default, except for
-    update_interval, overlap_step and auto_ratio (marked)."""
+    select_strategy, update_interval, overlap_step and auto_ratio (marked).
+
+    The keys mean what DeepSpeed means (its zenflow_config.py and runtime/zenflow/engine.py);
+    where they do not, the comment says so and docs/deepspeed.md lists it under "Deliberate
+    differences"."""
 
     # DeepSpeed's `offload` moves the selected columns' state to the host; ours is ~10% of the
     # model in fp32 on the device, so the key is accepted and has no effect.
     _ignored = ("offload",)
 
+    # [0, 1], DeepSpeed's Field(ge=0.0, le=1.0); 0 and 1 are well defined here (all columns on
+    # the host; plain AdamW), where DeepSpeed's "auto" update criterion divides by zero.
     topk_ratio: Fraction = DEFAULTS.topk_ratio
-    select_strategy: SelectStrategy = DEFAULTS.select_strategy
+    # "auto" (DeepSpeed's default): reselect once per epoch when initialize knows the epoch
+    # length (training_data), else select once and warn; "step"/"epoch": every select_interval
+    # steps/epochs, whatever the windows; "drift" is ours (reselect when the selection drifts).
+    select_strategy: SelectStrategy = "auto"    # DeepSpeed's default
     select_interval: SelectInterval = DEFAULTS.select_interval
     update_interval: UpdateInterval = "auto"    # DeepSpeed's default
     overlap_step: Flag = False                  # DeepSpeed's default
     offload: Flag = False
-    auto_ratio: Ratio | None = 0.99          # DeepSpeed's default
+    # [0, 1] as DeepSpeed's Field(ge=0.0, le=1.0); null (ours) means no importance threshold.
+    auto_ratio: Fraction | None = 0.99          # DeepSpeed's default
     full_warm_up_rounds: NonNegInt = DEFAULTS.full_warm_up_rounds
     pt_reserved_cores_perc: Fraction = DEFAULTS.pt_reserved_cores_perc
+    # DeepSpeed fills it in from the dataloader ("should not be set by users"); so does
+    # initialize (from training_data), unless the config sets it.
     steps_per_epoch: PosInt | None = DEFAULTS.steps_per_epoch
     # Ours, not DeepSpeed's (docs/semantics.md, "Window end").
     deferred_credit: DeferredCredit = DEFAULTS.deferred_credit
     install_lookahead: Lookahead = DEFAULTS.install_lookahead
+
+    @field_validator("select_interval")
+    @classmethod
+    def _fits_the_strategy(cls, interval, info: ValidationInfo):
+        strategy = info.data.get("select_strategy")   # absent when it was refused itself
+        if strategy is not None:
+            try:
+                select_interval_for(strategy, interval)
+            except Invalid as exc:
+                raise pydantic_error(exc) from None
+        return interval
 
     def settings(self, max_grad_norm: float | None) -> ZenFlowSettings:
         """The optimizer's settings: these keys, the clipping norm, and defaults for the rest."""

@@ -19,7 +19,7 @@ to `ZenFlowSection` in config_schema.py. Torch-free, like the config.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from zenflow.config.rules import (
     ERROR_TYPE,
@@ -31,16 +31,18 @@ from zenflow.config.rules import (
     Fraction,
     Importance,
     IntervalBounds,
+    Invalid,
     LearningRate,
     Lookahead,
     NonNegInt,
     PosInt,
     Positive,
-    Ratio,
     SelectInterval,
     SelectStrategy,
     UpdateInterval,
     WeightDecay,
+    pydantic_error,
+    select_interval_for,
 )
 
 
@@ -93,11 +95,18 @@ class ZenFlowSettings(_Arguments):
 
     # Fraction of each matrix's columns (input channels) updated on the device every step.
     topk_ratio: Fraction = 0.1
-    # When to choose the columns again: "step" (every `select_interval` steps), "epoch" (every
-    # `select_interval` epochs of `steps_per_epoch` steps) or "auto" (= "step").
-    select_strategy: SelectStrategy = "auto"
-    # Steps (or epochs) between reselections, or "auto": reselect when the selected columns hold
-    # less than `reselect_threshold` of the importance the best columns would hold.
+    # When to choose the columns again (zenflow/optim/selection_schedule.py):
+    #   "step"   every `select_interval` steps: at each step that is a multiple of it;
+    #   "epoch"  every `select_interval` epochs of `steps_per_epoch` steps;
+    #   "auto"   DeepSpeed's "auto": once per epoch (= "epoch" with select_interval 1);
+    #   "drift"  ours: when the selected columns hold less than `reselect_threshold` of the
+    #            importance the best columns would hold (the constructor's default: a bare
+    #            optimizer knows no epoch length).
+    # "epoch" and "auto" without `steps_per_epoch` select once and keep the columns, with a
+    # warning, as DeepSpeed does without a dataloader.
+    select_strategy: SelectStrategy = "drift"
+    # Steps or epochs between reselections for "step" and "epoch"; "auto" for "auto" and
+    # "drift" (DeepSpeed refuses the other pairs too; `select_interval_for` says why).
     select_interval: SelectInterval = "auto"
     # Steps per host window, or "auto": with overlap_step, end a window as soon as the host has
     # finished the previous one's update (and, with `auto_ratio`, once the deferred columns'
@@ -140,8 +149,9 @@ class ZenFlowSettings(_Arguments):
     # BBC News, batch 16; a GPT from scratch), so 0.6 fires on drift, not on noise.
     reselect_threshold: Fraction = 0.6
     # The update_interval="auto" importance threshold (DeepSpeed's key; its default, 0.99, is the
-    # JSON block's), or None: no importance threshold, the host's speed alone ends windows.
-    auto_ratio: Ratio | None = None
+    # JSON block's; 0..1 as DeepSpeed's, where 0 ends each window as soon as the bounds and the
+    # host allow), or None: no importance threshold, the host's speed alone ends windows.
+    auto_ratio: Fraction | None = None
     # (min, max) window length for update_interval="auto".
     auto_update_bounds: IntervalBounds = (1, 16)
     # Device memory for the window's gradient sums of host-owned rows, in bytes (4 per summed
@@ -154,6 +164,17 @@ class ZenFlowSettings(_Arguments):
     # Run the host side in a worker process (False: in the training process, synchronously;
     # for debugging and for machines without a spare core).
     worker: Flag = True
+
+    @field_validator("select_interval")
+    @classmethod
+    def _fits_the_strategy(cls, interval, info: ValidationInfo):
+        strategy = info.data.get("select_strategy")   # absent when it was refused itself
+        if strategy is not None:
+            try:
+                select_interval_for(strategy, interval)
+            except Invalid as exc:
+                raise pydantic_error(exc) from None
+        return interval
 
 
 DEFAULTS = ZenFlowSettings()

@@ -275,6 +275,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._timer.end(skipped=True)
 
     def _window_ends(self) -> bool:
+        if self._selector.reselection_due_at(self.counters.step + 1):
+            # ("step", N) reselects every N steps whatever the windows (as DeepSpeed does), and
+            # columns move only between windows: the next step reselects, so this one ends the
+            # window. Every rank counts the same steps, so no rank needs to be asked.
+            self._window.reason = "a reselection is due at the next step"
+            return True
         host_s = step_s = install_s = 0.0
         if self.settings.worker:   # in process nothing overlaps the step: nothing to pace
             host_s, step_s = self._runner.last_update_seconds, self._step_period.seconds

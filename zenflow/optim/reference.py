@@ -35,8 +35,10 @@ def rescale(beta, from_step, to_step):
 class ReferenceZenFlow:
     """Single param group. `params` are the model's tensors; the reference updates them in place.
 
-    select_interval: reselect at the first window boundary >= this many steps after the last
-    selection (None: never reselect on its own; pass reselect=True to step()).
+    select_interval: reselect at every step that is a multiple of it (after the first
+    selection), whatever the windows: the window in progress ends the step before, when some
+    matrix has columns that can move (None: never reselect on its own; pass reselect=True to
+    step()).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -136,6 +138,14 @@ class ReferenceZenFlow:
         self.selected = True
         self.last_selection = self.t
 
+    def _reselects_at(self, t):
+        """Whether select_interval reselects at step t (only once selected, and only if some
+        matrix has a column that can move)."""
+        movable = any(p.ndim >= 2 and 0 < s["k"] < s["on_device"].numel()
+                      for p, s in zip(self.params, self.state))
+        return (self.selected and movable and self.select_interval is not None
+                and t % self.select_interval == 0 and t > self.last_selection)
+
     # -- the step ------------------------------------------------------------------------
     def step(self, grads, lr=None, flush=None, reselect=None):
         """grads: one tensor (or None) per param. flush/reselect override the fixed schedule."""
@@ -156,9 +166,7 @@ class ReferenceZenFlow:
             if not self.selected:
                 self._select(grads2d, first=True)
             else:
-                due = (reselect if reselect is not None else
-                       self.select_interval is not None and
-                       self.t - self.last_selection >= self.select_interval)
+                due = reselect if reselect is not None else self._reselects_at(self.t)
                 if due:
                     if self.pending:
                         self._install_host_columns()
@@ -191,7 +199,8 @@ class ReferenceZenFlow:
 
         self.window_steps += 1
         ends = flush if (flush is not None and not warming_up) else (
-            warming_up or self.window_steps >= self.update_interval)
+            warming_up or self.window_steps >= self.update_interval
+            or self._reselects_at(self.t + 1))
         if ends:
             if self.pending:
                 self._install_host_columns()

@@ -36,6 +36,8 @@ class ColumnSelector:
     def __init__(self, matrices: list[HostParam], pipeline: HostPipeline, partition: Partition,
                  device: torch.device, importance: str, schedule: SelectionSchedule):
         self.matrices = [m for m in matrices if m.k > 0]
+        # Matrices whose selection can change (not every column on the device).
+        self.movable = [m for m in self.matrices if m.k < m.num_columns]
         self.pipeline = pipeline
         self.device = device
         self.partition = partition
@@ -48,7 +50,7 @@ class ColumnSelector:
         """At a window boundary: what to select now, or None to keep the selection."""
         if not self.has_chosen:
             return SelectionPlan(True, self.matrices, self._importances(grads, self.matrices))
-        movable = [m for m in self.matrices if m.k < m.num_columns]
+        movable = self.movable
         if not movable:
             return None
         self.schedule.window_passed()
@@ -66,8 +68,13 @@ class ColumnSelector:
             return None
         log.debug("step %d: reselect (%s)", step,
                   f"retained importance {retained:.3f} < {self.schedule.drift_threshold}"
-                  if retained is not None else f"{self.schedule.every_steps} steps passed")
+                  if retained is not None else f"every {self.schedule.every_steps} steps")
         return SelectionPlan(False, movable, importances)
+
+    def reselection_due_at(self, step: int) -> bool:
+        """Whether the schedule reselects at `step` whatever the windows (an interval schedule),
+        so that the window in progress must end the step before. Nothing to move: never."""
+        return self.has_chosen and bool(self.movable) and self.schedule.due_at(step)
 
     def select(self, plan: SelectionPlan, step: int) -> None:
         """Move the columns of `plan` (the host must hold no update in flight)."""

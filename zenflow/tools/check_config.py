@@ -53,14 +53,6 @@ def run(args: argparse.Namespace) -> int:
                                                          "train_micro_batch_size_per_gpu")):
                 config["train_micro_batch_size_per_gpu"] = 1   # the Trainer's per-device batch
         cfg = parse_config(config, world_size=args.world_size)
-        if cfg.zenflow is not None:
-            # The optimizer's own selection rule, as initialize applies it (select_strategy
-            # "epoch" needs an epoch length; initialize takes it from training_data if passed).
-            try:
-                SelectionSchedule.for_settings(cfg.zenflow_settings(), "zero_optimization.zenflow")
-            except ValueError as exc:
-                raise ConfigError([f"{exc} (initialize can take it from training_data; without "
-                                   "that, set zero_optimization.zenflow.steps_per_epoch)"]) from None
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"file": args.file, "valid": False, "errors": exc.problems},
@@ -71,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"  error: {problem}", file=sys.stderr)
         return 1
     settings = resolved_settings(cfg)
+    if cfg.zenflow is not None:
+        # When the columns are chosen again, as the optimizer resolves select_strategy. Without
+        # steps_per_epoch in the config, "epoch" and "auto" take the epoch length from
+        # initialize's training_data; without that, they select once (and warn).
+        schedule, warning = SelectionSchedule.resolve(cfg.zenflow_settings(),
+                                                      "zero_optimization.zenflow")
+        settings["column_selection"] = schedule.description + (
+            "; initialize(training_data=...) gives the epoch length" if warning else "")
     if args.hf_trainer:
         settings["filled_by_the_trainer"] = filled
     if args.json:

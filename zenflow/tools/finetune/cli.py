@@ -76,11 +76,13 @@ def _check(args) -> None:
         raise SystemExit(f"zenflow finetune: --model-path {args.model_path!r} is not a folder")
 
 
-def build_optimizer(args, params):
-    """From --config when given (the mapping in zenflow.tools.finetune.optim), else from --optimizer."""
+def build_optimizer(args, params, steps_per_epoch: int | None = None):
+    """From --config when given (the mapping in zenflow.tools.finetune.optim), else from --optimizer.
+    `steps_per_epoch`: one pass over the training set, for the config's epoch selection."""
     from zenflow.tools.finetune.optim import make_optimizer, optimizer_from_config
     if args.config:
-        return optimizer_from_config(args.config, params, lr=args.lr, weight_decay=args.weight_decay)
+        return optimizer_from_config(args.config, params, lr=args.lr, weight_decay=args.weight_decay,
+                                     steps_per_epoch=steps_per_epoch)
     return make_optimizer(args.optimizer, params, lr=args.lr if args.lr is not None else 1e-4,
                           weight_decay=args.weight_decay if args.weight_decay is not None else 0.01,
                           max_grad_norm=1.0)
@@ -108,7 +110,8 @@ def run(args) -> int:
     model.to(device)
     train = encode(train_ex, tokenizer, args.max_length).to(device)
     test = encode(test_ex, tokenizer, args.max_length).to(device)
-    opt = build_optimizer(args, model.parameters())
+    opt = build_optimizer(args, model.parameters(),
+                          steps_per_epoch=-(-len(train) // args.batch_size))
     if args.config:
         from zenflow.tools.finetune.optim import gradient_clipping
         clip = gradient_clipping(args.config)

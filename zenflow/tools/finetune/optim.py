@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 OPTIMIZERS = ("adamw", "offload", "zenflow", "zenflow-auto")
-ZENFLOW_AUTO = dict(select_strategy="auto", select_interval="auto", update_interval="auto")
+# Everything decided at run time: windows by update_interval "auto", reselection on drift ("auto"
+# would be DeepSpeed's once per epoch, and these loops pass no epoch length).
+ZENFLOW_AUTO = dict(select_strategy="drift", select_interval="auto", update_interval="auto")
 
 
 def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float,
@@ -21,7 +23,7 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float
                    **zenflow_settings: Any) -> torch.optim.Optimizer:
     """`adamw`: torch.optim.AdamW; `offload`: zenflow.OffloadAdamW (synchronous ZeRO-Offload);
     `zenflow`: ZenFlowAdamW with the given ZenFlowSettings fields (the rest at their defaults);
-    `zenflow-auto`: with select_strategy, select_interval and update_interval all "auto".
+    `zenflow-auto`: with update_interval "auto" and reselection on drift.
 
     `emulated_host_steps` (benchmarks only): with `update_interval="auto"`, treat each host update
     as taking at least that many device steps, as on a GPU, whose device is several times faster
@@ -57,12 +59,15 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float
 
 
 def optimizer_from_config(config: str | Path | dict, params, *, lr: float | None = None,
-                          weight_decay: float | None = None) -> torch.optim.Optimizer:
+                          weight_decay: float | None = None,
+                          steps_per_epoch: int | None = None) -> torch.optim.Optimizer:
     """The optimizer a DeepSpeed-style config asks for, built as `zenflow.initialize` builds it
     (the config is validated by `zenflow.config.deepspeed_json`, whose errors name the key): ZenFlowAdamW when
     `zero_optimization.zenflow` is present, OffloadAdamW when only `offload_optimizer` is,
-    torch AdamW otherwise. `lr`/`weight_decay` given here override the file. The examples drive
-    their own loop, so they take the optimizer only."""
+    torch AdamW otherwise. `lr`/`weight_decay` given here override the file; `steps_per_epoch`
+    is the loop's epoch length, which select_strategy "auto" and "epoch" count in (initialize
+    takes it from its training_data). The examples drive their own loop, so they take the
+    optimizer only."""
     from zenflow.config.deepspeed_json import parse_config
     from zenflow.engine.build import optimizer_for_config
 
@@ -70,7 +75,7 @@ def optimizer_from_config(config: str | Path | dict, params, *, lr: float | None
     overrides = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay)) if v is not None}
     hyperparameters = cfg.hyperparameters().replace(**overrides)
     return optimizer_for_config(cfg, [p for p in params if p.requires_grad],
-                                hyperparameters=hyperparameters)
+                                hyperparameters=hyperparameters, steps_per_epoch=steps_per_epoch)
 
 
 def gradient_clipping(config: str | Path | dict) -> float | None:
