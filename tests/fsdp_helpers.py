@@ -121,7 +121,88 @@ def _resume(rank, world, steps, options, result):
         result["resumed"] = full_weights(model)
 
 
-MODES = {"fsdp": _fsdp, "refused": _refused, "resume": _resume}
+def dcp_save(model, opt, path: str) -> None:
+    """The model's and the optimizer's sharded state through torch.distributed.checkpoint, as
+    torch's recipe does it (every rank writes its own blocks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def dcp_load(model, opt, path: str) -> None:
+    """The inverse of dcp_save on a fresh model and optimizer, on any number of ranks: the
+    templates from get_state_dict say which blocks this rank holds; DCP reads them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _dcp_kwargs(options):
+    return dict(optimizer_kwargs(True), weight_decay=0.01, worker=options.get("worker", True))
+
+
+def _dcp_resume(rank, world, steps, options, result):
+    """Three runs of `steps` steps: straight; half, a DCP save, the other half in the same
+    optimizer; a fresh model and optimizer that load the DCP checkpoint and train the second
+    half. Also: getting the state dict of a fresh optimizer (DCP's template) runs no step."""
+    path = options["dir"]
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        train(model, opt, 0, steps, rank, world)
+        result["straight"] = full_weights(model)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        train(model, opt, 0, steps // 2, rank, world)
+        dcp_save(model, opt, path)
+        result["selections_saved"] = selections(opt)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["continued"] = full_weights(model)
+    model = sharded_mlp()
+    before = full_weights(model)
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        get_optimizer_state_dict(model, opt)
+        result["fresh_untouched"] = (opt.counters.step == 0 and opt.counters.window_steps == 0
+                                     and all(p.grad is None for p in model.parameters())
+                                     and all(torch.equal(a, b) for a, b in
+                                             zip(before.values(), full_weights(model).values())))
+        dcp_load(model, opt, path)
+        result["loaded_step"] = opt.counters.step
+        result["selections_loaded"] = selections(opt)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed"] = full_weights(model)
+        result["selections"] = selections(opt)
+
+
+def _dcp_reshard(rank, world, steps, options, result):
+    """Load a DCP checkpoint saved on another number of ranks and train the second half."""
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        if options.get("weights_only"):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                set_model_state_dict,
+            )
+            model_sd = get_model_state_dict(model)
+            dcp.load({"model": model_sd}, checkpoint_id=options["dir"])
+            set_model_state_dict(model, model_sd)
+            result["weights"] = full_weights(model)
+            return
+        dcp_load(model, opt, options["dir"])
+        result["loaded_step"] = opt.counters.step
+        result["host_rows"] = [m.local.shape[0] for m in opt._host_params]
+        result["selections_loaded"] = selections(opt)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed"] = full_weights(model)
+        result["selections"] = selections(opt)
+
+
+MODES = {"fsdp": _fsdp, "refused": _refused, "resume": _resume, "dcp_resume": _dcp_resume,
+         "dcp_reshard": _dcp_reshard}
 
 
 def _runs(rank, world, steps, options, result):

@@ -168,7 +168,13 @@ class OutsideWrites:
     sum of the bits of each matrix's host-owned columns; bf16/fp16 vectors compared with their
     masters) costs two passes and one read per window. Such a write to
     a column the device updates is overwritten by the next step, so the first one found is
-    reported with a warning."""
+    reported with a warning.
+
+    A saved state carries each parameter's `weight_bits` as they were when it was saved. Weights
+    written after load_state_dict() and before the next step that are exactly those (the same
+    checkpoint's weights loaded after the optimizer's state, as torch.distributed.checkpoint's
+    set_state_dict does) belong with the state: they are taken as they are, and an update in
+    flight stays; any other weights are adopted as above."""
 
     def __init__(self, host_params: list[HostParam], vector_params: list[VectorParam],
                  pipeline, owner: str, columns_chosen):
@@ -176,7 +182,17 @@ class OutsideWrites:
         self.pipeline, self.owner = pipeline, owner
         self.columns_chosen = columns_chosen     # () -> whether the selection has been made
         self._warned = False
+        self._saved_bits: dict = {}   # {param: weight_bits of a state just loaded}
         self.forget()
+
+    @staticmethod
+    def weight_bits(x: HostParam | VectorParam) -> torch.Tensor:
+        """The parameter's (this rank's rows') fingerprint: each row's bits summed (int64,
+        exact), a vector's elements one by one; one value per row, so that it is split across
+        ranks as the rows are."""
+        t = x.local.detach()
+        rows = t.reshape(t.shape[0], -1) if t.ndim >= 2 else t.reshape(-1, 1)
+        return _bits(rows).sum(dim=1, dtype=torch.int64)
 
     def adopt(self) -> None:
         """At each step: adopt what version counters and storage pointers show."""
@@ -185,6 +201,7 @@ class OutsideWrites:
                    or x.local.data_ptr() != self._pointers[x.param]}
         self._adopt([m for m in self.host_params if m.param in changed],
                     [v for v in self.vector_params if v.param in changed])
+        self._saved_bits = {}   # only weights loaded before the first step go with a state
 
     def adopt_data_writes(self) -> None:
         """At window ends: adopt writes through .data, found by the fingerprints."""
@@ -210,6 +227,14 @@ class OutsideWrites:
         self._adopt([m for m in self.host_params if m.param in host], vectors)
 
     def _adopt(self, host: list[HostParam], vectors: list[VectorParam]) -> None:
+        if self._saved_bits and (host or vectors):
+            same = {x.param for x in (*host, *vectors) if x.param in self._saved_bits
+                    and torch.equal(self.weight_bits(x), self._saved_bits[x.param])}
+            host = [m for m in host if m.param not in same]
+            vectors = [v for v in vectors if v.param not in same]
+            if same and not host and not vectors:
+                self.forget(keep_saved_bits=True)   # the state's own weights: nothing to adopt
+                return
         if not host and not vectors:
             return
         log.info("%s: adopting the new values of %d parameter(s) changed outside the optimizer",
@@ -223,8 +248,11 @@ class OutsideWrites:
             v.master_from_param()
         self.forget()
 
-    def forget(self) -> None:
-        """Take the parameters as they are now as the optimizer's own."""
+    def forget(self, saved_bits: dict | None = None, keep_saved_bits: bool = False) -> None:
+        """Take the parameters as they are now as the optimizer's own; `saved_bits`: the
+        weight_bits of a state just loaded, whose weights may still be loaded."""
+        if not keep_saved_bits:
+            self._saved_bits = saved_bits or {}
         held = (*self.host_params, *self.vector_params)
         self._versions = {x.param: x.local._version for x in held}
         self._pointers = {x.param: x.local.data_ptr() for x in held}
