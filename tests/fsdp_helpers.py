@@ -201,7 +201,91 @@ def _dcp_reshard(rank, world, steps, options, result):
         result["selections"] = selections(opt)
 
 
-MODES = {"fsdp": _fsdp, "refused": _refused, "resume": _resume, "dcp_resume": _dcp_resume,
+def fsdp_engine_config(world: int, overlap: bool = True) -> dict:
+    """The DDP tests' DeepSpeed JSON as stage 3 with its zenflow block: FSDP2 here."""
+    from dist_helpers import engine_config
+    config = engine_config(overlap, world)
+    config["zero_optimization"]["stage"] = 3
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 1e6   # FSDP2's job: ignored
+    return config
+
+
+def _engine_steps(engine, start: int, stop: int, rank: int, world: int) -> None:
+    for t in range(start, stop):
+        x, y = my_share(t, rank, world)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+
+def _engine(rank, world, steps, options, result):
+    """zenflow.initialize on an FSDP2 model with a stage-3 config: STEPS steps; with options
+    "dir": half, save_checkpoint, half (the straight run), and a fresh engine that loads the
+    checkpoint and trains the second half."""
+    overlap = options.get("overlap", True)
+    engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                           config=fsdp_engine_config(world, overlap))
+    result["optimizer"] = type(opt).__name__
+    result["not_averaged"] = engine._fsdp2
+    path = options.get("dir")
+    _engine_steps(engine, 0, steps // 2 if path else steps, rank, world)
+    if path:
+        engine.save_checkpoint(path, tag="half")
+        _engine_steps(engine, steps // 2, steps, rank, world)
+    engine.synchronize()
+    result["weights"] = full_weights(engine.module)
+    result["selections"] = selections(opt)
+    engine.close()
+    if path:
+        engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                               config=fsdp_engine_config(world, overlap))
+        loaded, _ = engine.load_checkpoint(path)
+        result["loaded_steps"] = engine.global_steps
+        _engine_steps(engine, steps // 2, steps, rank, world)
+        engine.synchronize()
+        result["resumed"] = full_weights(engine.module)
+        engine.close()
+
+
+def _engine_reshard(rank, world, steps, options, result):
+    """Another number of ranks loads the 2-rank engine checkpoint: everything, and weights only."""
+    engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                           config=fsdp_engine_config(world))
+    engine.load_checkpoint(options["dir"])
+    result["loaded_steps"] = engine.global_steps
+    _engine_steps(engine, steps // 2, steps, rank, world)
+    engine.synchronize()
+    result["resumed"] = full_weights(engine.module)
+    result["selections"] = selections(opt)
+    engine.close()
+    engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                           config=fsdp_engine_config(world))
+    engine.load_checkpoint(options["dir"], load_module_only=True)
+    result["module_only_steps"] = engine.global_steps
+    result["module_only"] = full_weights(engine.module)
+    engine.close()
+
+
+def _engine_refused(rank, world, steps, options, result):
+    """What does not map is refused by name before the model is touched."""
+    from zenflow.config.loading import ConfigError
+    errors = {}
+    model = sharded_mlp()
+    config = fsdp_engine_config(world)
+    config["bf16"] = {"enabled": True}
+    try:
+        zenflow.initialize(model=model, config=config)
+    except ConfigError as exc:
+        errors["bf16"] = str(exc)
+    result["untouched"] = all(p.dtype == torch.float32 for p in model.parameters())
+    try:
+        zenflow.initialize(model=make_mlp(), config=fsdp_engine_config(world))
+    except ConfigError as exc:
+        errors["stage3_unsharded"] = str(exc)
+    result["errors"] = errors
+
+
+MODES = {"fsdp": _fsdp, "engine": _engine, "engine_reshard": _engine_reshard,
+         "engine_refused": _engine_refused, "refused": _refused, "resume": _resume, "dcp_resume": _dcp_resume,
          "dcp_reshard": _dcp_reshard}
 
 

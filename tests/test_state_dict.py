@@ -265,3 +265,24 @@ def test_the_states_own_weights_loaded_after_it_keep_the_update_in_flight():
     for name, value in model.state_dict().items():
         assert torch.equal(value, other[name]), name   # not overwritten by the state's update
     opt.close()
+
+
+def test_a_ddp_ranks_state_that_came_through_dcp_is_refused_by_name():
+    """A DDP rank's state holds its share of the rows as plain tensors; through
+    torch.distributed.checkpoint (which drops the top-level section and keeps one rank's copy of
+    a plain tensor) it is unusable, and loading it says so, changing nothing."""
+    model, opt = _trained()
+    saved = opt.state_dict()
+    section = {**saved["zenflow"], "world_size": 2, "rank": 1, "reshardable": False}
+    through_dcp = {"state": saved["state"],
+                   "param_groups": [{**saved["param_groups"][0], "zenflow": section},
+                                    *saved["param_groups"][1:]]}
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"saved by 2 data-parallel \(DDP\) ranks.*"
+                                         r"torch.distributed.checkpoint"):
+        opt.load_state_dict(through_dcp)
+    assert opt.state_dict()["zenflow"] == before["zenflow"]
+    # The same state with its section where it belongs is refused as before: another world size.
+    with pytest.raises(ValueError, match="saved by rank 1 of 2, but this run has 1 rank"):
+        opt.load_state_dict({**saved, "zenflow": section})
+    opt.close()
