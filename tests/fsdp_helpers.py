@@ -234,6 +234,11 @@ def _engine(rank, world, steps, options, result):
     engine.synchronize()
     result["weights"] = full_weights(engine.module)
     result["selections"] = selections(opt)
+    if options.get("export"):   # the whole weights, gathered, written by rank 0
+        engine.save_16bit_model(options["export"], "model.bin")
+        if rank == 0:
+            result["exported"] = torch.load(os.path.join(options["export"], "model.bin"),
+                                            weights_only=True)
     engine.close()
     if path:
         engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),

@@ -12,7 +12,7 @@ from test_fsdp2 import STEPS, run_fsdp
 def two_ranks(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("engine")
     ranks = run_fsdp(tmp_path, "runs", world=2, runs={
-        "plain": ("engine", {"overlap": False}),
+        "plain": ("engine", {"overlap": False, "export": str(tmp_path / "export")}),
         "checkpointed": ("engine", {"dir": str(tmp_path / "ckpt")}),
         "refused": ("engine_refused", {})})
     assert_ok(ranks)
@@ -30,6 +30,9 @@ def test_a_stage_3_config_trains_an_fsdp2_model_like_one_process(two_ranks):
         assert r["selections"] == single["selections"]
         assert_same(r["weights"], single["weights"], exact=False)
     assert_same(ranks[0]["plain"]["weights"], ranks[1]["plain"]["weights"], exact=True)
+    # save_16bit_model writes whole weights (fp32 here: no bf16 block), gathered from the shards
+    assert_same(ranks[0]["plain"]["exported"], ranks[0]["plain"]["weights"], exact=True)
+    assert set(ranks[0]["plain"]["exported"]) == set(ranks[0]["plain"]["weights"])
 
 
 def test_the_engine_checkpoint_of_an_fsdp2_model_resumes_bit_exactly(two_ranks):

@@ -12,8 +12,8 @@
 A parameter whose state lives on the host saves {"kind": "host", "host": the HostPipeline's state
 of it, "device": its DeviceColumns'}; a vector updated on the device saves {"kind": "vector",
 **its DeviceVector's}; both also save "weight_bits", a fingerprint of the weights the state goes
-with (`OutsideWrites.weight_bits`). Every part writes and reads its own piece; loading checks every piece
-before any part changes. torch's state-dict hooks (Optimizer.register_state_dict_pre_hook and
+with (`OutsideWrites.weight_bits`). Every part writes and reads its own piece; loading checks
+every piece before any part changes. torch's state-dict hooks (Optimizer.register_state_dict_pre_hook and
 the three others) run around saving and loading as they do for any torch optimizer.
 
 torch.distributed.checkpoint (DCP). `get_optimizer_state_dict` keeps only "state" and
@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from zenflow.adamw import FP32_STATE
 from zenflow.config.settings import AdamWHyperparameters
 from zenflow.distributed import is_sharded, local, sharded_like
 from zenflow.saved_state import check_like, check_saved_tensors
@@ -115,8 +116,8 @@ def _saved_keys(parts: StateParts, state_dict: dict) -> dict:
 # The dimension along which each saved tensor is split as the parameter's rows are: host state
 # is a [rows, columns] view (a vector's is one row of all its elements), the selected columns'
 # state is [rows, k] and a vector's device state has the parameter's own shape.
-_HOST_TENSORS = ("master", "exp_avg", "exp_avg_sq", "grad_sum")
-_COLUMN_TENSORS = ("master", "exp_avg", "exp_avg_sq")
+_HOST_TENSORS = (*FP32_STATE, "grad_sum")
+_COLUMN_TENSORS = FP32_STATE
 
 
 def _sharded(piece: dict, names, param, dim: int) -> dict:
