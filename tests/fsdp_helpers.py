@@ -175,6 +175,25 @@ def _dcp_resume(rank, world, steps, options, result):
         train(model, opt, steps // 2, steps, rank, world)
         result["resumed"] = full_weights(model)
         result["selections"] = selections(opt)
+    # Whole tensors in memory (full_state_dict=True, as some frameworks save), loaded by
+    # set_state_dict, which loads the optimizer before the model: the same exact resume.
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    whole = StateDictOptions(full_state_dict=True)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        train(model, opt, 0, steps // 2, rank, world)
+        model_sd, optim_sd = get_state_dict(model, opt, options=whole)
+        result["whole_shape"] = tuple(optim_sd["state"]["0.weight"]["host"]["master"].shape)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=whole)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed_whole"] = full_weights(model)
 
 
 def _dcp_reshard(rank, world, steps, options, result):

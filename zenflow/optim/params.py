@@ -195,28 +195,40 @@ class OutsideWrites:
         return _bits(rows).sum(dim=1, dtype=torch.int64)
 
     def adopt(self) -> None:
-        """At each step: adopt what version counters and storage pointers show."""
-        changed = {x.param for x in (*self.host_params, *self.vector_params)
-                   if x.local._version != self._versions[x.param]
+        """At each step: adopt what version counters and storage pointers show. The first time
+        after a load, also what the fingerprints show (a load may write without bumping a
+        version counter), less the weights that are exactly the loaded state's own."""
+        held = (*self.host_params, *self.vector_params)
+        changed = {x.param for x in held if x.local._version != self._versions[x.param]
                    or x.local.data_ptr() != self._pointers[x.param]}
+        if self._saved_bits:
+            changed |= self._written_through_data()
+            own = {x.param for x in held if x.param in changed and x.param in self._saved_bits
+                   and torch.equal(self.weight_bits(x), self._saved_bits[x.param])}
+            changed -= own
+            self._saved_bits = {}   # only weights loaded before the first step go with a state
+            if own and not changed:
+                self.forget()   # the state's own weights: nothing to adopt
+                return
         self._adopt([m for m in self.host_params if m.param in changed],
                     [v for v in self.vector_params if v.param in changed])
-        self._saved_bits = {}   # only weights loaded before the first step go with a state
 
-    def adopt_data_writes(self) -> None:
-        """At window ends: adopt writes through .data, found by the fingerprints."""
+    def _written_through_data(self) -> set:
+        """The parameters whose fingerprint changed (one read of the device for all)."""
         chosen = self.columns_chosen()
         watched = [v for v in self.vector_params
                    if v.state.master.data_ptr() != v.local.data_ptr()]
         flags = [*(self._host_sum(m, chosen) != self._sums[m.param] for m in self.host_params),
                  *(self._vector_differs(v) for v in watched)]
         if not flags:
-            return
+            return set()
         changed = torch.stack(flags).tolist()   # the one read
-        n = len(self.host_params)
-        host = {m.param for m, c in zip(self.host_params, changed[:n]) if c}
-        vectors = [v for v, c in zip(watched, changed[n:]) if c]
-        if (host or vectors) and not self._warned:
+        return {x.param for x, c in zip((*self.host_params, *watched), changed) if c}
+
+    def adopt_data_writes(self) -> None:
+        """At window ends: adopt writes through .data, found by the fingerprints."""
+        changed = self._written_through_data()
+        if changed and not self._warned:
             self._warned = True
             log.warning("%s: parameter(s) were written through .data (found at a window end) "
                         "and are adopted as the new master values; a write through .data to "
@@ -224,17 +236,10 @@ class OutsideWrites:
                         "by the next step. Write under torch.no_grad() without .data (p.clamp_() "
                         "rather than p.data.clamp_()) and the optimizer sees it at once.",
                         self.owner)
-        self._adopt([m for m in self.host_params if m.param in host], vectors)
+        self._adopt([m for m in self.host_params if m.param in changed],
+                    [v for v in self.vector_params if v.param in changed])
 
     def _adopt(self, host: list[HostParam], vectors: list[VectorParam]) -> None:
-        if self._saved_bits and (host or vectors):
-            same = {x.param for x in (*host, *vectors) if x.param in self._saved_bits
-                    and torch.equal(self.weight_bits(x), self._saved_bits[x.param])}
-            host = [m for m in host if m.param not in same]
-            vectors = [v for v in vectors if v.param not in same]
-            if same and not host and not vectors:
-                self.forget(keep_saved_bits=True)   # the state's own weights: nothing to adopt
-                return
         if not host and not vectors:
             return
         log.info("%s: adopting the new values of %d parameter(s) changed outside the optimizer",
@@ -248,11 +253,10 @@ class OutsideWrites:
             v.master_from_param()
         self.forget()
 
-    def forget(self, saved_bits: dict | None = None, keep_saved_bits: bool = False) -> None:
+    def forget(self, saved_bits: dict | None = None) -> None:
         """Take the parameters as they are now as the optimizer's own; `saved_bits`: the
         weight_bits of a state just loaded, whose weights may still be loaded."""
-        if not keep_saved_bits:
-            self._saved_bits = saved_bits or {}
+        self._saved_bits = saved_bits or {}
         held = (*self.host_params, *self.vector_params)
         self._versions = {x.param: x.local._version for x in held}
         self._pointers = {x.param: x.local.data_ptr() for x in held}

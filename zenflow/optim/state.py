@@ -1,7 +1,7 @@
 """The one state format of ZenFlowAdamW and OffloadAdamW, composed from its parts' own state.
 
     {"state": {param number: per-parameter state},     # numbered as torch.optim numbers them
-     "param_groups": [... as torch.optim, "params" as numbers ...],   # [0] also has "zenflow"
+     "param_groups": [... as torch.optim, "params" as numbers ...],   # [0]: "zenflow" as JSON
      "zenflow": {"format_version": FORMAT_VERSION,
                  "optimizer": its class name, the StepCounters' fields,
                  "selection": the ColumnSelector's, "window": the window's,
@@ -18,8 +18,10 @@ the three others) run around saving and loading as they do for any torch optimiz
 
 torch.distributed.checkpoint (DCP). `get_optimizer_state_dict` keeps only "state" and
 "param_groups" (and names parameters by their module path instead of numbers), so
-`param_groups[0]["zenflow"]` is the same dict as "zenflow": a state without the top-level section
-is read from there. Under FSDP2 each rank's rows of every state tensor are saved as a DTensor
+`param_groups[0]["zenflow"]` holds the "zenflow" section too, as a JSON string: a state without
+the top-level section is read from there. A string, because DCP's full-state-dict load matches
+the saved state's nested keys against a fresh optimizer's, and the section's lists (the update
+in flight) have no fixed length. Under FSDP2 each rank's rows of every state tensor are saved as a DTensor
 sharded like the parameter (`zenflow.distributed.sharded_like`), so DCP writes each block where
 it belongs in the whole tensor and reads back whatever blocks the loading ranks hold: such a
 state is "reshardable" (so is a single process's, whose tensors are whole), and loads on any
@@ -33,6 +35,7 @@ versions were written down (no "format_version" key).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -175,8 +178,8 @@ def compose(parts: StateParts) -> dict:
         "reshardable": not parts.replica_rows}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [number[p] for p in g["params"]]} for g in parts.param_groups]
-    # The same dict, where torch.distributed.checkpoint keeps it (the module docstring).
-    groups[0]["zenflow"] = section
+    # Where torch.distributed.checkpoint keeps it (the module docstring).
+    groups[0]["zenflow"] = json.dumps(section)
     return {"state": state, "param_groups": groups, "zenflow": section}
 
 
@@ -218,8 +221,13 @@ def _section(state_dict) -> tuple[dict, bool]:
         return state_dict["zenflow"], False
     groups = state_dict.get("param_groups")
     if isinstance(groups, list) and groups and isinstance(groups[0], dict) \
-            and isinstance(groups[0].get("zenflow"), dict):
-        return groups[0]["zenflow"], True
+            and isinstance(groups[0].get("zenflow"), str):
+        try:
+            section = json.loads(groups[0]["zenflow"])
+        except ValueError as exc:
+            raise ValueError(f"param_groups[0]['zenflow'] is not valid JSON ({exc})") from None
+        if isinstance(section, dict):
+            return section, True
     raise ValueError("got a state dict without the 'zenflow' section; it was not saved by "
                      "ZenFlowAdamW or OffloadAdamW")
 
