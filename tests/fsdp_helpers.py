@@ -121,7 +121,196 @@ def _resume(rank, world, steps, options, result):
         result["resumed"] = full_weights(model)
 
 
-MODES = {"fsdp": _fsdp, "refused": _refused, "resume": _resume}
+def dcp_save(model, opt, path: str) -> None:
+    """The model's and the optimizer's sharded state through torch.distributed.checkpoint, as
+    torch's recipe does it (every rank writes its own blocks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def dcp_load(model, opt, path: str) -> None:
+    """The inverse of dcp_save on a fresh model and optimizer, on any number of ranks: the
+    templates from get_state_dict say which blocks this rank holds; DCP reads them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _dcp_kwargs(options):
+    return dict(optimizer_kwargs(True), weight_decay=0.01, worker=options.get("worker", True))
+
+
+def _dcp_resume(rank, world, steps, options, result):
+    """Three runs of `steps` steps: straight; half, a DCP save, the other half in the same
+    optimizer; a fresh model and optimizer that load the DCP checkpoint and train the second
+    half. Also: getting the state dict of a fresh optimizer (DCP's template) runs no step."""
+    path = options["dir"]
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        train(model, opt, 0, steps, rank, world)
+        result["straight"] = full_weights(model)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        train(model, opt, 0, steps // 2, rank, world)
+        dcp_save(model, opt, path)
+        result["selections_saved"] = selections(opt)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["continued"] = full_weights(model)
+    model = sharded_mlp()
+    before = full_weights(model)
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        get_optimizer_state_dict(model, opt)
+        result["fresh_untouched"] = (opt.counters.step == 0 and opt.counters.window_steps == 0
+                                     and all(p.grad is None for p in model.parameters())
+                                     and all(torch.equal(a, b) for a, b in
+                                             zip(before.values(), full_weights(model).values())))
+        dcp_load(model, opt, path)
+        result["loaded_step"] = opt.counters.step
+        result["selections_loaded"] = selections(opt)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed"] = full_weights(model)
+        result["selections"] = selections(opt)
+    # Whole tensors in memory (full_state_dict=True, as some frameworks save), loaded by
+    # set_state_dict, which loads the optimizer before the model: the same exact resume.
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    whole = StateDictOptions(full_state_dict=True)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        train(model, opt, 0, steps // 2, rank, world)
+        model_sd, optim_sd = get_state_dict(model, opt, options=whole)
+        result["whole_shape"] = tuple(optim_sd["state"]["0.weight"]["host"]["master"].shape)
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=whole)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed_whole"] = full_weights(model)
+
+
+def _dcp_reshard(rank, world, steps, options, result):
+    """Load a DCP checkpoint saved on another number of ranks and train the second half."""
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        if options.get("weights_only"):
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import (
+                get_model_state_dict,
+                set_model_state_dict,
+            )
+            model_sd = get_model_state_dict(model)
+            dcp.load({"model": model_sd}, checkpoint_id=options["dir"])
+            set_model_state_dict(model, model_sd)
+            result["weights"] = full_weights(model)
+            return
+        dcp_load(model, opt, options["dir"])
+        result["loaded_step"] = opt.counters.step
+        result["host_rows"] = [m.local.shape[0] for m in opt._host_params]
+        result["selections_loaded"] = selections(opt)
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed"] = full_weights(model)
+        result["selections"] = selections(opt)
+
+
+def fsdp_engine_config(world: int, overlap: bool = True) -> dict:
+    """The DDP tests' DeepSpeed JSON as stage 3 with its zenflow block: FSDP2 here."""
+    from dist_helpers import engine_config
+    config = engine_config(overlap, world)
+    config["zero_optimization"]["stage"] = 3
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 1e6   # FSDP2's job: ignored
+    return config
+
+
+def _engine_steps(engine, start: int, stop: int, rank: int, world: int) -> None:
+    for t in range(start, stop):
+        x, y = my_share(t, rank, world)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+
+
+def _engine(rank, world, steps, options, result):
+    """zenflow.initialize on an FSDP2 model with a stage-3 config: STEPS steps; with options
+    "dir": half, save_checkpoint, half (the straight run), and a fresh engine that loads the
+    checkpoint and trains the second half."""
+    overlap = options.get("overlap", True)
+    engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                           config=fsdp_engine_config(world, overlap))
+    result["optimizer"] = type(opt).__name__
+    result["not_averaged"] = engine._fsdp2
+    path = options.get("dir")
+    _engine_steps(engine, 0, steps // 2 if path else steps, rank, world)
+    if path:
+        engine.save_checkpoint(path, tag="half")
+        _engine_steps(engine, steps // 2, steps, rank, world)
+    engine.synchronize()
+    result["weights"] = full_weights(engine.module)
+    result["selections"] = selections(opt)
+    if options.get("export"):   # the whole weights, gathered, written by rank 0
+        engine.save_16bit_model(options["export"], "model.bin")
+        if rank == 0:
+            result["exported"] = torch.load(os.path.join(options["export"], "model.bin"),
+                                            weights_only=True)
+    engine.close()
+    if path:
+        engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                               config=fsdp_engine_config(world, overlap))
+        loaded, _ = engine.load_checkpoint(path)
+        result["loaded_steps"] = engine.global_steps
+        _engine_steps(engine, steps // 2, steps, rank, world)
+        engine.synchronize()
+        result["resumed"] = full_weights(engine.module)
+        engine.close()
+
+
+def _engine_reshard(rank, world, steps, options, result):
+    """Another number of ranks loads the 2-rank engine checkpoint: everything, and weights only."""
+    engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                           config=fsdp_engine_config(world))
+    engine.load_checkpoint(options["dir"])
+    result["loaded_steps"] = engine.global_steps
+    _engine_steps(engine, steps // 2, steps, rank, world)
+    engine.synchronize()
+    result["resumed"] = full_weights(engine.module)
+    result["selections"] = selections(opt)
+    engine.close()
+    engine, opt, _, _ = zenflow.initialize(model=sharded_mlp(),
+                                           config=fsdp_engine_config(world))
+    engine.load_checkpoint(options["dir"], load_module_only=True)
+    result["module_only_steps"] = engine.global_steps
+    result["module_only"] = full_weights(engine.module)
+    engine.close()
+
+
+def _engine_refused(rank, world, steps, options, result):
+    """What does not map is refused by name before the model is touched."""
+    from zenflow.config.loading import ConfigError
+    errors = {}
+    model = sharded_mlp()
+    config = fsdp_engine_config(world)
+    config["bf16"] = {"enabled": True}
+    try:
+        zenflow.initialize(model=model, config=config)
+    except ConfigError as exc:
+        errors["bf16"] = str(exc)
+    result["untouched"] = all(p.dtype == torch.float32 for p in model.parameters())
+    try:
+        zenflow.initialize(model=make_mlp(), config=fsdp_engine_config(world))
+    except ConfigError as exc:
+        errors["stage3_unsharded"] = str(exc)
+    result["errors"] = errors
+
+
+MODES = {"fsdp": _fsdp, "engine": _engine, "engine_reshard": _engine_reshard,
+         "engine_refused": _engine_refused, "refused": _refused, "resume": _resume, "dcp_resume": _dcp_resume,
+         "dcp_reshard": _dcp_reshard}
 
 
 def _runs(rank, world, steps, options, result):

@@ -136,8 +136,8 @@ MALFORMED = [
      "zero_optimization.zenflow.pt_reserved_cores_perc", "between 0 and 1"),
     (with_(zero_optimization={"zenflow": {"topk": 0.1}}),
      "zero_optimization.zenflow.topk", "is not a known key"),
-    (with_(zero_optimization={"stage": 3}),
-     "zero_optimization.stage", "not supported"),
+    (with_(zero_optimization={"stage": 4}),
+     "zero_optimization.stage", "must be 0, 1, 2 or 3, got 4"),
     (with_(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
      "zero_optimization.offload_optimizer.device", "'nvme', which is not supported"),
     (with_(zero_optimization={"offload_optimizer": {"device": "cpu", "pin_memory": "true"}}),
@@ -227,7 +227,7 @@ def test_at_least_fifteen_malformed_cases():
 def test_check_config_cli_in_a_subprocess(tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(with_(**SEED_ZERO_BLOCK)))
-    bad.write_text(json.dumps(with_(zero_optimization={"stage": 3})))
+    bad.write_text(json.dumps(with_(zero_optimization={"stage": 4})))
     env = dict(os.environ, WORLD_SIZE="1")
     ok = subprocess.run([sys.executable, "-m", "zenflow.tools.cli", "check-config", str(good)],
                         capture_output=True, text=True, env=env)
@@ -236,7 +236,7 @@ def test_check_config_cli_in_a_subprocess(tmp_path):
     fail = subprocess.run([sys.executable, "-m", "zenflow.tools.cli", "check-config", str(bad)],
                           capture_output=True, text=True, env=env)
     assert fail.returncode == 1
-    assert "zero_optimization.stage is 3, which is not supported" in fail.stderr
+    assert "zero_optimization.stage must be 0, 1, 2 or 3, got 4" in fail.stderr
 
 
 def test_check_config_reports_unreadable_files(tmp_path, capsys):

@@ -131,6 +131,49 @@ def test_more_gpus_split_the_host_state_but_not_the_device_state():
         one["bus"]["zenflow"]["d2h_bytes_per_step"] / 4, rel=1e-3)
 
 
+def test_fsdp_shards_every_device_cost_but_not_the_host_state_by_hand():
+    """--fsdp 4 on Llama-2-7B (every dimension divides by 4): FSDP2's device bytes per rank are
+    DDP's / 4, except the k column indices of each matrix, which every rank keeps; the host state
+    per rank is the same (both split the rows); installs need no all-gather."""
+    shapes = llama_shapes(**LLAMA2_7B)
+    r = estimate(shapes, torch.bfloat16, gpus=4, fsdp=4, gpu_memory_bytes=24 * GIB,
+                 measured=FIGURES, device_sum_budget=0)
+    P_mat = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
+    P_vec = (2 * 32 + 1) * 4096
+    k4096, k11008 = 410, 1101
+    columns = (2 * 32000 * k4096 + 32 * (4 * 4096 * k4096 + 2 * 11008 * k4096 + 4096 * k11008))
+    indices = (2 + 32 * 6) * k4096 + 32 * k11008
+    ddp, fsdp = r["per_rank"]["ddp"], r["per_rank"]["fsdp2"]
+    assert ddp["weights_bytes"] == ddp["grads_bytes"] == 2 * (P_mat + P_vec)
+    assert fsdp["weights_bytes"] == fsdp["grads_bytes"] == 2 * (P_mat + P_vec) // 4
+    assert ddp["state_bytes"] == 16 * columns + 8 * indices + 12 * P_vec
+    assert fsdp["state_bytes"] == 16 * columns // 4 + 8 * indices + 12 * P_vec // 4
+    assert ddp["host_bytes"] == fsdp["host_bytes"] == r["per_host"]["zenflow"]["host_bytes_rank0"]
+    assert ddp["sums_d2h_bytes_per_window"] == fsdp["sums_d2h_bytes_per_window"] == P_mat
+    assert ddp["install_h2d_bytes_per_window"] == fsdp["install_h2d_bytes_per_window"] == P_mat // 2
+    assert ddp["install_allgather_bytes_per_window"] == 2 * P_mat * 3 // 4
+    assert fsdp["install_allgather_bytes_per_window"] == 0
+    # On 24 GiB cards a replica does not fit (27 GB of weights and gradients), a shard does.
+    assert (ddp["fits"], fsdp["fits"]) == (False, True)
+    with pytest.raises(ValueError, match="fsdp must be the number of GPUs"):
+        estimate(shapes, torch.bfloat16, gpus=2, fsdp=4)
+
+
+def test_cli_fsdp_prints_per_rank_bytes(tmp_path, capsys):
+    path = tmp_path / "e.json"
+    assert main(["estimate", "--shapes", "1024x1024*8,1024*8", "--fsdp", "4",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "ZenFlowAdamW per rank, 4 ranks (rank 0)" in out and "FSDP2 (shards)" in out
+    assert "network per window: install" in out
+    report = json.loads(path.read_text())
+    assert report["settings"]["gpus"] == 4
+    assert report["per_rank"]["fsdp2"]["weights_bytes"] == 2 * 8 * (256 * 1024 + 256)
+    assert report["per_rank"]["ddp"]["weights_bytes"] == 2 * 8 * (1024 * 1024 + 1024)
+    assert main(["estimate", "--shapes", "1024x1024*8", "--fsdp", "4", "--gpus", "2"]) == 2
+    assert "--fsdp N shards the model over N GPUs" in capsys.readouterr().err
+
+
 def _small_llama():
     torch.manual_seed(0)
     return GPT(GPTConfig(arch="llama", n_layer=2, n_embd=64, n_head=4, ffn=160, vocab_size=256,

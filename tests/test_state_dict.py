@@ -1,5 +1,7 @@
 """A run resumed from state_dict() continues bit for bit like the uninterrupted run."""
+import copy
 import io
+import json
 
 import pytest
 import torch
@@ -160,7 +162,7 @@ def test_the_state_carries_its_format_version_and_an_unversioned_one_still_loads
     from zenflow.optim.state import FORMAT_VERSION
     model, opt = _trained()
     saved = opt.state_dict()
-    assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 2
+    assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 3
     # Version 1: the format before the version was written down.
     old = {**saved, "zenflow": {k: v for k, v in saved["zenflow"].items()
                                 if k != "format_version"}}
@@ -173,8 +175,35 @@ def test_the_state_carries_its_format_version_and_an_unversioned_one_still_loads
     fresh.close()
 
 
+def test_a_version_2_state_still_loads_and_version_3_carries_the_section_in_param_groups():
+    """Version 3 also keeps the "zenflow" section in param_groups[0] (torch.distributed.checkpoint
+    keeps only "state" and "param_groups") and says whether the state reshards."""
+    model, opt = _trained()
+    saved = opt.state_dict()
+    assert json.loads(saved["param_groups"][0]["zenflow"]) == saved["zenflow"]
+    assert saved["zenflow"]["reshardable"] is True   # one process: whole tensors
+    assert "zenflow" not in opt.param_groups[0]
+    # As version 2 wrote it: no "reshardable", no copy in param_groups.
+    v2 = {**saved, "param_groups": [{k: v for k, v in g.items() if k != "zenflow"}
+                                     for g in saved["param_groups"]],
+          "zenflow": {**{k: v for k, v in saved["zenflow"].items() if k != "reshardable"},
+                      "format_version": 2}}
+    fresh = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                                 worker=False)
+    fresh.load_state_dict(v2)
+    again = fresh.state_dict()
+    assert again["zenflow"] == saved["zenflow"]
+    assert "zenflow" not in fresh.param_groups[0]   # loading never adds it to the live groups
+    for a, b in zip(again["state"].values(), saved["state"].values()):
+        for name in ("host", "device"):
+            for k, t in a.get(name, {}).items():
+                assert torch.equal(t, b[name][k]) if torch.is_tensor(t) else t == b[name][k]
+    opt.close()
+    fresh.close()
+
+
 @pytest.mark.parametrize("version, message", [
-    (3, "format version 3, newer than this zenflow reads (1 to 2)"),
+    (4, "format version 4, newer than this zenflow reads (1 to 3)"),
     ("2", "'format_version' must be a positive integer, got '2'"),
     (0, "'format_version' must be a positive integer, got 0"),
 ])
@@ -187,4 +216,74 @@ def test_a_state_of_an_unknown_version_is_refused_by_name_and_changes_nothing(ve
         opt.load_state_dict(bad)
     after = opt.state_dict()
     assert after["zenflow"] == before["zenflow"]
+    opt.close()
+
+
+def _overlapped(worker=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                               overlap_step=True, worker=worker)
+    return model, opt
+
+
+def _steps(model, opt, start, stop):
+    for t in range(start, stop):
+        g = torch.Generator().manual_seed(t)
+        model(torch.randn(4, 8, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_states_own_weights_loaded_after_it_keep_the_update_in_flight():
+    """torch.distributed.checkpoint's set_state_dict loads the optimizer's state first and the
+    model's after it. Those weights are the state's own (its weight_bits say so): the host update
+    in flight stays and the run resumes exactly. Other weights loaded then are adopted."""
+    model, opt = _overlapped()
+    _steps(model, opt, 0, 5)          # windows of 2, overlapped: an update is in flight
+    saved_opt, saved_model = opt.state_dict(), copy.deepcopy(model.state_dict())
+    assert saved_opt["zenflow"]["in_flight"]
+    _steps(model, opt, 5, 10)
+    straight = copy.deepcopy(model.state_dict())
+    opt.close()
+
+    model, opt = _overlapped()
+    opt.load_state_dict(saved_opt)
+    model.load_state_dict(saved_model)
+    _steps(model, opt, 5, 10)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, straight[name]), name
+    opt.close()
+
+    model, opt = _overlapped()
+    opt.load_state_dict(saved_opt)
+    other = {k: torch.randn_like(v) for k, v in saved_model.items()}
+    model.load_state_dict(other)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    _steps(model, opt, 5, 8)
+    opt.synchronize()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, other[name]), name   # not overwritten by the state's update
+    opt.close()
+
+
+def test_a_ddp_ranks_state_that_came_through_dcp_is_refused_by_name():
+    """A DDP rank's state holds its share of the rows as plain tensors; through
+    torch.distributed.checkpoint (which drops the top-level section and keeps one rank's copy of
+    a plain tensor) it is unusable, and loading it says so, changing nothing."""
+    model, opt = _trained()
+    saved = opt.state_dict()
+    section = {**saved["zenflow"], "world_size": 2, "rank": 1, "reshardable": False}
+    through_dcp = {"state": saved["state"],
+                   "param_groups": [{**saved["param_groups"][0], "zenflow": json.dumps(section)},
+                                    *saved["param_groups"][1:]]}
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"saved by 2 data-parallel \(DDP\) ranks.*"
+                                         r"torch.distributed.checkpoint"):
+        opt.load_state_dict(through_dcp)
+    assert opt.state_dict()["zenflow"] == before["zenflow"]
+    # The same state with its section where it belongs is refused as before: another world size.
+    with pytest.raises(ValueError, match="saved by rank 1 of 2, but this run has 1 rank"):
+        opt.load_state_dict({**saved, "zenflow": section})
     opt.close()

@@ -157,21 +157,32 @@ class ZeroSection(_Section):
     sub_group_size: Any = None
     ignore_unused_parameters: Any = None
     cpu_offload: Any = None
+    # Stage 3's tuning of DeepSpeed's own parameter partitioning; here FSDP2 shards (and
+    # prefetches) the parameters, tuned by fully_shard's own arguments.
+    stage3_max_live_parameters: Any = None
+    stage3_max_reuse_distance: Any = None
+    stage3_prefetch_bucket_size: Any = None
+    stage3_param_persistence_threshold: Any = None
+    stage3_gather_16bit_weights_on_model_save: Any = None
+    stage3_gather_fp16_weights_on_model_save: Any = None
     _ignored = ("contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
                 "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
                 "elastic_checkpoint", "load_from_fp32_weights", "sub_group_size",
-                "ignore_unused_parameters", "cpu_offload")
+                "ignore_unused_parameters", "cpu_offload", "stage3_max_live_parameters",
+                "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+                "stage3_gather_fp16_weights_on_model_save")
 
     @model_validator(mode="after")
     def _supported_stage(self):
-        if self.stage == 3:
-            raise ValueError("@stage is 3, which is not supported: ZenFlow runs with ZeRO stage "
-                             "1 or 2 (0 = no ZeRO is accepted too)")
-        if self.stage not in (0, 1, 2):
-            raise ValueError(f"@stage must be 0, 1 or 2, got {self.stage!r}")
+        # Stage 3 (sharded parameters) is FSDP2 here: initialize checks that the model is
+        # sharded with fully_shard (docs/fsdp2.md).
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"@stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.offload_param is not None:
-            raise ValueError("@offload_param offloads parameters, which only ZeRO stage 3 does "
-                             "and stage 3 is not supported; use offload_optimizer")
+            raise ValueError("@offload_param offloads the parameters themselves, which is not "
+                             "supported: zenflow offloads the optimizer (offload_optimizer); "
+                             "shard the parameters with FSDP2 (stage 3) instead")
         if self.cpu_offload:
             raise ValueError("@cpu_offload is DeepSpeed's deprecated spelling; use "
                              "offload_optimizer: {\"device\": \"cpu\"}")

@@ -66,6 +66,19 @@ def _check_file_name(name) -> str:
     return name
 
 
+def _check_entry_name(name) -> str:
+    """A checkpoint file's name in the manifest: a plain file name, or a plain file name inside
+    one plain subdirectory (torch.distributed.checkpoint's files, whose index is '.metadata')."""
+    if isinstance(name, str) and name.count("/") == 1:
+        folder, file = name.split("/")
+        _check_file_name(folder)
+        if file in ("", ".", "..", MANIFEST) or "\\" in file:
+            raise ValueError(f"a checkpoint file name inside {folder!r} must be a plain file "
+                             f"name, got {file!r}")
+        return name
+    return _check_file_name(name)
+
+
 def check_tag(tag: str) -> str:
     tag = str(tag)
     if not tag or tag in (".", "..") or tag.startswith(".") or "/" in tag or os.sep in tag \
@@ -196,6 +209,11 @@ def _write_latest(save_dir: Path, tag: str) -> None:
     _fsync_dir(save_dir)
 
 
+def file_entry(path: Path) -> dict:
+    """The manifest entry of a file written by other means (torch.distributed.checkpoint)."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def save_file(path: Path, obj: Any) -> dict:
     """Write one checkpoint file outside write_checkpoint (another rank's share, say); returns
     its manifest entry, for write_checkpoint's `prewritten`."""
@@ -221,12 +239,15 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
     """
     tag = check_tag(tag)
     prewritten = prewritten or {}
-    for name in (*objects, *prewritten):
+    for name in objects:
         _check_file_name(name)
+    for name in prewritten:
+        _check_entry_name(name)
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / tag
-    shares = {Path(src).parent for src, _ in prewritten.values()}
+    # the folders the other ranks wrote into (a file in a subdirectory: its parent's parent)
+    shares = {Path(src).parents[name.count("/")] for name, (src, _) in prewritten.items()}
     with TagLock(save_dir, tag):
         _recover(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
         ident = uuid.uuid4().hex
@@ -241,8 +262,11 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
                 if not Path(src).is_file() or Path(src).stat().st_size != entry["size"]:
                     raise CheckpointError(f"{str(src)!r}, written by another rank, is missing or "
                                           "incomplete here: ranks must share the save directory")
+                (tmp / name).parent.mkdir(exist_ok=True)
                 os.rename(src, tmp / name)
                 files[name] = dict(entry)
+            for folder in {(tmp / name).parent for name in prewritten} - {tmp}:
+                _fsync_dir(folder)
             manifest = {"format": FORMAT, "tag": tag, "files": files, "meta": meta or {}}
             _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
@@ -309,7 +333,7 @@ def _manifest(path: Path) -> dict:
         raise _bad_manifest(path, f"meta must be an object, got {type(meta).__name__}")
     for name, entry in files.items():
         try:
-            _check_file_name(name)
+            _check_entry_name(name)
         except ValueError as exc:
             raise _bad_manifest(path, str(exc)) from None
         if not isinstance(entry, dict):

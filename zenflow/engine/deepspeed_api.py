@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from zenflow.compat.deepspeed import comm
+from zenflow.distributed import is_sharded
 
 
 def frozen_parameter_names(module: torch.nn.Module) -> set[str]:
@@ -158,10 +159,17 @@ class DeepSpeedEngineAPI:
         self._require_every_rank("save_16bit_model")
         self.synchronize()
         state = self._checkpoint_module_state(self.module.state_dict(), exclude_frozen_parameters)
+        # An FSDP2 rank holds some rows of each weight: each is gathered whole, one at a time (a
+        # collective every rank joins), and kept, in host memory, by rank 0 alone.
+        whole = {}
+        for k, v in state.items():
+            t = v.full_tensor() if is_sharded(v) else v
+            if self.global_rank == 0:
+                whole[k] = t.detach().cpu()
         if self.global_rank == 0:
             Path(save_dir).mkdir(parents=True, exist_ok=True)
             tmp = Path(save_dir) / f".{save_filename}.tmp"
-            torch.save({k: v.detach().cpu() for k, v in state.items()}, tmp)
+            torch.save(whole, tmp)
             os.replace(tmp, Path(save_dir) / save_filename)
         return True
 

@@ -37,12 +37,14 @@ from zenflow.config.deepspeed_json import (
     parse_config,
     resolved_settings,
 )
-from zenflow.distributed import Partition
+from zenflow.distributed import Partition, is_sharded
 from zenflow.engine.build import EngineConstruction, core_optimizers
 from zenflow.engine.checkpoint import check_tag, load_object, read_checkpoint, write_checkpoint
+from zenflow.engine.checkpoint_dcp import load_fsdp2_checkpoint, save_fsdp2_checkpoint
 from zenflow.engine.checkpoint_shards import write_sharded_checkpoint
 from zenflow.engine.deepspeed_api import DeepSpeedEngineAPI, frozen_parameter_names, grad_norm
 from zenflow.engine.fp32_masters import FP32Masters, trainable_param_groups
+from zenflow.engine.fsdp import check_sharding
 from zenflow.engine.loss_scaler import LossScaler
 from zenflow.engine.rank_agreement import StepAgreement
 from zenflow.engine.weight_sync import WeightSync, synchronized_state
@@ -81,6 +83,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                  model_parameters=None, optimizer=None, lr_scheduler=None, training_data=None,
                  collate_fn=None):
         super().__init__()
+        # FSDP2 (and stage 3, which maps to it) is checked before the model is touched.
+        self._fsdp2 = check_sharding(model, config)
         self.config = config
         self._raw_config = raw_config
         self.module = model
@@ -92,9 +96,11 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if self.dtype != torch.float32:
             model.to(dtype=self.dtype)
         # Every rank starts from rank 0's weights (an unseeded model differs per process), as
-        # DeepSpeed's initialize does; buffers too (running statistics).
+        # DeepSpeed's initialize does; buffers too (running statistics). FSDP2's shards differ
+        # between ranks by design: fully_shard took each rank's rows of the same whole weights.
         Partition.from_group().broadcast_(
-            [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())],
+            [*(p for p in model.parameters() if not is_sharded(p)),
+             *(b for b in model.buffers() if b.is_floating_point())],
             "broadcasting rank 0's weights at initialize")
 
         self.global_steps = 0      # optimizer steps attempted (incl. fp16-overflow skips)
@@ -182,10 +188,11 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
     def _average_gradients(self) -> None:
         """Data parallel: every rank steps with the mean of all ranks' gradients, so weights stay
         identical. A model wrapped in DistributedDataParallel has averaged them in backward
-        already, and averaging again would be wrong, so it is left alone."""
+        already, and FSDP2 reduce-scattered them (each rank holds the mean of its rows), and
+        averaging again would be wrong, so those are left alone."""
         partition = Partition.from_group()
-        if not partition.active or isinstance(self.module,
-                                              torch.nn.parallel.DistributedDataParallel):
+        if not partition.active or self._fsdp2 or isinstance(
+                self.module, torch.nn.parallel.DistributedDataParallel):
             return
         grads = [p.grad for p in self._params if p.grad is not None]
         for bucket in gradient_buckets(grads, GRADIENT_BUCKET_BYTES):
@@ -285,8 +292,10 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if self._micro_steps_into_accumulation():
             log.warning("saving a checkpoint in the middle of gradient accumulation: the "
                         "gradients accumulated so far are not saved")
-        module_state, pending, optimizer_state = synchronized_state(
-            self.module, self.optimizer, self._weight_sync)
+        module_state = pending = optimizer_state = {}
+        if not self._fsdp2:   # FSDP2: in checkpoint_dcp.py, through torch.distributed.checkpoint
+            module_state, pending, optimizer_state = synchronized_state(
+                self.module, self.optimizer, self._weight_sync)
         excluded = sorted(frozen_parameter_names(self.module)) if exclude_frozen_parameters else []
         engine_state = {
             "global_steps": self.global_steps, "micro_steps": self.micro_steps,
@@ -304,6 +313,9 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         partition = Partition.from_group()
         meta = {"global_steps": self.global_steps, "world_size": partition.world_size,
                 "optimizer_class": type(self.optimizer).__name__, "dtype": str(self.dtype)}
+        if self._fsdp2:
+            return str(save_fsdp2_checkpoint(self, save_dir, tag, engine_state, meta,
+                                             save_latest, excluded))
         module_state = {k: v for k, v in module_state.items() if k not in set(excluded)}
         objects = {"model_states.pt": module_state, "engine_states.pt": engine_state}
         if not partition.active:
@@ -365,6 +377,10 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                         str(load_dir))
             return None, None
         tag = None if tag is None else str(tag)
+        if self._fsdp2:
+            return self._load_fsdp2_checkpoint(load_dir, tag, load_module_strict,
+                                               load_optimizer_states, load_lr_scheduler_states,
+                                               load_module_only)
         partition = Partition.from_group()
         mine = f"rank{partition.rank}_states.pt" if partition.active else "optimizer_states.pt"
         path, manifest, objs = read_checkpoint(
@@ -406,14 +422,50 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                 self.optimizer.load_state_dict(objs["optimizer_states.pt"])
                 if self._masters is not None and state["fp32_masters"] is not None:
                     self._masters.load_state_dict(state["fp32_masters"])
-            if load_lr_scheduler_states and self.lr_scheduler is not None \
-                    and state["lr_scheduler"] is not None:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            if self.loss_scaler is not None and state["loss_scaler"] is not None:
-                self.loss_scaler.load_state_dict(state["loss_scaler"])
-            for key in ("global_steps", "micro_steps", "global_samples", "skipped_steps"):
-                setattr(self, key, state[key])
+            self._load_engine_state(state, load_lr_scheduler_states)
+        return str(path), state["client_state"]
+
+    def _load_engine_state(self, state: dict, load_lr_scheduler_states: bool) -> None:
+        if load_lr_scheduler_states and self.lr_scheduler is not None \
+                and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        for key in ("global_steps", "micro_steps", "global_samples", "skipped_steps"):
+            setattr(self, key, state[key])
+        if state.get("rng") is not None:
             _set_rng_state(state["rng"])
+
+    def _load_fsdp2_checkpoint(self, load_dir, tag: str | None, strict: bool,
+                               load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                               load_module_only: bool) -> tuple[str, dict]:
+        """An FSDP2 engine's checkpoint (checkpoint_dcp.py), on any number of ranks: DCP reads
+        each rank's rows; a rank the saving run did not have keeps its RNG as it is."""
+        partition = Partition.from_group()
+        path, manifest, objs = read_checkpoint(load_dir, tag, ["engine_states.pt"],
+                                               map_location="cpu")
+        if not manifest["meta"].get("fsdp2"):
+            raise ValueError(f"checkpoint {str(path)!r} was not written by an FSDP2-sharded "
+                             "engine (it holds whole weights, not torch.distributed.checkpoint "
+                             "shards); load it into an engine whose model is not sharded")
+        state = objs["engine_states.pt"]
+        if state["optimizer_class"] != type(self.optimizer).__name__ and not load_module_only:
+            raise ValueError(f"checkpoint {str(path)!r} was written with "
+                             f"{state['optimizer_class']}, this engine runs "
+                             f"{type(self.optimizer).__name__}; pass load_module_only=True to "
+                             f"load only the weights")
+        load_optimizer = load_optimizer_states and not load_module_only
+        load_fsdp2_checkpoint(self, path, load_optimizer=load_optimizer, strict=strict)
+        self._weight_sync.loaded()
+        if not load_module_only:
+            share = f"rank{partition.rank}_states.pt"
+            rng = (load_object(path / share, map_location="cpu")["rng"]
+                   if share in manifest["files"] else None)
+            if rng is None:
+                log.info("load_checkpoint: the checkpoint has no RNG state for rank %d (it was "
+                         "saved on %s rank(s)); this rank's RNG is left as it is",
+                         partition.rank, manifest["meta"].get("world_size"))
+            self._load_engine_state(dict(state, rng=rng), load_lr_scheduler_states)
         return str(path), state["client_state"]
 
 

@@ -164,6 +164,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._built = built_layout(self.param_groups)
         self._host_params, self._vector_params = sort_params(
             self.param_groups, self.settings.topk_ratio, self._VECTORS_ON_HOST, self.device)
+        # torch.optim's `state` says where each trainable parameter's state lives (the state
+        # itself is in the parts below; state_dict() has all of it). It is never empty: an empty
+        # one makes torch.distributed.checkpoint's get/set_optimizer_state_dict "initialize" the
+        # optimizer by running step() on zero gradients, which would count a step and decay the
+        # moments.
+        for m in self._host_params:
+            self.state[m.param] = {"kind": "host"}
+        for v in self._vector_params:
+            self.state[v.param] = {"kind": "vector"}
         self._timer = StepTimer()
         worker_cores = None
         if self.settings.worker and self._host_params:
@@ -412,7 +421,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._NAME, self.param_groups, self.counters, self._host_params, self._vector_params,
             self._pipeline, self._selector, self._window, self._outside_writes,
             self.settings.topk_ratio, self.settings.overlap_step, self._partition.world_size,
-            self._partition.rank)
+            self._partition.rank, sharded=self._partition.rows_are_local,
+            replica_rows=self._partition.splits_rows)
 
 
 def optimizer_stats(opt: ZenFlowAdamW) -> dict:

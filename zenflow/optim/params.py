@@ -168,7 +168,13 @@ class OutsideWrites:
     sum of the bits of each matrix's host-owned columns; bf16/fp16 vectors compared with their
     masters) costs two passes and one read per window. Such a write to
     a column the device updates is overwritten by the next step, so the first one found is
-    reported with a warning."""
+    reported with a warning.
+
+    A saved state carries each parameter's `weight_bits` as they were when it was saved. Weights
+    written after load_state_dict() and before the next step that are exactly those (the same
+    checkpoint's weights loaded after the optimizer's state, as torch.distributed.checkpoint's
+    set_state_dict does) belong with the state: they are taken as they are, and an update in
+    flight stays; any other weights are adopted as above."""
 
     def __init__(self, host_params: list[HostParam], vector_params: list[VectorParam],
                  pipeline, owner: str, columns_chosen):
@@ -176,30 +182,53 @@ class OutsideWrites:
         self.pipeline, self.owner = pipeline, owner
         self.columns_chosen = columns_chosen     # () -> whether the selection has been made
         self._warned = False
+        self._saved_bits: dict = {}   # {param: weight_bits of a state just loaded}
         self.forget()
 
+    @staticmethod
+    def weight_bits(x: HostParam | VectorParam) -> torch.Tensor:
+        """The parameter's (this rank's rows') fingerprint: each row's bits summed (int64,
+        exact), a vector's elements one by one; one value per row, so that it is split across
+        ranks as the rows are."""
+        t = x.local.detach()
+        rows = t.reshape(t.shape[0], -1) if t.ndim >= 2 else t.reshape(-1, 1)
+        return _bits(rows).sum(dim=1, dtype=torch.int64)
+
     def adopt(self) -> None:
-        """At each step: adopt what version counters and storage pointers show."""
-        changed = {x.param for x in (*self.host_params, *self.vector_params)
-                   if x.local._version != self._versions[x.param]
+        """At each step: adopt what version counters and storage pointers show. The first time
+        after a load, also what the fingerprints show (a load may write without bumping a
+        version counter), less the weights that are exactly the loaded state's own."""
+        held = (*self.host_params, *self.vector_params)
+        changed = {x.param for x in held if x.local._version != self._versions[x.param]
                    or x.local.data_ptr() != self._pointers[x.param]}
+        if self._saved_bits:
+            changed |= self._written_through_data()
+            own = {x.param for x in held if x.param in changed and x.param in self._saved_bits
+                   and torch.equal(self.weight_bits(x), self._saved_bits[x.param])}
+            changed -= own
+            self._saved_bits = {}   # only weights loaded before the first step go with a state
+            if own and not changed:
+                self.forget()   # the state's own weights: nothing to adopt
+                return
         self._adopt([m for m in self.host_params if m.param in changed],
                     [v for v in self.vector_params if v.param in changed])
 
-    def adopt_data_writes(self) -> None:
-        """At window ends: adopt writes through .data, found by the fingerprints."""
+    def _written_through_data(self) -> set:
+        """The parameters whose fingerprint changed (one read of the device for all)."""
         chosen = self.columns_chosen()
         watched = [v for v in self.vector_params
                    if v.state.master.data_ptr() != v.local.data_ptr()]
         flags = [*(self._host_sum(m, chosen) != self._sums[m.param] for m in self.host_params),
                  *(self._vector_differs(v) for v in watched)]
         if not flags:
-            return
+            return set()
         changed = torch.stack(flags).tolist()   # the one read
-        n = len(self.host_params)
-        host = {m.param for m, c in zip(self.host_params, changed[:n]) if c}
-        vectors = [v for v, c in zip(watched, changed[n:]) if c]
-        if (host or vectors) and not self._warned:
+        return {x.param for x, c in zip((*self.host_params, *watched), changed) if c}
+
+    def adopt_data_writes(self) -> None:
+        """At window ends: adopt writes through .data, found by the fingerprints."""
+        changed = self._written_through_data()
+        if changed and not self._warned:
             self._warned = True
             log.warning("%s: parameter(s) were written through .data (found at a window end) "
                         "and are adopted as the new master values; a write through .data to "
@@ -207,7 +236,8 @@ class OutsideWrites:
                         "by the next step. Write under torch.no_grad() without .data (p.clamp_() "
                         "rather than p.data.clamp_()) and the optimizer sees it at once.",
                         self.owner)
-        self._adopt([m for m in self.host_params if m.param in host], vectors)
+        self._adopt([m for m in self.host_params if m.param in changed],
+                    [v for v in self.vector_params if v.param in changed])
 
     def _adopt(self, host: list[HostParam], vectors: list[VectorParam]) -> None:
         if not host and not vectors:
@@ -223,8 +253,10 @@ class OutsideWrites:
             v.master_from_param()
         self.forget()
 
-    def forget(self) -> None:
-        """Take the parameters as they are now as the optimizer's own."""
+    def forget(self, saved_bits: dict | None = None) -> None:
+        """Take the parameters as they are now as the optimizer's own; `saved_bits`: the
+        weight_bits of a state just loaded, whose weights may still be loaded."""
+        self._saved_bits = saved_bits or {}
         held = (*self.host_params, *self.vector_params)
         self._versions = {x.param: x.local._version for x in held}
         self._pointers = {x.param: x.local.data_ptr() for x in held}

@@ -1,18 +1,32 @@
 """The one state format of ZenFlowAdamW and OffloadAdamW, composed from its parts' own state.
 
     {"state": {param number: per-parameter state},     # numbered as torch.optim numbers them
-     "param_groups": [... as torch.optim, "params" as numbers ...],
+     "param_groups": [... as torch.optim, "params" as numbers ...],   # [0]: "zenflow" as JSON
      "zenflow": {"format_version": FORMAT_VERSION,
                  "optimizer": its class name, the StepCounters' fields,
                  "selection": the ColumnSelector's, "window": the window's,
                  "in_flight", "in_flight_jobs": the host pipeline's update in flight,
-                 "topk_ratio", "overlap_step", "world_size", "rank": what it must match}}
+                 "topk_ratio", "overlap_step", "world_size", "rank": what it must match,
+                 "reshardable": whether the tensors say where they belong (below)}}
 
 A parameter whose state lives on the host saves {"kind": "host", "host": the HostPipeline's state
 of it, "device": its DeviceColumns'}; a vector updated on the device saves {"kind": "vector",
-**its DeviceVector's}. Every part writes and reads its own piece; loading checks every piece
-before any part changes. torch's state-dict hooks (Optimizer.register_state_dict_pre_hook and
+**its DeviceVector's}; both also save "weight_bits", a fingerprint of the weights the state goes
+with (`OutsideWrites.weight_bits`). Every part writes and reads its own piece; loading checks
+every piece before any part changes. torch's state-dict hooks (Optimizer.register_state_dict_pre_hook and
 the three others) run around saving and loading as they do for any torch optimizer.
+
+torch.distributed.checkpoint (DCP). `get_optimizer_state_dict` keeps only "state" and
+"param_groups" (and names parameters by their module path instead of numbers), so
+`param_groups[0]["zenflow"]` holds the "zenflow" section too, as a JSON string: a state without
+the top-level section is read from there. A string, because DCP's full-state-dict load matches
+the saved state's nested keys against a fresh optimizer's, and the section's lists (the update
+in flight) have no fixed length. Under FSDP2 each rank's rows of every state tensor are saved as a DTensor
+sharded like the parameter (`zenflow.distributed.sharded_like`), so DCP writes each block where
+it belongs in the whole tensor and reads back whatever blocks the loading ranks hold: such a
+state is "reshardable" (so is a single process's, whose tensors are whole), and loads on any
+number of ranks through DCP. A DDP rank's state holds its share of the rows as plain tensors,
+which DCP would take for replicas and keep one of: it loads only as each rank saved it.
 
 Versions. A change to what any part saves bumps FORMAT_VERSION and adds a step to `_MIGRATIONS`
 that turns a state of the version before into the new one, so every older state still loads; a
@@ -21,12 +35,17 @@ versions were written down (no "format_version" key).
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
+
+from zenflow.adamw import FP32_STATE
 from zenflow.config.settings import AdamWHyperparameters
-from zenflow.saved_state import check_like
+from zenflow.distributed import is_sharded, local, sharded_like
+from zenflow.saved_state import check_like, check_saved_tensors
 
 
 @dataclass
@@ -45,15 +64,21 @@ class StepCounters:
             setattr(self, f.name, state[f.name])
 
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def _from_v1(saved: dict) -> dict:
     return saved   # version 2 only started writing the version down
 
 
+def _from_v2(saved: dict) -> dict:
+    # Version 3 saves FSDP2 shards as DTensors; version 2 saved every rank's rows as plain
+    # tensors, which only a single process's whole tensors make reshardable.
+    return {**saved, "reshardable": saved.get("world_size", 1) == 1}
+
+
 # version v -> the step that turns a "zenflow" section of version v into version v + 1
-_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1}
+_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2}
 
 
 @dataclass
@@ -72,11 +97,58 @@ class StateParts:
     overlap_step: bool
     world_size: int
     rank: int
+    # the parameters are FSDP2 row shards (DTensors): the state is saved as DTensors too
+    sharded: bool = False
+    # DDP: each rank holds its share of every matrix's rows, as plain tensors
+    replica_rows: bool = False
 
 
 def _numbers(parts: StateParts) -> dict:
     """Each parameter's number, as torch.optim numbers them in a state dict."""
     return {p: i for i, p in enumerate(p for g in parts.param_groups for p in g["params"])}
+
+
+def _saved_keys(parts: StateParts, state_dict: dict) -> dict:
+    """Each parameter's key in the saved "state": the saved param groups' entries in order, as
+    torch.optim.Optimizer.load_state_dict pairs them (numbers from state_dict(), module paths
+    from torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)."""
+    saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+    return dict(zip((p for g in parts.param_groups for p in g["params"]), saved))
+
+
+# The dimension along which each saved tensor is split as the parameter's rows are: host state
+# is a [rows, columns] view (a vector's is one row of all its elements), the selected columns'
+# state is [rows, k] and a vector's device state has the parameter's own shape.
+_HOST_TENSORS = (*FP32_STATE, "grad_sum")
+_COLUMN_TENSORS = FP32_STATE
+
+
+def _sharded(piece: dict, names, param, dim: int) -> dict:
+    return {k: sharded_like(v, param, dim) if k in names else v for k, v in piece.items()}
+
+
+def _weight_bits(parts: StateParts, x):
+    """The fingerprint of the weights this state goes with (OutsideWrites.weight_bits): one
+    value per row, split across FSDP2 ranks as the rows are."""
+    bits = parts.outside_writes.weight_bits(x)
+    return sharded_like(bits, x.param, 0) if parts.sharded else bits
+
+
+def _checked_bits(piece: dict, x, what: str):
+    """The saved weight_bits of a parameter (None in a state of version 2, which had none)."""
+    if "weight_bits" not in piece:
+        return None
+    expected = x.local.shape[0] if x.local.ndim >= 2 else x.local.numel()
+    check_saved_tensors(piece, {"weight_bits": torch.zeros(expected, dtype=torch.int64)}, what)
+    return piece["weight_bits"]
+
+
+def _local(piece):
+    """A saved piece with every DTensor replaced by this rank's block of it (DCP has placed the
+    blocks of a reshardable state; a rank's own state_dict() holds its own)."""
+    if isinstance(piece, dict):
+        return {k: _local(v) for k, v in piece.items()}
+    return local(piece) if is_sharded(piece) else piece
 
 
 def compose(parts: StateParts) -> dict:
@@ -85,18 +157,30 @@ def compose(parts: StateParts) -> dict:
     host = parts.pipeline.state_dict()
     state = {}
     for m in parts.host_params:
-        state[number[m.param]] = {"kind": "host", "host": host["params"][m.host_index],
-                                  "device": m.selected.state_dict()}
+        host_piece, device_piece = host["params"][m.host_index], m.selected.state_dict()
+        if parts.sharded:
+            host_piece = _sharded(host_piece, _HOST_TENSORS, m.param, 0 if m.param.ndim >= 2 else 1)
+            if m.param.ndim >= 2:   # a vector on the host (OffloadAdamW) selects no columns
+                device_piece = _sharded(device_piece, _COLUMN_TENSORS, m.param, 0)
+        state[number[m.param]] = {"kind": "host", "host": host_piece, "device": device_piece,
+                                  "weight_bits": _weight_bits(parts, m)}
     for v in parts.vector_params:
-        state[number[v.param]] = {"kind": "vector", **v.state.state_dict()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [number[p] for p in g["params"]]} for g in parts.param_groups]
-    return {"state": state, "param_groups": groups, "zenflow": {
+        piece = v.state.state_dict()
+        if parts.sharded:
+            piece = _sharded(piece, _COLUMN_TENSORS, v.param, 0)
+        state[number[v.param]] = {"kind": "vector", **piece, "weight_bits": _weight_bits(parts, v)}
+    section = {
         "format_version": FORMAT_VERSION, "optimizer": parts.owner, **parts.counters.state_dict(),
         "selection": parts.selector.state_dict(), "window": parts.window.state_dict(),
         "in_flight": host["in_flight"], "in_flight_jobs": host["in_flight_jobs"],
         "topk_ratio": parts.topk_ratio, "overlap_step": parts.overlap_step,
-        "world_size": parts.world_size, "rank": parts.rank}}
+        "world_size": parts.world_size, "rank": parts.rank,
+        "reshardable": not parts.replica_rows}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [number[p] for p in g["params"]]} for g in parts.param_groups]
+    # Where torch.distributed.checkpoint keeps it (the module docstring).
+    groups[0]["zenflow"] = json.dumps(section)
+    return {"state": state, "param_groups": groups, "zenflow": section}
 
 
 def _current(saved: dict) -> dict:
@@ -116,7 +200,8 @@ def _current(saved: dict) -> dict:
 
 def check(parts: StateParts, state_dict: dict) -> dict:
     """Raise ValueError, naming the optimizer, unless `state_dict` fits; changes nothing. Returns
-    the state dict with its "zenflow" section in this version's format."""
+    what loading reads: the saved "param_groups", the "zenflow" section in this version's format
+    and "pieces", each parameter's saved state with this rank's blocks of it."""
     try:
         return _check(parts, state_dict)
     except ValueError as exc:
@@ -127,18 +212,64 @@ def check(parts: StateParts, state_dict: dict) -> dict:
                          f"({type(exc).__name__}: {exc})") from None
 
 
+def _section(state_dict) -> tuple[dict, bool]:
+    """(the "zenflow" section, whether it came through torch.distributed.checkpoint: only in
+    param_groups[0], where get_optimizer_state_dict keeps it)."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"the state dict is a {type(state_dict).__name__}, not a dict")
+    if isinstance(state_dict.get("zenflow"), dict):
+        return state_dict["zenflow"], False
+    groups = state_dict.get("param_groups")
+    if isinstance(groups, list) and groups and isinstance(groups[0], dict) \
+            and isinstance(groups[0].get("zenflow"), str):
+        try:
+            section = json.loads(groups[0]["zenflow"])
+        except ValueError as exc:
+            raise ValueError(f"param_groups[0]['zenflow'] is not valid JSON ({exc})") from None
+        if isinstance(section, dict):
+            return section, True
+    raise ValueError("got a state dict without the 'zenflow' section; it was not saved by "
+                     "ZenFlowAdamW or OffloadAdamW")
+
+
+def _check_ranks(parts: StateParts, saved: dict, through_dcp: bool) -> None:
+    """A rank's own state loads on the same rank of as many ranks; a reshardable state that came
+    through torch.distributed.checkpoint (whose "rank" is whichever rank DCP kept the section
+    of) loads on any number of FSDP2 ranks or one process."""
+    world_size, rank = saved.get("world_size", 1), saved.get("rank", 0)
+    if through_dcp:
+        if not saved.get("reshardable", world_size == 1):
+            raise ValueError(
+                f"the state was saved by {world_size} data-parallel (DDP) ranks, each holding "
+                "its share of the rows as plain tensors, and came through "
+                "torch.distributed.checkpoint, which keeps one rank's copy of a plain tensor; "
+                "save and load each rank's opt.state_dict() instead (zenflow.initialize's "
+                "save_checkpoint does), or shard the model with FSDP2")
+        if parts.replica_rows:
+            raise ValueError(
+                f"this optimizer runs on {parts.world_size} data-parallel (DDP) ranks, each "
+                "holding its share of the rows, and cannot take its state from "
+                "torch.distributed.checkpoint; load each rank's opt.state_dict() instead, or "
+                "shard the model with FSDP2")
+        return
+    if world_size != parts.world_size:
+        raise ValueError(f"the state was saved by rank {rank} of {world_size}, but this run has "
+                         f"{parts.world_size} rank(s); each rank holds only its share of "
+                         "the host state, so resume on the same number of ranks (an FSDP2 "
+                         "state saved through torch.distributed.checkpoint reshards)")
+    if rank != parts.rank:
+        raise ValueError(f"this is rank {parts.rank} but the state belongs to rank {rank}")
+
+
 def _check(parts: StateParts, state_dict: dict) -> dict:
-    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("zenflow"), dict):
-        raise ValueError("got a state dict without the 'zenflow' section; it was not saved by "
-                         "ZenFlowAdamW or OffloadAdamW")
-    saved = _current(state_dict["zenflow"])
-    state_dict = {**state_dict, "zenflow": saved}
-    if saved.get("optimizer", parts.owner) != parts.owner:
-        raise ValueError(f"the state was saved by {saved['optimizer']}, not {parts.owner}")
+    section, through_dcp = _section(state_dict)
+    saved = _current(section)
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(
             isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         raise ValueError("'param_groups' must be a list of dicts, each with a 'params' list")
+    if saved.get("optimizer", parts.owner) != parts.owner:
+        raise ValueError(f"the state was saved by {saved['optimizer']}, not {parts.owner}")
     sizes = [len(g["params"]) for g in groups]
     if sizes != [len(g["params"]) for g in parts.param_groups]:
         raise ValueError(f"saved param groups have sizes {sizes}, this optimizer's have "
@@ -153,31 +284,32 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     # A window's length is None until its first window ends (a state saved before then).
     check_like(saved.get("window"), parts.window.state_dict(), "window",
                nullable=frozenset({"last_interval"}))
-    world_size, rank = saved.get("world_size", 1), saved.get("rank", 0)
-    if world_size != parts.world_size:
-        raise ValueError(f"the state was saved by rank {rank} of {world_size}, but this run has "
-                         f"{parts.world_size} rank(s); each rank holds only its share of "
-                         "the host state, so resume on the same number of ranks")
-    if rank != parts.rank:
-        raise ValueError(f"this is rank {parts.rank} but the state belongs to rank {rank}")
+    _check_ranks(parts, saved, through_dcp)
     if saved["topk_ratio"] != parts.topk_ratio:
         raise ValueError(f"saved topk_ratio {saved['topk_ratio']} differs from this optimizer's "
                          f"{parts.topk_ratio}")
-    number, states = _numbers(parts), state_dict["state"]
+    key, states = _saved_keys(parts, state_dict), state_dict["state"]
+    pieces, bits = {}, {}
     for m in parts.host_params:
-        piece = _saved_piece(states.get(number[m.param]), "host", m.param)
+        piece = pieces[m.param] = _local(_saved_piece(states.get(key[m.param]), "host", m.param))
         what = f"the selected columns of the parameter of shape {tuple(m.param.shape)}"
         m.selected.check_state_dict(piece.get("device"), what)
         if saved["selection"]["has_chosen"]:
             m.selected.check_columns(piece["device"], m.num_columns, what)
+        bits[m.param] = _checked_bits(piece, m, f"the parameter of shape {tuple(m.param.shape)}")
     for v in parts.vector_params:
-        v.state.check_state_dict(_saved_piece(states.get(number[v.param]), "vector", v.param),
-                                 f"the parameter of shape {tuple(v.param.shape)}")
+        piece = pieces[v.param] = _local(_saved_piece(states.get(key[v.param]), "vector", v.param))
+        what = f"the parameter of shape {tuple(v.param.shape)}"
+        v.state.check_state_dict(piece, what)
+        bits[v.param] = _checked_bits(piece, v, what)
     parts.pipeline.check_state_dict(
-        {"params": [states[number[m.param]]["host"] for m in parts.host_params],
+        {"params": [pieces[m.param]["host"] for m in parts.host_params],
          "in_flight": saved.get("in_flight"), "in_flight_jobs": saved.get("in_flight_jobs")},
         window_steps=saved["window_steps"])
-    return state_dict
+    # What _load() reads: the section in this version's format and each parameter's piece with
+    # this rank's blocks, by parameter.
+    return {"param_groups": groups, "zenflow": saved, "pieces": pieces,
+            "weight_bits": {p: b for p, b in bits.items() if b is not None}}
 
 
 def _check_hyperparameters(owner: str, index: int, group: dict) -> None:
@@ -196,24 +328,25 @@ def _saved_piece(saved, kind: str, param) -> dict:
 
 
 def _load(parts: StateParts, state_dict: dict) -> None:
-    state_dict = check(parts, state_dict)
-    number, states, saved = _numbers(parts), state_dict["state"], state_dict["zenflow"]
-    parts.pipeline.load_state_dict({"params": [states[number[m.param]]["host"]
+    checked = check(parts, state_dict)
+    pieces, saved = checked["pieces"], checked["zenflow"]
+    parts.pipeline.load_state_dict({"params": [pieces[m.param]["host"]
                                                for m in parts.host_params],
                                     "in_flight": saved["in_flight"],
                                     "in_flight_jobs": saved.get("in_flight_jobs")})
     for m in parts.host_params:
-        m.selected.load_state_dict(states[number[m.param]]["device"])
+        m.selected.load_state_dict(pieces[m.param]["device"])
     for v in parts.vector_params:
-        v.state.load_state_dict(states[number[v.param]])
-    for group, saved_group in zip(parts.param_groups, state_dict["param_groups"]):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        v.state.load_state_dict(pieces[v.param])
+    for group, saved_group in zip(parts.param_groups, checked["param_groups"]):
+        group.update({k: v for k, v in saved_group.items() if k not in ("params", "zenflow")})
     parts.counters.load_state_dict(saved)
     parts.selector.load_state_dict(saved["selection"])
     parts.window.load_state_dict(saved["window"])
     # The weights as they are now (usually just loaded from the same checkpoint) belong with
-    # this state; only later outside writes are adopted.
-    parts.outside_writes.forget()
+    # this state, and so do the state's own weights loaded before the next step (DCP's
+    # set_state_dict loads the optimizer first); other writes are adopted.
+    parts.outside_writes.forget(saved_bits=checked["weight_bits"])
 
 
 def save(opt, parts: StateParts) -> dict:

@@ -78,16 +78,56 @@ def _host(entries, gpus: int, sum_slots: int, staging_slots: int) -> dict:
             "host_bytes_rank0": first}
 
 
+def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dtype, world: int,
+             overlap: bool, staging_slots: int) -> dict:
+    """Bytes per rank of ZenFlowAdamW on `world` ranks, replicas (DDP) against row shards (FSDP2),
+    for rank 0, which holds the largest share (ceil(rows / world) rows of every matrix, as both
+    split them): the table of docs/fsdp2.md, exactly. `mats` holds (rows, columns, k) per matrix,
+    `vecs` each vector's length. Under FSDP2 a rank also holds one unsharded block's weights while
+    it computes (not counted: it depends on how the model was wrapped)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    vector_state = 8 if item == 4 else 12    # fp32 moments (+ an fp32 master unless fp32)
+
+    def rows0(n: int) -> int:
+        return min(n, math.ceil(n / world))
+
+    def device(rows, vec_len) -> dict:
+        weights = item * (sum(rows(r) * c for r, c, _ in mats) + sum(vec_len(n) for n in vecs))
+        state = (sum(rows(r) * k * 16 + k * 8 for r, _, k in mats)
+                 + vector_state * sum(vec_len(n) for n in vecs))
+        return {"weights_bytes": weights, "grads_bytes": weights, "state_bytes": state,
+                "total_bytes": 2 * weights + state}
+
+    host = _host([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1,
+                 staging_slots)["host_bytes_rank0"]
+    deferred = [(r, c) for r, c, k in mats if k < c]
+    own = sum(rows0(r) * c for r, c in deferred)
+    # with device sums: the fp32 sums of the rank's rows down, its rows (weights' dtype) up
+    bus = {"sums_d2h_bytes_per_window": 4 * own, "install_h2d_bytes_per_window": item * own}
+    gather = item * (sum(r * c for r, c in deferred) - own) if world > 1 else 0
+    return {"world_size": world, "rank": 0,
+            "ddp": {**device(lambda r: r, lambda n: n), "host_bytes": host, **bus,
+                    "install_allgather_bytes_per_window": gather},
+            "fsdp2": {**device(rows0, rows0), "host_bytes": host, **bus,
+                      "install_allgather_bytes_per_window": 0}}
+
+
 def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              gpu_memory_bytes: int | None = None, topk_ratio: float = 0.1,
              update_interval: int | str = "auto", overlap: bool = True,
              fwd_bwd_s: float | None = None, measured: dict | None = None, target: str = "cuda",
              source: str = "", device_sum_budget: int | str = "auto",
-             activation_bytes: int = 0) -> dict:
-    """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...].
+             activation_bytes: int = 0, fsdp: int | None = None) -> dict:
+    """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...]. `fsdp`:
+    also the bytes per rank of the model sharded that many ways with FSDP2 (`per_rank`), beside
+    DDP's on as many GPUs (`gpus` must then be that number).
     `device_sum_budget`: bytes, or "auto" as the optimizer decides it (what the device has left
     after its peak, here the weights, gradients, device state, reserve and `activation_bytes`,
     less a tenth of its memory; 0 on a CPU device)."""
+    if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1
+                             or fsdp != gpus):
+        raise ValueError(f"fsdp must be the number of GPUs the model is sharded over (>= 1, "
+                         f"equal to gpus={gpus}), got {fsdp!r}")
     item = torch.empty((), dtype=dtype).element_size()
     U, world = update_interval, gpus
     fig, fig_source = _figures(measured, target)
@@ -199,7 +239,15 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          "the device) once per window"),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",
     ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
-    return {"model": {"params": P, "matrices": len(mats), "matrix_params": P_mat,
+    sharded = per_rank(mats, vecs, dtype, world, overlap, staging) if fsdp else None
+    if sharded:
+        left = gpu_memory_bytes - RESERVE_BYTES - sharded["fsdp2"]["total_bytes"]
+        sharded["fsdp2"]["left_for_activations_bytes"] = left
+        sharded["ddp"]["left_for_activations_bytes"] = left_ddp = (
+            gpu_memory_bytes - RESERVE_BYTES - sharded["ddp"]["total_bytes"])
+        sharded["fsdp2"]["fits"], sharded["ddp"]["fits"] = left > 0, left_ddp > 0
+    return {"per_rank": sharded,
+            "model": {"params": P, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,
                       "dtype": str(dtype).removeprefix("torch."), "source": source},
             "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
@@ -353,8 +401,29 @@ def format_report(r: dict) -> str:
                 f"{tm['min_update_interval_hiding_host'] or '-'} "
                 f"({tm['min_update_interval_note']})"]
     out += [f"  {k}: {v}" for k, v in tm["formulas"].items()]
+    if r.get("per_rank"):
+        out += [""] + _format_per_rank(r["per_rank"])
     out += ["", "Assumptions"] + [f"  - {a}" for a in r["assumptions"]]
     return "\n".join(out)
+
+
+def _format_per_rank(pr: dict) -> list[str]:
+    d, f = pr["ddp"], pr["fsdp2"]
+    out = [f"{'ZenFlowAdamW per rank, ' + str(pr['world_size']) + ' ranks (rank 0)':<40}"
+           f"{'DDP (replicas)':>18}{'FSDP2 (shards)':>18}"]
+    for name, key in (("device: weights", "weights_bytes"), ("device: gradients", "grads_bytes"),
+                      ("device: ZenFlow state", "state_bytes"), ("device: total", "total_bytes"),
+                      ("device: left for activations", "left_for_activations_bytes"),
+                      ("host: ZenFlow state", "host_bytes"),
+                      ("bus per window: fp32 sums down", "sums_d2h_bytes_per_window"),
+                      ("bus per window: rows up", "install_h2d_bytes_per_window"),
+                      ("network per window: install", "install_allgather_bytes_per_window")):
+        out.append(f"  {name:<38}{_gib(d[key]):>18}{_gib(f[key]):>18}")
+    out.append(f"  {'fits':<38}{'yes' if d['fits'] else 'NO':>18}"
+               f"{'yes' if f['fits'] else 'NO':>18}")
+    out.append("  (FSDP2 also holds one unsharded block's weights while it computes; both "
+               "exchange column norms, and FSDP2 two numbers per step for clipping)")
+    return out
 
 
 # ---------------------------------------------------------------------------------- command
@@ -365,7 +434,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", default=None, help="a `zenflow bench` preset name (e.g. cpu-llama)")
     src.add_argument("--shapes", default=None,
                      help='parameter shapes, e.g. "4096x4096*128,11008x4096*64,4096*65"')
-    p.add_argument("--gpus", type=int, default=1, help="GPUs (data-parallel ranks) on the host")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs (data-parallel ranks) on the host (default 1, or --fsdp's N)")
+    p.add_argument("--fsdp", type=int, default=None, metavar="N",
+                   help="also print the bytes per rank with the model sharded N ways by FSDP2, "
+                        "beside DDP's on N GPUs")
     p.add_argument("--gpu-memory", type=float, default=None,
                    help="GiB per GPU (default: the selftest's GPU, else 80)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
@@ -430,11 +503,15 @@ def run(args: argparse.Namespace) -> int:
             shapes, dtype, source = shapes_from.parse_shapes(args.shapes), None, "--shapes"
         if args.dtype:
             dtype = shapes_from.DTYPES[args.dtype]
-        if args.gpus < 1 or not 0 <= args.topk_ratio <= 1:
+        if args.fsdp is not None and (args.fsdp < 1 or args.gpus not in (None, args.fsdp)):
+            raise ValueError(f"--fsdp N shards the model over N GPUs: N must be >= 1 and --gpus "
+                             f"left out or equal to it, got --fsdp {args.fsdp} --gpus {args.gpus}")
+        gpus = args.fsdp or args.gpus or 1
+        if gpus < 1 or not 0 <= args.topk_ratio <= 1:
             raise ValueError("--gpus must be >= 1 and --topk-ratio in [0, 1]")
         target = args.device or ("cpu" if measured and str(measured.get("device", "")
                                                              ).startswith("cpu") else "cuda")
-        report = estimate(shapes, dtype or torch.bfloat16, gpus=args.gpus,
+        report = estimate(shapes, dtype or torch.bfloat16, gpus=gpus, fsdp=args.fsdp,
                           gpu_memory_bytes=int(args.gpu_memory * GIB) if args.gpu_memory else None,
                           topk_ratio=args.topk_ratio, update_interval=args.update_interval,
                           overlap=args.overlap, fwd_bwd_s=args.fwd_bwd_seconds,
