@@ -227,7 +227,8 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     assert main(["estimate", "--shapes", "1024x1024*8,1024*8", "--dtype", "bf16",
                  "--fwd-bwd-seconds", "0.05", "--gpu-memory", "24", "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    for text in ("Per GPU", "Per host", "Bus per GPU", "Step time", "Assumptions", "ASSUMED"):
+    for text in ("Per GPU", "Per host", "Bus per GPU", "Step time", "Assumptions", "ASSUMED",
+                 "Quality at windows of"):
         assert text in out
     report = json.loads(path.read_text())
     assert report["model"]["params"] == 8 * 1024 * 1024 + 8 * 1024
@@ -265,3 +266,20 @@ def test_a_cpu_estimate_says_it_models_a_cpu_device_not_a_gpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "device cpu" in out and "Per CPU device" in out and "Bus per CPU device" in out
     assert "Per GPU" not in out and "Bus per GPU" not in out
+
+
+def test_the_expected_quality_cost_follows_the_window():
+    """The estimate says what its expected window costs in fine-tune quality, from the
+    benchmark's table (linear between measured lengths, the last value beyond them)."""
+    from zenflow.tools.estimate import QUALITY_BY_WINDOW, expected_quality_gap
+    table = dict(QUALITY_BY_WINDOW)
+    assert [expected_quality_gap(u) for u in table] == list(table.values())
+    assert expected_quality_gap(2) == pytest.approx(table[1] + (table[4] - table[1]) / 3)
+    assert expected_quality_gap(6) == pytest.approx((table[4] + table[8]) / 2)
+    assert expected_quality_gap(16) == table[8]
+    shapes = llama_shapes(256, 4, 688, 1000, 4)
+    fixed = estimate(shapes, update_interval=4, fwd_bwd_s=0.5)["quality"]
+    assert (fixed["window_steps"], fixed["held_out_loss_gap_pct"]) == (4, table[4])
+    assert not fixed["beyond_measured"]
+    auto = estimate(shapes, update_interval="auto", fwd_bwd_s=0.5)
+    assert auto["quality"]["window_steps"] == auto["settings"]["update_interval"]

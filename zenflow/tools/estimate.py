@@ -28,6 +28,25 @@ from zenflow.tools import estimate_shapes as shapes_from
 
 GIB = 1 << 30
 RESERVE_BYTES = int(1.5 * GIB)
+
+# What a window's length costs in fine-tune quality: the defaults' held-out loss against AdamW's at
+# windows of 1, 4 and 8 steps (benchmarks/finetune_quality.py: a byte-level GPT pretrained on
+# Shakespeare, fine-tuned 300 steps on BBC News, mean of 3 seeds; benchmarks/README.md). One small
+# model's fine-tune: it shows how the cost grows with the window, not what your model will lose.
+QUALITY_BY_WINDOW = ((1, 0.35), (4, 4.8), (8, 6.1))
+
+
+def expected_quality_gap(window: int) -> float:
+    """The held-out loss gap (percent) QUALITY_BY_WINDOW gives a window of `window` steps:
+    linear between the measured lengths, the last measured value beyond them."""
+    (first, gap), *rest = QUALITY_BY_WINDOW
+    if window <= first:
+        return gap
+    for length, next_gap in rest:
+        if window <= length:
+            return gap + (next_gap - gap) * (window - first) / (length - first)
+        first, gap = length, next_gap
+    return gap
 # Used where no --selftest-json supplies a measured figure; each is printed as an assumption.
 ASSUMED = {
     "host_adamw_params_per_s": (1.0e9, "host AdamW over the worker's cores (fused kernel, "
@@ -250,6 +269,10 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
             "model": {"params": P, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,
                       "dtype": str(dtype).removeprefix("torch."), "source": source},
+            "quality": {"window_steps": U, "held_out_loss_gap_pct": expected_quality_gap(U),
+                        "beyond_measured": U > QUALITY_BY_WINDOW[-1][0],
+                        "measured": dict(QUALITY_BY_WINDOW),
+                        "source": "benchmarks/finetune_quality.py (a small model's fine-tune)"},
             "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
                          "update_interval_asked": update_interval,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s},
@@ -326,6 +349,14 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
 
 
 # ---------------------------------------------------------------------------------- output
+def _quality_line(q: dict) -> str:
+    measured = ", ".join(f"{u}: {g:+.1f}%" for u, g in q["measured"].items())
+    at_least = " or more" if q["beyond_measured"] else ""
+    return (f"Quality at windows of {q['window_steps']} steps: about {q['held_out_loss_gap_pct']:+.1f}%"
+            f"{at_least} held-out loss against AdamW on the fine-tune benchmark (windows {measured}; "
+            "a small model's fine-tune, for the trend: benchmarks/README.md)")
+
+
 def _gib(n) -> str:
     return f"{n / GIB:8.2f} GiB"
 
@@ -343,7 +374,8 @@ def format_report(r: dict) -> str:
            f"Settings: {s['gpus']} GPU(s), topk_ratio {s['topk_ratio']}, update_interval "
            f"{s['update_interval']}" + (" (expected auto window)" if
                                         s["update_interval_asked"] == "auto" else "") +
-           f", overlap_step {s['overlap_step']}, device {s['target']}", "",
+           f", overlap_step {s['overlap_step']}, device {s['target']}",
+           _quality_line(r["quality"]), "",
            f"{f'Per {unit} (' + format(g['gpu_memory_bytes'] / GIB, '.1f') + ' GiB)':<30}" +
            "".join(f"{h:>16}" for h in ("AdamW", "AdamW fp32 mstr", "OffloadAdamW",
                                          "ZenFlowAdamW"))]
