@@ -1,5 +1,6 @@
 """benchmarks/finetune_quality.py runs end to end (tiny sizes) and reports what it claims."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,3 +33,20 @@ def test_quick_run_writes_a_summary_with_offload_equal_to_adamw(tmp_path):
         pytest.approx(adamw, rel=1e-5)
     assert summary["OffloadAdamW"]["new_gap_pct"] == pytest.approx(0.0, abs=1e-3)
     assert all(r["new_loss"] > 0 and r["old_loss"] > 0 for r in result["runs"])
+
+
+@pytest.mark.slow
+def test_the_second_direction_and_an_emulated_slow_host_run(tmp_path):
+    """BBC News -> Shakespeare at width 256, with the auto windows of a host emulated as four
+    device steps slow: every window is then at least four steps long."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_quality.py"), "--quick",
+                    "--quiet", "--seeds", "0", "--direction", "bbc-to-shakespeare", "--systems",
+                    "AdamW", "defaults, host 4 steps slow", "--out", str(tmp_path), "--name", "q"],
+                   check=True, env=env, timeout=300, cwd=tmp_path)
+    result = json.loads((tmp_path / "q.json").read_text())
+    assert result["direction"] == "bbc-to-shakespeare" and result["model"]["n_embd"] == 256
+    slow = [r for r in result["runs"] if r["system"] == "defaults, host 4 steps slow"]
+    assert slow and all(r["windows"] <= math.ceil(result["setting"]["steps"] / 4) for r in slow)
+    assert "old_gap_pct" in result["summary"]["defaults, host 4 steps slow"]
