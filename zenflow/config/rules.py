@@ -245,3 +245,15 @@ def select_interval_for(strategy: str, interval: int | str) -> None:
             f'for every {interval} steps use select_strategy="step"',
             f'must be "auto" when select_strategy is "{strategy}" (it {what}), got '
             f'{interval!r}; for every {interval} steps set select_strategy "step"')
+
+
+def select_interval_fits_strategy(interval, info):
+    """A pydantic field validator of `select_interval` (the constructor's settings and the JSON
+    block share it): `select_interval_for` against the `select_strategy` already validated."""
+    strategy = info.data.get("select_strategy")   # absent when it was refused itself
+    if strategy is not None:
+        try:
+            select_interval_for(strategy, interval)
+        except Invalid as exc:
+            raise pydantic_error(exc) from None
+    return interval

@@ -15,7 +15,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -28,7 +27,6 @@ from zenflow.config.rules import (
     Exponent,
     Flag,
     Fraction,
-    Invalid,
     Iteration,
     LearningRate,
     Lookahead,
@@ -41,8 +39,7 @@ from zenflow.config.rules import (
     SelectStrategy,
     UpdateInterval,
     WeightDecay,
-    pydantic_error,
-    select_interval_for,
+    select_interval_fits_strategy,
 )
 from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 
@@ -102,16 +99,7 @@ class ZenFlowSection(_Section):
     deferred_credit: DeferredCredit = DEFAULTS.deferred_credit
     install_lookahead: Lookahead = DEFAULTS.install_lookahead
 
-    @field_validator("select_interval")
-    @classmethod
-    def _fits_the_strategy(cls, interval, info: ValidationInfo):
-        strategy = info.data.get("select_strategy")   # absent when it was refused itself
-        if strategy is not None:
-            try:
-                select_interval_for(strategy, interval)
-            except Invalid as exc:
-                raise pydantic_error(exc) from None
-        return interval
+    _fits_the_strategy = field_validator("select_interval")(select_interval_fits_strategy)
 
     def settings(self, max_grad_norm: float | None) -> ZenFlowSettings:
         """The optimizer's settings: these keys, the clipping norm, and defaults for the rest."""

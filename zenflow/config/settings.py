@@ -19,7 +19,7 @@ to `ZenFlowSection` in config_schema.py. Torch-free, like the config.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from zenflow.config.rules import (
     ERROR_TYPE,
@@ -31,7 +31,6 @@ from zenflow.config.rules import (
     Fraction,
     Importance,
     IntervalBounds,
-    Invalid,
     LearningRate,
     Lookahead,
     NonNegInt,
@@ -41,8 +40,7 @@ from zenflow.config.rules import (
     SelectStrategy,
     UpdateInterval,
     WeightDecay,
-    pydantic_error,
-    select_interval_for,
+    select_interval_fits_strategy,
 )
 
 
@@ -165,16 +163,7 @@ class ZenFlowSettings(_Arguments):
     # for debugging and for machines without a spare core).
     worker: Flag = True
 
-    @field_validator("select_interval")
-    @classmethod
-    def _fits_the_strategy(cls, interval, info: ValidationInfo):
-        strategy = info.data.get("select_strategy")   # absent when it was refused itself
-        if strategy is not None:
-            try:
-                select_interval_for(strategy, interval)
-            except Invalid as exc:
-                raise pydantic_error(exc) from None
-        return interval
+    _fits_the_strategy = field_validator("select_interval")(select_interval_fits_strategy)
 
 
 DEFAULTS = ZenFlowSettings()
