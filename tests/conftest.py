@@ -1,5 +1,23 @@
+import signal
+
 import pytest
 import torch
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test. A shell starts its background
+    jobs (`make test &`, nohup) with SIGINT ignored, and Python then keeps it ignored: a test of
+    what Ctrl-C does needs the handler an interactive run has."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def sigint_as_in_a_terminal():
+    """A child process's preexec_fn: SIGINT back to its default, so that the child's Python
+    installs its KeyboardInterrupt handler even when this run started with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)

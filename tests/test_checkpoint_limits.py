@@ -19,7 +19,8 @@ def _save(root, version, tag="t"):
                             meta={"version": version})
 
 
-def test_ctrl_c_while_torch_writes_raises_keyboard_interrupt(tmp_path, monkeypatch):
+def test_ctrl_c_while_torch_writes_raises_keyboard_interrupt(tmp_path, monkeypatch,
+                                                              ctrl_c_raises):
     """A real SIGINT while torch.save is inside its C++ writer: KeyboardInterrupt (not torch's
     "unexpected pos" RuntimeError), and the previous checkpoint stays intact (item 13)."""
     _save(tmp_path, 1)

@@ -169,7 +169,7 @@ class _InterruptAfter:
 
 
 @pytest.mark.parametrize("method", ["send", "recv"])
-def test_ctrl_c_inside_worker_bookkeeping_then_save(method):
+def test_ctrl_c_inside_worker_bookkeeping_then_save(method, ctrl_c_raises):
     """Ctrl-C between a message and its bookkeeping: the next state_dict() and steps do not hang
     (item 10), and the KeyboardInterrupt still reaches the caller."""
     model = _model()

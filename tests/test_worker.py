@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from conftest import sigint_as_in_a_terminal
 
 import zenflow
 from zenflow.host.buffers import HostJob, HostLayout, HostState
@@ -226,7 +227,7 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["exit", "sigkill", "sigint"])
 def test_no_worker_survives_its_parent(how):
     child = subprocess.Popen([sys.executable, "-c", _CHILD, "exit" if how == "exit" else "hang"],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
     try:
         worker_pid = int(child.stdout.readline())
         if how == "sigkill":
