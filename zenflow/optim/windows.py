@@ -114,7 +114,8 @@ class AutoWindow:
         self.reason = ""
         # Benchmark-only, never a setting: treat every host update as taking at least this many
         # device steps, so a CPU machine (whose host keeps up after one step) runs the windows a
-        # GPU would (zenflow.tools.bench.harness.emulate_slow_host). Not saved in state_dict().
+        # GPU would (zenflow.tools.finetune.optim.make_optimizer's emulated_host_steps). Not saved
+        # in state_dict().
         self.emulated_host_steps = 0
 
     def observe(self, deferred_sq: float, deferred_cols: int, selected_sq: float,

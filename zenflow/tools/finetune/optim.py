@@ -44,17 +44,16 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float
         return torch.optim.AdamW(params, **adamw)
     if kind == "offload":
         return zenflow.OffloadAdamW(params, **adamw, max_grad_norm=max_grad_norm)
-    auto = ZENFLOW_AUTO if kind == "zenflow-auto" else {}
-    opt = zenflow.ZenFlowAdamW(params, **adamw, max_grad_norm=max_grad_norm,
-                               **{**auto, **zenflow_settings})
-    if emulated_host_steps:
-        from zenflow.optim.windows import AutoWindow
-        if not isinstance(opt._window, AutoWindow) or not opt.settings.overlap_step:
-            opt.close()
+    settings = {**(ZENFLOW_AUTO if kind == "zenflow-auto" else {}), **zenflow_settings}
+    if emulated_host_steps:   # checked before the optimizer (and its worker) exists
+        chosen = zenflow.ZenFlowSettings.from_arguments("make_optimizer", **settings)
+        if chosen.update_interval != "auto" or not chosen.overlap_step:
             raise ValueError(f"emulated_host_steps={emulated_host_steps} needs "
                              "update_interval='auto' and overlap_step=True, got update_interval="
-                             f"{opt.settings.update_interval!r}, overlap_step={opt.settings.overlap_step}")
-        opt._window.emulated_host_steps = emulated_host_steps
+                             f"{chosen.update_interval!r}, overlap_step={chosen.overlap_step}")
+    opt = zenflow.ZenFlowAdamW(params, **adamw, max_grad_norm=max_grad_norm, **settings)
+    if emulated_host_steps:
+        opt._window.emulated_host_steps = emulated_host_steps   # an AutoWindow, checked above
     return opt
 
 
