@@ -17,9 +17,11 @@ def batch(step: int):
     return torch.randn(GLOBAL_BATCH, 12, generator=g), torch.randn(GLOBAL_BATCH, 5, generator=g)
 
 
-def optimizer_kwargs(overlap: bool) -> dict:
+def optimizer_kwargs(overlap: bool, moments: bool = False) -> dict:
+    """`moments`: every window sum on the (CPU) device, so deferred_credit "moments" applies."""
     return dict(lr=3e-3, topk_ratio=0.2, update_interval=3, overlap_step=overlap,
-                select_strategy="step", select_interval=4, max_grad_norm=5.0)
+                select_strategy="step", select_interval=4, max_grad_norm=5.0,
+                **(dict(deferred_credit="moments", device_sum_budget=1 << 40) if moments else {}))
 
 
 def engine_config(overlap: bool, world: int = 2, update_interval=3) -> dict:
@@ -34,11 +36,11 @@ def engine_config(overlap: bool, world: int = 2, update_interval=3) -> dict:
                                               "overlap_step": overlap}}}
 
 
-def train_single_process(steps: int, overlap: bool):
+def train_single_process(steps: int, overlap: bool, moments: bool = False):
     """(model, optimizer) after `steps` steps of one process on the whole global batch."""
     model = make_mlp()
     opt = zenflow.ZenFlowAdamW(model.parameters(), weight_decay=0.01, worker=False,
-                               **optimizer_kwargs(overlap))
+                               **optimizer_kwargs(overlap, moments))
     for t in range(steps):
         x, y = batch(t)
         opt.zero_grad()

@@ -48,8 +48,8 @@ def train(model, opt, start: int, stop: int, rank: int, world: int) -> None:
 def _fsdp(rank, world, steps, options, result):
     model = sharded_mlp(options.get("mixed_precision", False))
     cls = zenflow.OffloadAdamW if options.get("offload") else zenflow.ZenFlowAdamW
-    kwargs = dict(optimizer_kwargs(options.get("overlap", False)), weight_decay=0.01,
-                  worker=options.get("worker", False))
+    kwargs = dict(optimizer_kwargs(options.get("overlap", False), options.get("moments", False)),
+                  weight_decay=0.01, worker=options.get("worker", False))
     if cls is zenflow.OffloadAdamW:
         kwargs = {k: kwargs[k] for k in ("lr", "weight_decay", "max_grad_norm", "worker")}
     opt = cls(model.parameters(), **kwargs)
@@ -61,14 +61,15 @@ def _fsdp(rank, world, steps, options, result):
         host_bytes=stats["host_bytes"], d2h_bytes=stats["d2h_bytes_total"],
         h2d_bytes=stats["h2d_bytes_total"], reselections=stats["reselections"],
         windows=stats["windows"], skipped=stats["skipped_steps"],
+        moments_matrices=stats.get("moments_matrices"),
         collective_bytes_sent=stats["collective_bytes_sent"])
     opt.close()
 
 
-def single_process_fsdp_reference(steps: int, overlap: bool) -> dict:
+def single_process_fsdp_reference(steps: int, overlap: bool, moments: bool = False) -> dict:
     """One process, the whole global batch each step, plain tensors (the reference)."""
     from dist_helpers import train_single_process
-    model, opt = train_single_process(steps, overlap)
+    model, opt = train_single_process(steps, overlap, moments)
     stats = opt.stats()
     out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
            "selections": selections(opt), "host_bytes": stats["host_bytes"],

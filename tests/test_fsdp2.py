@@ -20,10 +20,10 @@ def run_fsdp(tmp_path, mode, world=2, steps=STEPS, timeout=120, **options):
                        timeout)
 
 
-def check_matches_single_process(ranks, world, overlap):
+def check_matches_single_process(ranks, world, overlap, moments=False):
     """Weights after STEPS steps equal one process on the whole batch; the ranks chose the same
     columns as it; each rank holds and moves only its own rows."""
-    single = single_process_fsdp_reference(STEPS, overlap)
+    single = single_process_fsdp_reference(STEPS, overlap, moments)
     # Every rank chose the same columns, and the single process chose them too (the MLP's
     # column norms have no near-ties at this seed; a near-tie could legitimately differ).
     for r in ranks:
@@ -53,6 +53,7 @@ def test_fsdp2_on_two_ranks(tmp_path):
     """One set of 2 ranks: ZenFlowAdamW with and without overlap, OffloadAdamW, bf16 mixed
     precision, the refusals, and a bit-exact resume from each rank's saved shards."""
     runs = {"sync": ("fsdp", {}), "overlap": ("fsdp", {"overlap": True, "worker": True}),
+            "moments": ("fsdp", {"overlap": True, "moments": True}),
             "offload": ("fsdp", {"offload": True}),
             "mixed": ("fsdp", {"mixed_precision": True}), "refused": ("refused", {}),
             "resume": ("resume", {})}
@@ -60,6 +61,9 @@ def test_fsdp2_on_two_ranks(tmp_path):
     assert_ok(ranks)
     for name in ("sync", "overlap"):
         check_matches_single_process([r[name] for r in ranks], 2, overlap=name == "overlap")
+    # deferred_credit "moments" on row shards: each rank steps and corrects its own rows
+    check_matches_single_process([r["moments"] for r in ranks], 2, overlap=True, moments=True)
+    assert all(r["moments"]["moments_matrices"] == 3 for r in ranks)
 
     offload = [r["offload"] for r in ranks]
     assert_same(offload[0]["weights"], offload[1]["weights"], exact=True)

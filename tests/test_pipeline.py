@@ -225,16 +225,25 @@ def test_auto_device_sum_budget_on_a_cpu_device_keeps_every_sum_on_the_host():
     assert stats["device_sum_bytes"] == 0
 
 
-def test_device_summed_matrices_send_no_gradient_to_the_host_until_the_window_ends():
+@pytest.mark.parametrize("credit", ["mean", "moments"])
+def test_device_summed_matrices_send_no_gradient_to_the_host_until_the_window_ends(credit):
     layer = torch.nn.Linear(16, 8, bias=False)
     opt = zenflow.ZenFlowAdamW(layer.parameters(), topk_ratio=0.25, update_interval=4,
-                               overlap_step=True, worker=False, device_sum_budget=10 ** 6)
-    moved = []
-    for _ in range(8):
+                               overlap_step=True, worker=False, device_sum_budget=10 ** 6,
+                               deferred_credit=credit, select_strategy="step",
+                               select_interval=10 ** 6)   # no reselection's install
+    moved, installed = [], []
+    for _ in range(12):
         layer(torch.randn(2, 16)).sum().backward()
         opt.step()
         opt.zero_grad()
         moved.append(opt.timeline()["steps"][-1]["d2h_bytes"])
+        installed.append(opt.timeline()["steps"][-1]["h2d_bytes"])
     opt.close()
-    # Once per window, the fp32 sum of the 8 x 16 matrix: 4 bytes a parameter.
-    assert moved == [0, 0, 0, 8 * 16 * 4] * 2
+    # Once per window, the fp32 sum of the 8 x 16 matrix: 4 bytes a parameter; "moments" also
+    # sends its squares, and an install brings the fp32 rates with the values.
+    per_param = 4 if credit == "mean" else 8
+    assert moved == [0, 0, 0, 8 * 16 * per_param] * 3
+    values = 8 * 16 * 4
+    install = values + (credit == "moments") * values   # at the ends of windows 2 and 3
+    assert installed == [0] * 7 + [install] + [0] * 3 + [install]

@@ -44,7 +44,8 @@ def run_pair(case, seed):
     opt = zenflow.ZenFlowAdamW(params, **kwargs, select_strategy="step",
                                select_interval=interval if interval else 10 ** 6,
                                device_sum_budget=case.get("device_sum_budget", 0))
-    ref = ReferenceZenFlow(ref_params, **kwargs, select_interval=interval)
+    ref = ReferenceZenFlow(ref_params, **kwargs, select_interval=interval,
+                           host_summed=case.get("host_summed", ()))
     for t in range(case["steps"]):
         grads = [torch.randn(s, generator=gen) * (1 + 3 * (i % 2)) for i, s in enumerate(SHAPES)]
         if case["missing_grads"] and t % 4 == 1:

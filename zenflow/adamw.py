@@ -50,6 +50,47 @@ def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
     torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias1)
 
 
+def adamw_moments_(params: list[torch.Tensor], grad_sums: list[torch.Tensor],
+                   square_sums: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                   exp_avg_sqs: list[torch.Tensor], step: int, num_grads: int, *, lr: float,
+                   beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """A window of `num_grads` gradients as one AdamW step (deferred_credit="moments",
+    docs/semantics.md): the moments become what `num_grads` AdamW steps on gradients with the
+    window's mean and mean square would leave, m <- b1^n m + (1 - b1^n) mean(g) and
+    v <- b2^n v + (1 - b2^n) mean(g^2), and the value takes one step of `lr` (the caller passes
+    n times the group's) with the bias corrections at `step`, the count after the window's
+    gradients. Same-device fp32 tensors, updated in place in cache-sized chunks; the sums are
+    left as they were."""
+    n = float(num_grads)
+    decay1, decay2 = beta1 ** num_grads, beta2 ** num_grads
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    for x, s, q, m, v in zip(params, grad_sums, square_sums, exp_avgs, exp_avg_sqs):
+        for part in _chunks(x.numel()):
+            xs, ms, vs = x.view(-1)[part], m.view(-1)[part], v.view(-1)[part]
+            ms.mul_(decay1).add_(s.view(-1)[part], alpha=(1.0 - decay1) / n)
+            vs.mul_(decay2).add_(q.view(-1)[part], alpha=(1.0 - decay2) / n)
+            denom = vs.sqrt().div_(bias2_sqrt).add_(eps)
+            xs.mul_(1.0 - lr * weight_decay).addcdiv_(ms, denom, value=-lr / bias1)
+
+
+def adam_rate(out: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, *, beta2: float,
+              eps: float) -> None:
+    """out = 1 / (sqrt(v / (1 - beta2^step)) + eps), in out's dtype: how far one AdamW step
+    moves a value per unit of gradient, without momentum (the device's interim steps)."""
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    for part in _chunks(out.numel()):
+        denom = exp_avg_sq.view(-1)[part].sqrt().div_(bias2_sqrt).add_(eps)
+        out.view(-1)[part].copy_(denom.reciprocal_())
+
+
+_CHUNK = 1 << 18   # elements per pass of the chunked kernels: their temporaries stay in cache
+
+
+def _chunks(numel: int):
+    return (slice(start, min(numel, start + _CHUNK)) for start in range(0, numel, _CHUNK))
+
+
 def adamw_lookahead(out: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, step: int, *, lr: float, beta1: float,
                     beta2: float, eps: float, weight_decay: float, fraction: float) -> None:

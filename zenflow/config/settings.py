@@ -127,12 +127,22 @@ class ZenFlowSettings(_Arguments):
     # Measured on a fine-tune (benchmarks/finetune_quality.py): "window" closes most of the gap
     # to AdamW with overlap_step=False; with the one-window-stale installs of overlap_step=True
     # its larger steps overshoot unless windows are short.
-    deferred_credit: DeferredCredit = "mean"
+    # "moments", for the matrices whose window sums are on the device (`device_sum_budget`; the
+    # others take "mean"): the host's moments take the window as n AdamW steps would (from the
+    # window's sum and its sum of squares), the value moves n steps' worth; between installs the
+    # device moves the deferred columns every step by a momentum-free step at the host's last
+    # per-parameter rate, and an install corrects the host's values with such a step for each
+    # gradient the host has not yet applied. Costs 4 more bytes of device memory per summed
+    # parameter (the squares) and the rates (2 bytes; 4 for fp32 weights), two fused launches
+    # per step; measured within 1.2% of AdamW at 4- and 8-step windows where "mean" is 5-6% off
+    # (benchmarks/README.md, "Rules for long windows").
+    deferred_credit: DeferredCredit = "moments"
     # Install the deferred columns this fraction of the next host step ahead of the host's
     # values (0: the values). With overlap_step=True the device computes its gradients on
     # weights that miss the update in flight; leading them by the step the moments predict
     # makes those gradients less stale. The host's values stay exact: synchronize() installs
-    # them and state_dict() holds them.
+    # them and state_dict() holds them. Matrices under deferred_credit "moments" do not lead:
+    # the device's interim steps answer the delay there.
     # Only updates installed one window later (overlap_step=True, after warm-up) lead; the
     # default 1.0 removes most of what a one-step delay costs (measured: +1.6% -> +0.3% held-out
     # loss against AdamW on the fine-tune).

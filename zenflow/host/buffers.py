@@ -13,6 +13,13 @@ Buffers, all flat views of one `Arena`:
     grad_sum{slot}                 fp32; one per window in flight (two with overlap)
     staging{slot}_{dtype}          the parameters' dtype: gradients on their way to the sums
     install_{dtype}                the parameters' dtype: new values on their way to the device
+    rate_{dtype}                   with deferred_credit="moments": each value's AdamW rate,
+                                   1 / (sqrt(v_hat) + eps), on its way to the device (bf16 for
+                                   16-bit parameters: fp16 cannot hold 1 / eps)
+
+A matrix whose window sums the device keeps ("moments") sends its sum of squares too: into the
+other sum slot, which only host-summed matrices fill during a window (the layout has two slots
+then), so the squares cost the host no memory.
 
 Matrices are laid out grouped by dtype, so each dtype's part of an fp32 buffer lines up with its
 staging and install buffers and a whole group is accumulated or converted in one flat pass.
@@ -26,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from zenflow.adamw import FP32_STATE, adamw_, adamw_lookahead
+from zenflow.adamw import FP32_STATE, adam_rate, adamw_, adamw_lookahead, adamw_moments_
 from zenflow.host.arena import Arena, Region
 
 _CHUNK = 1 << 20  # elements per pass of a dtype-converting add: the fp32 temporary stays in cache
@@ -44,6 +51,7 @@ class HostJob(NamedTuple):
     eps: float
     weight_decay: float
     lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
+    moments: bool = False    # deferred_credit="moments": `step` counts gradients; squares summed
 
 
 @dataclass(frozen=True)
@@ -70,10 +78,11 @@ class HostLayout:
     groups: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, fp32 offset, numel), contiguous
     sum_slots: int
     staging_slots: int = 1
+    rates: bool = False      # deferred_credit="moments": a rate buffer per dtype
 
     @classmethod
     def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
-              staging_slots: int = 1) -> HostLayout:
+              staging_slots: int = 1, rates: bool = False) -> HostLayout:
         """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
         order = sorted(range(len(shapes)), key=lambda i: (_dtype_name(shapes[i][2]), i))
         placed: dict[int, HostMatrix] = {}
@@ -86,8 +95,11 @@ class HostLayout:
             placed[i] = HostMatrix(rows, cols, dtype, offset, group[2])
             group[2] += rows * cols
             offset += rows * cols
+        if rates and sum_slots < 2:
+            raise ValueError("rates (deferred_credit='moments') need two sum slots: the squares "
+                             "of device-summed matrices go into the slot the window does not read")
         return cls(tuple(placed[i] for i in range(len(shapes))),
-                   tuple(tuple(g) for g in groups), sum_slots, staging_slots)
+                   tuple(tuple(g) for g in groups), sum_slots, staging_slots, rates)
 
     @property
     def numel(self) -> int:
@@ -98,6 +110,8 @@ class HostLayout:
         out = [(name, torch.float32, self.numel) for name in fp32]
         for dtype, _, numel in self.groups:
             out += [(name, dtype, numel) for name in self._typed_names(dtype)]
+            if self.rates:
+                out.append((f"rate_{_dtype_name(dtype)}", rate_dtype(dtype), numel))
         return out
 
     def _typed_names(self, dtype: torch.dtype) -> list[str]:
@@ -106,7 +120,15 @@ class HostLayout:
 
     def dma_regions(self) -> list[str]:
         """The buffers that device copies read or write: the only ones worth page-locking."""
-        return [name for dtype, _, _ in self.groups for name in self._typed_names(dtype)]
+        return [name for dtype, _, _ in self.groups
+                for name in [*self._typed_names(dtype),
+                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])]]
+
+
+def rate_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the AdamW rates of a parameter of `param_dtype`: bf16 for 16-bit weights
+    (fp16 overflows at 1 / eps), fp32 for the others."""
+    return torch.bfloat16 if param_dtype.itemsize == 2 else torch.float32
 
 
 class HostState:
@@ -142,6 +164,15 @@ class HostState:
     def install(self, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in the install buffer (the param's dtype)."""
         return self._typed("install", i)
+
+    def rate(self, i: int) -> torch.Tensor:
+        """[rows, cols] view of matrix i in the rate buffer (deferred_credit="moments")."""
+        return self._typed("rate", i)
+
+    def square_sum(self, sum_slot: int, i: int) -> torch.Tensor:
+        """Where the squares of device-summed matrix i's window go when its sum goes to slot
+        `sum_slot`: the other slot, which the window did not fill for this matrix."""
+        return self.fp32(f"grad_sum{1 - sum_slot}", i)
 
     def _typed(self, buffer: str, i: int) -> torch.Tensor:
         m = self.layout.matrices[i]
@@ -198,19 +229,30 @@ class HostState:
         v = self.arena.views
         sums = v[f"grad_sum{sum_slot}"]
         for key, matrices in groups.items():
-            step, num_grads, lr, beta1, beta2, eps, weight_decay, _ = key
+            step, num_grads, lr, beta1, beta2, eps, weight_decay, _, moments = key
             runs = [r for r in self._runs(matrices) if r[1]]
             cut = [slice(offset, offset + numel) for offset, numel, _ in runs]
-            adamw_([v["master"][s] for s in cut], [sums[s] for s in cut],
-                   [v["exp_avg"][s] for s in cut], [v["exp_avg_sq"][s] for s in cut], step,
-                   lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                   grad_divisor=float(num_grads))
+            state = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+            if moments:
+                squares = v[f"grad_sum{1 - sum_slot}"]   # square_sum()'s slot
+                adamw_moments_([v["master"][s] for s in cut], [sums[s] for s in cut],
+                               [squares[s] for s in cut], [v["exp_avg"][s] for s in cut],
+                               [v["exp_avg_sq"][s] for s in cut], step, num_grads, **state)
+            else:
+                adamw_([v["master"][s] for s in cut], [sums[s] for s in cut],
+                       [v["exp_avg"][s] for s in cut], [v["exp_avg_sq"][s] for s in cut], step,
+                       grad_divisor=float(num_grads), **state)
         self.publish(jobs)
 
     def publish(self, jobs: list[HostJob]) -> None:
         """The install buffer := what `jobs` install: each matrix's host values, or with a
         lookahead those values that fraction of the next step further (from the moments the
-        update left). Also rebuilds an in-flight update's install buffer after a load."""
+        update left), and for "moments" jobs their rates. Also rebuilds an in-flight update's
+        install buffer after a load."""
+        for job in jobs:
+            if job.moments and self.layout.matrices[job.matrix].numel:
+                adam_rate(self.rate(job.matrix), self.fp32("exp_avg_sq", job.matrix), job.step,
+                          beta2=job.beta2, eps=job.eps)
         groups: dict[tuple, list[int]] = {}
         for job in jobs:
             key = (job.step, job.lr, job.beta1, job.beta2, job.eps, job.weight_decay, job.lookahead)

@@ -9,6 +9,13 @@ every step and the worker adds them: zenflow/host/pipeline.py).
 The copy of a window's sums reads the buffers the next window adds into: the first add of the
 next window waits for it (on CUDA the compute stream waits on the copy's event, the Python
 thread never does; on a CPU "device" the training thread waits for the copy thread).
+
+With deferred_credit="moments" (docs/semantics.md) a summed matrix also keeps the sum of its
+gradients' squares, which the host's moments need, and the AdamW rate per value of the host's
+last installed update, 1 / (sqrt(v_hat) + eps), in the rates' dtype: each step moves the
+deferred columns by -lr * g * rate (`move`), and an install lowers the host's values by
+lr * sum * rate, a momentum-free step for each gradient of the window the host has not applied
+(`correct`). All of it is device work in a few fused launches.
 """
 from __future__ import annotations
 
@@ -17,15 +24,17 @@ import torch
 from zenflow.host.transfers import DONE, Ticket, Transfers
 
 
-def choose_device_summed(numels: list[int], budget_bytes: int) -> list[int]:
-    """The matrices (indices into `numels`, this rank's element counts) whose fp32 sums fit
+def choose_device_summed(numels: list[int], budget_bytes: int,
+                         bytes_per_element: int = 4) -> list[int]:
+    """The matrices (indices into `numels`, this rank's element counts) whose sums
+    (`bytes_per_element`: 4 for the fp32 sum, more with the squares and rates) fit
     `budget_bytes`, taken in order: every matrix saves the same bus bytes per byte of device
     memory, so the order does not matter and the split is easy to predict."""
     chosen, used = [], 0
     for i, numel in enumerate(numels):
-        if numel and used + 4 * numel <= budget_bytes:
+        if numel and used + bytes_per_element * numel <= budget_bytes:
             chosen.append(i)
-            used += 4 * numel
+            used += bytes_per_element * numel
     return chosen
 
 
@@ -35,36 +44,80 @@ class DeviceSums:
     def __init__(self, transfers: Transfers):
         self.transfers = transfers
         self.sums: dict[int, torch.Tensor] = {}   # host index -> [rows, cols] fp32 on the device
+        self.squares: dict[int, torch.Tensor] = {}   # "moments": the sums of squares, fp32
+        self.rates: dict[int, torch.Tensor] = {}     # "moments": the host's last rates
         self._copied: Ticket = DONE              # the last copy of the sums to the host
 
-    def allocate(self, shapes: dict[int, tuple[int, int]], device: torch.device) -> None:
-        self.sums = {i: torch.zeros(shape, dtype=torch.float32, device=device)
+    def allocate(self, shapes: dict[int, tuple[int, int, torch.dtype | None]],
+                 device: torch.device) -> None:
+        """A zeroed sum for each matrix (index -> (rows, cols, rates' dtype)); with a rates'
+        dtype (deferred_credit="moments") also its squares and rates."""
+        self.sums = {i: torch.zeros(shape[:2], dtype=torch.float32, device=device)
                      for i, shape in shapes.items()}
+        moving = {i: shape for i, shape in shapes.items() if shape[2] is not None}
+        self.squares = {i: torch.zeros(shape[:2], dtype=torch.float32, device=device)
+                        for i, shape in moving.items()}
+        self.rates = {i: torch.zeros(shape[:2], dtype=shape[2], device=device)
+                      for i, shape in moving.items()}
 
     def __contains__(self, i: int) -> bool:
         return i in self.sums
 
     def nbytes(self) -> int:
-        return sum(s.numel() * 4 for s in self.sums.values())
+        return sum(t.numel() * t.element_size()
+                   for part in (self.sums, self.squares, self.rates) for t in part.values())
 
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], scale: float) -> None:
         """sum[i] += scale * rows[i] in fp32 (= for the `fresh` ones: the window's first
-        gradient), in one fused launch on the device."""
+        gradient), in one fused launch on the device; the squares likewise."""
         if not rows:
             return
         self.transfers.fence(self._copied)   # the last window's sums have left these buffers
         if fresh:
-            torch._foreach_zero_([self.sums[i] for i in fresh])
+            torch._foreach_zero_([self.sums[i] for i in fresh]
+                                 + [self.squares[i] for i in fresh if i in self.squares])
         indices = list(rows)
         torch._foreach_add_([self.sums[i] for i in indices], [rows[i] for i in indices],
                             alpha=scale)
+        squared = [i for i in indices if i in self.squares]
+        if squared:
+            grads = [rows[i] for i in squared]
+            torch._foreach_addcmul_([self.squares[i] for i in squared], grads, grads,
+                                    value=scale * scale)
 
-    def copy_out(self, targets: dict[int, torch.Tensor]) -> Ticket:
-        """Queue the copy of sum[i] into the host buffer targets[i] for each i; returns its
-        Ticket (the host may read the targets once it is done)."""
-        if not targets:
+    def move(self, weights: dict[int, torch.Tensor], rows: dict[int, torch.Tensor],
+             scale: float, lrs: dict[int, float]) -> None:
+        """weights[i] -= lrs[i] * scale * rows[i] * rate[i] (the interim step of every value the
+        device does not update itself: its own columns are written over afterwards), one fused
+        launch per learning rate."""
+        by_lr: dict[float, list[int]] = {}
+        for i in rows:
+            if i in self.rates:
+                by_lr.setdefault(lrs[i], []).append(i)
+        for lr, indices in by_lr.items():
+            torch._foreach_addcmul_([weights[i] for i in indices], [rows[i] for i in indices],
+                                    [self.rates[i] for i in indices], value=-lr * scale)
+
+    def correct(self, weights: dict[int, torch.Tensor], lrs: dict[int, float]) -> None:
+        """weights[i] -= lrs[i] * sum[i] * rate[i]: an install's step for the gradients summed
+        since the update it installs was handed off (weights[i] holds the installed values)."""
+        by_lr: dict[float, list[int]] = {}
+        for i in weights:
+            by_lr.setdefault(lrs[i], []).append(i)
+        for lr, indices in by_lr.items():
+            torch._foreach_addcmul_([weights[i] for i in indices], [self.sums[i] for i in indices],
+                                    [self.rates[i] for i in indices], value=-lr)
+
+    def copy_out(self, targets: dict[int, torch.Tensor],
+                 square_targets: dict[int, torch.Tensor] | None = None) -> Ticket:
+        """Queue the copy of sum[i] into the host buffer targets[i] for each i (and of the
+        squares into square_targets[i]); returns its Ticket (the host may read the targets once
+        it is done)."""
+        pairs = [(targets[i], self.sums[i]) for i in targets]
+        pairs += [(dst, self.squares[i]) for i, dst in (square_targets or {}).items()]
+        if not pairs:
             return DONE
-        self._copied = self.transfers.to_host([(targets[i], self.sums[i]) for i in targets])
+        self._copied = self.transfers.to_host(pairs)
         return self._copied
 
     def wait_copied(self) -> float:

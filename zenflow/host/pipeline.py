@@ -9,6 +9,11 @@
                         the window's mean gradient
     install()           wait for that update and copy the new values to the parameters
 
+With deferred_credit="moments" (`moments`), the matrices summed on the device also sum their
+squares there, stage() moves their deferred columns a step at the host's rates, and an install
+corrects the host's values for the window's gradients the host has not applied
+(zenflow/host/device_sums.py). The others take the "mean" credit.
+
 The training thread does no host arithmetic: the worker (or, with worker=False, the inline
 runner) does the adds and the AdamW. Commands go out in order through a small queue in which
 each command may wait for a copy to finish (a `Ticket`): the worker is told to read a staging
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from zenflow.distributed import Partition, local
-from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState
+from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState, rate_dtype
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
 from zenflow.host.device_sums import DeviceSums, choose_device_summed
 from zenflow.host.signals import sigint_deferred
@@ -80,7 +85,7 @@ class HostPipeline:
     def __init__(self, params: list[torch.Tensor], partition: Partition, device: torch.device,
                  overlap: bool, worker_cores: list[int] | None, timer: StepTimer,
                  owner: str, available_bytes: int | None = None,
-                 device_sum_budget: int | str = 0):
+                 device_sum_budget: int | str = 0, moments: bool = False):
         self.params = params
         self.partition = partition
         self.rows = [partition.rows(host_view(local(p)).shape[0]) for p in params]
@@ -88,8 +93,14 @@ class HostPipeline:
         shapes = [(len(range(host_view(local(p)).shape[0])[r]), host_view(local(p)).shape[1],
                    p.dtype) for p, r in zip(params, self.rows)]
         self.transfers = Transfers(device, copy_cores=worker_cores)
-        self.layout = HostLayout.build(shapes, sum_slots=2 if overlap else 1,
-                                       staging_slots=2 if self.transfers.copies_outlive_step else 1)
+        # Under data parallel each rank sums only its rows, and every rank's weights must move
+        # alike: the interim steps would need every rank's rates and sums; "mean" there. Nor
+        # where no sum can be on the device (no budget; "auto" on a CPU "device"): no rates.
+        self.moments = moments and not partition.splits_rows and device_sum_budget != 0 and not (
+            device_sum_budget == "auto" and not self.transfers.cuda)
+        self.layout = HostLayout.build(shapes, sum_slots=2 if overlap or self.moments else 1,
+                                       staging_slots=2 if self.transfers.copies_outlive_step else 1,
+                                       rates=self.moments)
         self.host = HostState.allocate(self.layout, owner, available_bytes)
         self._load_masters(range(len(params)))
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
@@ -101,6 +112,7 @@ class HostPipeline:
         self.device_sum_budget = device_sum_budget
         self.device_sums = DeviceSums(self.transfers)
         self._sums_placed = False   # decided at the first step (the budget may need its peak)
+        self._restored: dict = {}   # squares and rates loaded before that: index -> (sq, rate)
         self._pinned_sums: list[str] = []
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
@@ -195,24 +207,42 @@ class HostPipeline:
         budget = self.device_sum_budget
         if budget == "auto":
             budget = self.transfers.spare_device_bytes()
-        chosen = choose_device_summed([m.numel for m in self.layout.matrices], int(budget))
-        self.device_sums.allocate({i: (self.layout.matrices[i].rows, self.layout.matrices[i].cols)
+        matrices = self.layout.matrices
+        per_element = 4   # the fp32 sum; "moments": its squares and the widest rates too
+        if self.moments and matrices:
+            per_element += 4 + max(rate_dtype(m.dtype).itemsize for m in matrices)
+        chosen = choose_device_summed([m.numel for m in matrices], int(budget), per_element)
+        self.device_sums.allocate({i: (matrices[i].rows, matrices[i].cols,
+                                       rate_dtype(matrices[i].dtype) if self.moments else None)
                                    for i in chosen}, self.device)
         for i in chosen:   # a window restored before the first step summed on the host so far
             if self.num_grads[i]:
                 self.device_sums.sums[i].copy_(self.host.fp32(f"grad_sum{self._sum_slot}", i))
+            if self.moves(i) and i in self._restored:
+                squares, rate = self._restored[i]
+                self.device_sums.squares[i].copy_(squares)
+                self.device_sums.rates[i].copy_(rate)
+        self._restored = {}
         if chosen and self.transfers.cuda:   # the sums are copied into the host's sum buffers
             self._pinned_sums = [f"grad_sum{s}" for s in range(self.layout.sum_slots)]
             self.transfers.pin([self.host.arena.views[n] for n in self._pinned_sums])
         self._sums_placed = True
         log.info("window sums of %d of %d matrices on the device (%.2f GiB of a budget of "
-                 "%.2f GiB); the rest on the host", len(chosen), len(self.layout.matrices),
-                 self.device_sums.nbytes() / 2**30, int(budget) / 2**30)
+                 "%.2f GiB); the rest on the host%s", len(chosen), len(self.layout.matrices),
+                 self.device_sums.nbytes() / 2**30, int(budget) / 2**30,
+                 "; deferred_credit 'moments' on those, 'mean' on the rest" if self.moments
+                 else "")
 
-    def stage(self, grads: dict[int, torch.Tensor], scale: float) -> None:
+    def moves(self, i: int) -> bool:
+        """Whether matrix i takes deferred_credit "moments" (its sums are on the device)."""
+        return i in self.device_sums.rates
+
+    def stage(self, grads: dict[int, torch.Tensor], scale: float,
+              lrs: dict[int, float] | None = None) -> None:
         """This step's gradient rows of parameters `grads` (index -> gradient), times `scale`:
         added into the device sums of the matrices summed there, and for the others copied to a
-        staging buffer that accumulate() hands to the host."""
+        staging buffer that accumulate() hands to the host. With `lrs` (index -> learning rate),
+        the "moments" matrices also take their interim step."""
         start = time.perf_counter()
         if not self._sums_placed:
             self._place_sums()
@@ -221,6 +251,9 @@ class HostPipeline:
         if on_device:
             self.device_sums.add(on_device, [i for i in on_device if self.num_grads[i] == 0],
                                  scale)
+            if lrs is not None and self.device_sums.rates:
+                self.device_sums.move({i: self._weights(i) for i in on_device if self.moves(i)},
+                                      on_device, scale, lrs)
             for i in on_device:
                 self.num_grads[i] += 1
             grads = {i: g for i, g in grads.items() if i not in self.device_sums}
@@ -277,8 +310,9 @@ class HostPipeline:
         jobs = []
         for i, n in enumerate(self.num_grads):
             if n:
-                self.host_step[i] += 1
-                jobs.append(HostJob(i, self.host_step[i], n, *hyperparameters[i]))
+                moments = self.moves(i)
+                self.host_step[i] += n if moments else 1   # "moments" counts gradients
+                jobs.append(HostJob(i, self.host_step[i], n, *hyperparameters[i], moments))
                 self.num_grads[i] = 0
         if not jobs:
             return False
@@ -287,9 +321,11 @@ class HostPipeline:
         def sent(seq: int) -> None:
             flight.seq = seq
         on_device = [j.matrix for j in jobs if j.matrix in self.device_sums]
+        squared = [j.matrix for j in jobs if j.moments]
         sums = self.device_sums.copy_out(
-            {i: self.host.fp32(f"grad_sum{self._sum_slot}", i) for i in on_device})
-        self.timer.moved(d2h=4 * sum(self.layout.matrices[i].numel for i in on_device))
+            {i: self.host.fp32(f"grad_sum{self._sum_slot}", i) for i in on_device},
+            {i: self.host.square_sum(self._sum_slot, i) for i in squared})
+        self.timer.moved(d2h=4 * sum(self.layout.matrices[i].numel for i in on_device + squared))
         # The update reads the sums once they have landed, and overwrites the install buffer
         # once the last install copy has read it.
         self._enqueue(all_of(self._install_reader, sums), Update(self._sum_slot, tuple(jobs)), sent)
@@ -321,9 +357,11 @@ class HostPipeline:
             return seq is not None and self.runner.done(seq)
         return False
 
-    def install(self) -> list[int]:
+    def install(self, lrs: dict[int, float] | None = None) -> list[int]:
         """Wait for the in-flight update and copy its new values into the parameters; returns the
-        indices installed (the caller writes its own newer columns over them)."""
+        indices installed (the caller writes its own newer columns over them). With `lrs`
+        (index -> learning rate; at a window end), the "moments" matrices' values are corrected
+        for the window's gradients summed since the update was handed off."""
         if self.in_flight is None:
             return []
         flight, self.in_flight = self.in_flight, None
@@ -332,8 +370,24 @@ class HostPipeline:
         self.flush(block=True, until=lambda: flight.seq is not None)
         with self._worker_guard():
             self.timer.stall(self.runner.wait(flight.seq))
-        self._install_reader = copy_rows_to_params(self, flight.matrices)
+        moving = [j.matrix for j in flight.jobs if j.moments and self.moves(j.matrix)]
+        self._install_reader = all_of(copy_rows_to_params(self, flight.matrices),
+                                      self._install_rates(moving))
+        if lrs is not None:
+            self.device_sums.correct({i: self._weights(i) for i in moving if self.num_grads[i]},
+                                     lrs)
         return flight.matrices
+
+    def _install_rates(self, indices: list[int]) -> Ticket:
+        """Queue the rates of the "moments" matrices `indices` to the device."""
+        pairs = [(self.device_sums.rates[i], self.host.rate(i)) for i in indices]
+        self.timer.moved(h2d=sum(dst.numel() * dst.element_size() for dst, _ in pairs))
+        return self.transfers.to_device(pairs) if pairs else DONE
+
+    def _weights(self, i: int) -> torch.Tensor:
+        """The [rows, cols] view of parameter i that the device's steps write (this rank's: the
+        "moments" matrices are never split by rows across replicas)."""
+        return host_view(local(self.params[i]).data)
 
     def install_masters(self, indices: list[int]) -> list[int]:
         """Install the host values of `indices` themselves (updates installed with a lookahead
@@ -357,16 +411,25 @@ class HostPipeline:
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Host values, moments and the filling sums, per parameter; counters; the in-flight set.
-        Drains first, so the snapshot is consistent (the in-flight update is done, not installed)."""
+        Drains first, so the snapshot is consistent (the in-flight update is done, not installed).
+        A "moments" matrix also has its squares and the device's rates (zeros for the others)."""
         self.drain()
         per_param = []
         for i in range(len(self.params)):
             grad_sum = (self.device_sums.sums[i].to("cpu", copy=True) if i in self.device_sums
                         else self.host.fp32(f"grad_sum{self._sum_slot}", i))
+            squares = rate = torch.zeros_like(grad_sum)
+            if self.moves(i):
+                squares = self.device_sums.squares[i].to("cpu", copy=True)
+                rate = self.device_sums.rates[i].to("cpu", torch.float32, copy=True)
+            elif i in self._restored:   # loaded, and no step has placed them yet
+                squares, rate = (t.to(torch.float32, copy=True) for t in self._restored[i])
             per_param.append({
                 **{kind: self.host.fp32(kind, i).clone() for kind in FP32_KINDS},
                 # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
                 "grad_sum": grad_sum.clone() if self.num_grads[i] else torch.zeros_like(grad_sum),
+                "grad_sq_sum": squares if self.num_grads[i] else torch.zeros_like(grad_sum),
+                "rate": rate,
                 "host_step": self.host_step[i], "num_grads": self.num_grads[i]})
         in_flight = jobs = None
         if self.in_flight is not None:
@@ -386,7 +449,9 @@ class HostPipeline:
         for i, (saved, param) in enumerate(zip(saved_params, self.params)):
             what = f"host state of the parameter of shape {tuple(param.shape)}"
             buffers = {kind: self.host.fp32(kind, i) for kind in FP32_KINDS}
-            check_saved_tensors(saved, {**buffers, "grad_sum": buffers["master"]}, what)
+            check_saved_tensors(saved, {**buffers, "grad_sum": buffers["master"],
+                                        "grad_sq_sum": buffers["master"],
+                                        "rate": buffers["master"]}, what)
             check_count(saved.get("host_step"), "host_step", what)
             check_count(saved.get("num_grads"), "num_grads", what)
             if window_steps is not None and saved["num_grads"] > window_steps:
@@ -423,10 +488,18 @@ class HostPipeline:
                 self.device_sums.sums[i].copy_(s["grad_sum"])
             else:
                 self.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
+            if self.moves(i):
+                self.device_sums.squares[i].copy_(s["grad_sq_sum"])
+                self.device_sums.rates[i].copy_(s["rate"])
+            elif self.moments and not self._sums_placed:   # placed at the first step
+                self._restored[i] = (s["grad_sq_sum"].clone(), s["rate"].clone())
             self.host_step[i], self.num_grads[i] = s["host_step"], s["num_grads"]
         if state["in_flight"] is not None:
             # The update is done; its install buffer is rebuilt from the values it produced.
-            jobs = [HostJob(*job) for job in state.get("in_flight_jobs") or []] or [
+            # A "moments" job's rates go to the device only where this optimizer moves that
+            # matrix (a state saved under other settings installs the values alone).
+            jobs = [HostJob(*job)._replace(moments=len(job) == 10 and job[9] and self.moments)
+                    for job in state.get("in_flight_jobs") or []] or [
                 HostJob(i, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) for i in state["in_flight"]]
             self.host.publish(jobs)
             self.in_flight = InFlight(jobs, seq=0)
@@ -478,18 +551,22 @@ def _length(value) -> str:
 
 def check_in_flight_jobs(jobs, matrices: list[int]) -> None:
     """A saved in-flight update's jobs (None for states saved without them) fit its matrices:
-    one [matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead] each, with
-    counts that are positive integers and hyperparameters that AdamW accepts."""
+    one [matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead, moments] each
+    (states of format 3 and older: without moments), with counts that are positive integers and
+    hyperparameters that AdamW accepts."""
     if jobs is None:
         return
     shape = ("'in_flight_jobs' must hold one [matrix, step, num_grads, lr, beta1, beta2, eps, "
-             "weight_decay, lookahead] per in-flight matrix")
-    if not (isinstance(jobs, list) and all(isinstance(j, (list, tuple)) and len(j) == 9
+             "weight_decay, lookahead, moments] per in-flight matrix")
+    if not (isinstance(jobs, list) and all(isinstance(j, (list, tuple)) and len(j) in (9, 10)
                                            for j in jobs)
             and [j[0] for j in jobs] == list(matrices)):
         raise ValueError(shape)
     for job in jobs:
-        matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead = job
+        matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead = job[:9]
+        if len(job) == 10 and not isinstance(job[9], bool):
+            raise ValueError(f"{shape}; the job of matrix {matrix} has moments {job[9]!r}, "
+                             "expected a bool")
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1
                    for x in (step, num_grads)):
             raise ValueError(f"{shape}; the job of matrix {matrix} has step {step!r} and "

@@ -27,5 +27,5 @@ class OffloadAdamW(ZenFlowAdamW):
         super().__init__(params, lr, betas, eps, weight_decay, topk_ratio=0.0,
                          select_strategy="step", select_interval=1, update_interval=1,
                          overlap_step=False, max_grad_norm=max_grad_norm, worker=worker,
-                         device_sum_budget=0,
+                         device_sum_budget=0, deferred_credit="mean",
                          process_group=process_group)

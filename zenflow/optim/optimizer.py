@@ -72,14 +72,16 @@ def _serialized(method):
 
 
 def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings,
-                                delayed: bool) -> tuple:
+                                delayed: bool, moments: bool = False) -> tuple:
     """(lr, beta1, beta2, eps, weight_decay, lookahead) of a window's host update of a matrix in
-    `group` that summed `num_grads` gradients (docs/semantics.md, "Window end"). Only an update
+    `group` that summed `num_grads` gradients (docs/semantics.md, "Window end"); `moments`: the
+    matrix takes deferred_credit "moments" (its sums are on the device). Only an update
     installed one window later (`delayed`) leads with the lookahead: nothing else is stale."""
     lr, *rest = group_hyperparameters(group)
-    if settings.deferred_credit == "window":
+    if settings.deferred_credit == "window" or moments:
         lr *= num_grads
-    return (lr, *rest, settings.install_lookahead if delayed else 0.0)
+    # "moments" answers the delay with the device's interim steps instead of a lookahead.
+    return (lr, *rest, settings.install_lookahead if delayed and not moments else 0.0)
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -181,7 +183,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
                                       self.device, self.settings.overlap_step, worker_cores,
                                       self._timer, self._NAME,
-                                      device_sum_budget=self.settings.device_sum_budget)
+                                      device_sum_budget=self.settings.device_sum_budget,
+                                      moments=self.settings.deferred_credit == "moments")
         self._closed = False
         self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
                                         self.device, self.settings.importance, schedule)
@@ -192,6 +195,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
                                              self._pipeline, self._NAME,
                                              lambda: self._selector.has_chosen)
+
+    def _learning_rates(self) -> dict[int, float] | None:
+        """Each host matrix's learning rate, where "moments" matrices may take device steps."""
+        if not self._pipeline.moments:
+            return None
+        return {m.host_index: float(m.group["lr"]) for m in self._host_params}
 
     @property
     def _runner(self):
@@ -248,7 +257,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._select_columns(grads)
         chosen = self._selector.has_chosen
         self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
-                              if m.param in grads and m.host_owns_columns(chosen)}, clip_coef)
+                              if m.param in grads and m.host_owns_columns(chosen)}, clip_coef,
+                             self._learning_rates())
         device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
@@ -311,10 +321,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Install the previous window's host update, hand this window's sums to the host, and
         with `synchronous` install that too before returning."""
         self._outside_writes.adopt_data_writes()
-        self._install_in_flight()
+        self._install_in_flight(self._learning_rates())
         self._pipeline.end_window([host_update_hyperparameters(
-            m.group, self._pipeline.num_grads[m.host_index], self.settings, not synchronous)
-            for m in self._host_params])
+            m.group, self._pipeline.num_grads[m.host_index], self.settings, not synchronous,
+            self._pipeline.moves(m.host_index)) for m in self._host_params])
         if synchronous:
             self._install_in_flight()
         self._outside_writes.fingerprint()
@@ -323,16 +333,20 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.counters.num_windows += 1
         self._decided("flush")
 
-    def _install_in_flight(self) -> None:
-        """Wait for the host update in flight (if any), install it, and write the device's own,
-        newer columns back over it."""
-        self._write_selected_over(self._pipeline.install())
+    def _install_in_flight(self, lrs: dict[int, float] | None = None) -> None:
+        """Wait for the host update in flight (if any), install it (at a window end, with the
+        learning rates `lrs`, corrected for the gradients since its hand-off), and write the
+        device's own, newer columns back over it."""
+        self._write_selected_over(self._pipeline.install(lrs))
 
     def _write_selected_over(self, installed: list[int]) -> None:
         for i in installed:
             m: HostParam = self._host_params[i]
             if self._selector.has_chosen and m.k > 0:
                 m.param_from_selected()
+                if self._pipeline.moves(i):   # the device steps its own columns fully
+                    self._pipeline.device_sums.rates[i].index_fill_(
+                        1, m.selected.column_indices, 0.0)
 
     def _select_columns(self, grads) -> None:
         plan = self._selector.plan(self.counters.step, grads)
@@ -359,9 +373,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._outside_writes.adopt()
         self._outside_writes.adopt_data_writes()
         self._install_in_flight()
-        if (self.settings.install_lookahead and self.settings.overlap_step
-                and self.counters.num_windows):
-            # The installed weights lead the host's values by the lookahead: show the values.
+        if ((self.settings.install_lookahead and self.settings.overlap_step
+             and self.counters.num_windows) or self._pipeline.device_sums.rates):
+            # The installed weights lead the host's values by the lookahead, or the device has
+            # stepped them since ("moments"): show the values.
             chosen = self._selector.has_chosen
             self._write_selected_over(self._pipeline.install_masters(
                 [m.host_index for m in self._host_params if m.host_owns_columns(chosen)]))
@@ -448,6 +463,7 @@ def optimizer_stats(opt: ZenFlowAdamW) -> dict:
         "device_sum_matrices": len(opt._pipeline.device_sums.sums),
         "host_sum_matrices": len(opt._host_params) - len(opt._pipeline.device_sums.sums),
         "device_sum_bytes": opt._pipeline.device_sums.nbytes(),
+        "moments_matrices": len(opt._pipeline.device_sums.rates),
         "device_state_bytes": dev,
         "device_state_bytes_per_param": dev / max(1, numel),
         **opt._timer.summary(),

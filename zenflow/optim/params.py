@@ -214,16 +214,19 @@ class OutsideWrites:
                     [v for v in self.vector_params if v.param in changed])
 
     def _written_through_data(self) -> set:
-        """The parameters whose fingerprint changed (one read of the device for all)."""
+        """The parameters whose fingerprint changed (one read of the device for all). Matrices
+        the device steps every step (deferred_credit "moments") change by design: only their
+        version counters tell."""
         chosen = self.columns_chosen()
+        hosts = [m for m in self.host_params if not self.pipeline.moves(m.host_index)]
         watched = [v for v in self.vector_params
                    if v.state.master.data_ptr() != v.local.data_ptr()]
-        flags = [*(self._host_sum(m, chosen) != self._sums[m.param] for m in self.host_params),
+        flags = [*(self._host_sum(m, chosen) != self._sums[m.param] for m in hosts),
                  *(self._vector_differs(v) for v in watched)]
         if not flags:
             return set()
         changed = torch.stack(flags).tolist()   # the one read
-        return {x.param for x, c in zip((*self.host_params, *watched), changed) if c}
+        return {x.param for x, c in zip((*hosts, *watched), changed) if c}
 
     def adopt_data_writes(self) -> None:
         """At window ends: adopt writes through .data, found by the fingerprints."""
@@ -266,7 +269,8 @@ class OutsideWrites:
         """Remember the host-owned columns as the optimizer last wrote them (after installs,
         selections and adoptions)."""
         chosen = self.columns_chosen()
-        self._sums = {m.param: self._host_sum(m, chosen) for m in self.host_params}
+        self._sums = {m.param: self._host_sum(m, chosen) for m in self.host_params
+                      if not self.pipeline.moves(m.host_index)}   # see _written_through_data
 
     @staticmethod
     def _host_sum(m: HostParam, chosen: bool) -> torch.Tensor:

@@ -39,12 +39,14 @@ class ReferenceZenFlow:
     selection), whatever the windows: the window in progress ends the step before, when some
     matrix has columns that can move (None: never reselect on its own; pass reselect=True to
     step()).
+    host_summed: with deferred_credit="moments", the positions in `params` of the matrices whose
+    window sums are on the host (`device_sum_budget`): they take "mean".
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  topk_ratio=0.1, update_interval=4, full_warm_up_rounds=0, overlap_step=False,
                  max_grad_norm=None, importance="l2", select_interval=None,
-                 deferred_credit="mean", install_lookahead=1.0):
+                 deferred_credit="mean", install_lookahead=1.0, host_summed=()):
         self.params = list(params)
         self.lr, (self.beta1, self.beta2), self.eps, self.wd = lr, betas, eps, weight_decay
         self.topk_ratio, self.update_interval = topk_ratio, update_interval
@@ -60,7 +62,7 @@ class ReferenceZenFlow:
         self.pending = False
         self.skipped = 0
         self.state = []
-        for p in self.params:
+        for index, p in enumerate(self.params):
             s = {"master": p.detach().float().clone(), "m": torch.zeros(p.shape),
                  "v": torch.zeros(p.shape)}
             if p.ndim >= 2:
@@ -69,7 +71,12 @@ class ReferenceZenFlow:
                          m=torch.zeros(p.shape[0], cols), v=torch.zeros(p.shape[0], cols),
                          acc=torch.zeros(p.shape[0], cols), acc_n=0, host_count=0,
                          device_count=0, on_device=torch.zeros(cols, dtype=torch.bool),
-                         k=min(cols, math.ceil(topk_ratio * cols)))
+                         k=min(cols, math.ceil(topk_ratio * cols)),
+                         moments=deferred_credit == "moments" and index not in host_summed)
+                if s["moments"]:   # the squares; the rates, bf16 for 16-bit weights
+                    rate_dtype = torch.bfloat16 if p.element_size() == 2 else torch.float32
+                    s.update(acc_sq=torch.zeros(p.shape[0], cols),
+                             rate=torch.zeros(p.shape[0], cols, dtype=rate_dtype))
             else:
                 s["count"] = 0
             self.state.append(s)
@@ -85,9 +92,13 @@ class ReferenceZenFlow:
             if column_mask is None or column_mask[j]:
                 current[:, j] = s["master"][:, j].to(p.dtype)
 
-    def _install_host_columns(self):
+    def _install_host_columns(self, correct=False):
+        """Write the host's values into the deferred columns. "moments" matrices also take the
+        host's rates, and with `correct` (a window end) a momentum-free step at those rates for
+        the gradients summed since the update was handed off (the current window's). Only the
+        matrices the update covered (that had gradients in its window) are written."""
         for p, s in zip(self.params, self.state):
-            if p.ndim < 2:
+            if p.ndim < 2 or not s.pop("job", False):
                 continue
             if s.get("lookahead"):
                 # The weights lead the master by `lookahead` of the step the moments point to.
@@ -99,6 +110,16 @@ class ReferenceZenFlow:
                 self._write(p, dict(master=shown), ~s["on_device"])
             else:
                 self._write(p, s, ~s["on_device"])
+            if s["moments"]:
+                bias2 = 1 - self.beta2 ** s["host_count"]
+                rate = 1 / (s["v"].sqrt() / math.sqrt(bias2) + self.eps)
+                if correct and s["acc_n"]:
+                    current = p.data.reshape(s["master"].shape)
+                    deferred = ~s["on_device"]
+                    stored = rate[:, deferred].to(s["rate"].dtype).float()   # as the device holds it
+                    moved = current[:, deferred].float() - self.lr * s["acc"][:, deferred] * stored
+                    current[:, deferred] = moved.to(p.dtype)
+                s["rate"] = rate.masked_fill(s["on_device"], 0.0).to(s["rate"].dtype)
         self.pending = False
 
     def synchronize(self):
@@ -157,6 +178,7 @@ class ReferenceZenFlow:
             self.skipped += 1
             return
         coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+        raw = grads
         grads = [None if g is None else (g.float() * coef) for g in grads]
         grads2d = [None if g is None or p.ndim < 2 else g.reshape(p.shape[0], -1)
                    for p, g in zip(self.params, grads)]
@@ -171,6 +193,15 @@ class ReferenceZenFlow:
                     if self.pending:
                         self._install_host_columns()
                     self._select(grads2d, first=False)
+
+        # "moments": every value takes a momentum-free step at the host's last rates (the
+        # device's columns are written over next).
+        for p, s, g in zip(self.params, self.state, raw):
+            if g is not None and s.get("moments"):
+                current = p.data.reshape(s["master"].shape)
+                g = g.reshape(current.shape)
+                current.copy_((current.float() - self.lr * coef * g.float() * s["rate"].float())
+                              .to(p.dtype))
 
         # Device: vectors, and the device-owned columns of each matrix.
         for p, s, g, g2 in zip(self.params, self.state, grads, grads2d):
@@ -191,10 +222,12 @@ class ReferenceZenFlow:
                 s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = new
                 self._write(p, s, cols)
 
-        # Host: sum the gradients of the columns the host owns.
+        # Host: sum the gradients of the columns the host owns (and their squares).
         for p, s, g2 in zip(self.params, self.state, grads2d):
             if g2 is not None and not s["on_device"].all():
                 s["acc"][:, ~s["on_device"]] += g2[:, ~s["on_device"]]
+                if s.get("moments"):
+                    s["acc_sq"][:, ~s["on_device"]] += g2[:, ~s["on_device"]] ** 2
                 s["acc_n"] += 1
 
         self.window_steps += 1
@@ -203,23 +236,39 @@ class ReferenceZenFlow:
             or self._reselects_at(self.t + 1))
         if ends:
             if self.pending:
-                self._install_host_columns()
+                self._install_host_columns(correct=True)
             for p, s in zip(self.params, self.state):
                 if p.ndim < 2 or s["acc_n"] == 0:
                     continue
-                s["host_count"] += 1
-                cols = ~s["on_device"]
-                # "window": the deferred columns move as far as acc_n steps at this rate would.
-                lr = self.lr * (s["acc_n"] if self.deferred_credit == "window" else 1)
+                n, cols = s["acc_n"], ~s["on_device"]
+                # "window" and "moments": the deferred columns move as far as n steps would.
+                lr = self.lr * (n if self.deferred_credit == "window" or s["moments"] else 1)
                 s["last_lr"] = lr
                 # Only an update installed one window later leads: nothing else is stale.
-                s["lookahead"] = self.lookahead if self.overlap and not warming_up else 0.0
-                new = adamw_update(s["master"][:, cols], s["acc"][:, cols] / s["acc_n"],
-                                   s["m"][:, cols], s["v"][:, cols], s["host_count"], lr,
-                                   self.beta1, self.beta2, self.eps, self.wd)
-                s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = new
+                # "moments" answers the delay with interim steps instead.
+                s["lookahead"] = (self.lookahead if self.overlap and not warming_up
+                                  and not s["moments"] else 0.0)
+                if s["moments"]:
+                    # The moments as after n AdamW steps on the window's mean and mean square;
+                    # the count is of gradients.
+                    s["host_count"] += n
+                    b1, b2 = self.beta1 ** n, self.beta2 ** n
+                    m = b1 * s["m"][:, cols] + (1 - b1) * s["acc"][:, cols] / n
+                    v = b2 * s["v"][:, cols] + (1 - b2) * s["acc_sq"][:, cols] / n
+                    denom = v.sqrt() / math.sqrt(1 - self.beta2 ** s["host_count"]) + self.eps
+                    value = s["master"][:, cols] * (1 - lr * self.wd)
+                    value = value - lr / (1 - self.beta1 ** s["host_count"]) * m / denom
+                    s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = value, m, v
+                    s["acc_sq"].zero_()
+                else:
+                    s["host_count"] += 1
+                    new = adamw_update(s["master"][:, cols], s["acc"][:, cols] / n,
+                                       s["m"][:, cols], s["v"][:, cols], s["host_count"], lr,
+                                       self.beta1, self.beta2, self.eps, self.wd)
+                    s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = new
                 s["acc"].zero_()
                 s["acc_n"] = 0
+                s["job"] = True
             self.pending = True
             if warming_up or not self.overlap:
                 self._install_host_columns()

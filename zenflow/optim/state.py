@@ -64,7 +64,7 @@ class StepCounters:
             setattr(self, f.name, state[f.name])
 
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 def _from_v1(saved: dict) -> dict:
@@ -77,8 +77,27 @@ def _from_v2(saved: dict) -> dict:
     return {**saved, "reshardable": saved.get("world_size", 1) == 1}
 
 
+def _from_v3(saved: dict) -> dict:
+    # Version 4 saves each matrix's sum of squares and device rates (deferred_credit="moments");
+    # the host pieces of older states get them when checked (`_with_squares`).
+    return {**saved, "squares_saved": False}
+
+
 # version v -> the step that turns a "zenflow" section of version v into version v + 1
-_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2}
+_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2, 3: _from_v3}
+
+
+def _with_squares(host_piece: dict) -> dict:
+    """A host piece of a state older than version 4 with the squares as if every gradient of its
+    window were the window's mean, and no rates (the device takes no interim steps until the
+    next install)."""
+    grad_sum, n = host_piece.get("grad_sum"), host_piece.get("num_grads")
+    if not isinstance(grad_sum, torch.Tensor) or not isinstance(n, int) or n <= 0:
+        squares = torch.zeros_like(grad_sum) if isinstance(grad_sum, torch.Tensor) else None
+    else:
+        squares = grad_sum.float().square() / n
+    return {**host_piece, "grad_sq_sum": squares,
+            "rate": None if squares is None else torch.zeros_like(squares)}
 
 
 @dataclass
@@ -119,7 +138,7 @@ def _saved_keys(parts: StateParts, state_dict: dict) -> dict:
 # The dimension along which each saved tensor is split as the parameter's rows are: host state
 # is a [rows, columns] view (a vector's is one row of all its elements), the selected columns'
 # state is [rows, k] and a vector's device state has the parameter's own shape.
-_HOST_TENSORS = (*FP32_STATE, "grad_sum")
+_HOST_TENSORS = (*FP32_STATE, "grad_sum", "grad_sq_sum", "rate")
 _COLUMN_TENSORS = FP32_STATE
 
 
@@ -292,6 +311,8 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     pieces, bits = {}, {}
     for m in parts.host_params:
         piece = pieces[m.param] = _local(_saved_piece(states.get(key[m.param]), "host", m.param))
+        if not saved.get("squares_saved", True) and isinstance(piece.get("host"), dict):
+            piece = pieces[m.param] = {**piece, "host": _with_squares(piece["host"])}
         what = f"the selected columns of the parameter of shape {tuple(m.param.shape)}"
         m.selected.check_state_dict(piece.get("device"), what)
         if saved["selection"]["has_chosen"]:
