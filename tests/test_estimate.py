@@ -57,7 +57,8 @@ def test_llama2_7b_worked_example_by_hand():
 
     # Per host, overlap on: fp32 master, exp_avg, exp_avg_sq, two gradient sums (20 B), two bf16
     # staging buffers (copies outlive the step on CUDA) and one install buffer (6 B) per matrix
-    # parameter; OffloadAdamW: one sum, every param.
+    # parameter (no device-sum budget: no rates for deferred_credit "moments"); OffloadAdamW: one
+    # sum, every param.
     h = r["per_host"]
     assert h["zenflow"]["host_bytes"] == 26 * P_mat
     assert h["zenflow"]["pinned_bytes"] == 6 * P_mat
@@ -95,34 +96,45 @@ def test_llama2_7b_worked_example_by_hand():
     assert t["min_update_interval_hiding_host"] == 2
 
 
-def test_llama2_7b_with_window_sums_on_the_device_by_hand():
+@pytest.mark.parametrize("credit", ["mean", "moments"])
+def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     shapes = llama_shapes(**LLAMA2_7B)
     P_mat = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
     r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
                  update_interval="auto", overlap=True, fwd_bwd_s=1.5, measured=FIGURES,
-                 device_sum_budget=10 ** 12)
+                 device_sum_budget=10 ** 12, deferred_credit=credit)
+    moments = credit == "moments"
     assert r["per_gpu"]["device_sum_matrices"] == 226
-    assert r["per_gpu"]["device_sum_bytes"] == 4 * P_mat
+    assert r["per_gpu"]["moments_matrices"] == (226 if moments else 0)
+    # the fp32 sum; "moments": its fp32 squares and bf16 rates too
+    assert r["per_gpu"]["device_sum_bytes"] == (10 if moments else 4) * P_mat
     t = r["seconds"]
     assert t["accumulate_s"] == 0 and t["d2h_s"] == 0      # nothing crosses or sums per step
-    assert t["sum_add_s"] == pytest.approx(P_mat * (4 + 4 + 2) / 1e12)
-    assert t["sums_d2h_s"] == pytest.approx(4 * P_mat / 25e9)
+    # the sum's add reads 4 + 2 and writes 4 bytes; "moments": the squares' add as much, and the
+    # interim step reads the gradient and the rate and rewrites the bf16 weight (2 + 2 + 2 + 2)
+    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + 18 * moments) / 1e12)
+    assert t["sums_d2h_s"] == pytest.approx((8 if moments else 4) * P_mat / 25e9)
+    # the install's correction reads the sum and rate and rewrites the weight
+    assert t["install_gather_s"] == pytest.approx(moments * P_mat * (4 + 2 + 4) / 1e12)
     # auto window: cover the host AdamW, and keep the install within 5% of the window's time
     T_dev = r["time"]["zenflow_T_dev_s"]
-    adam, h2d = P_mat / 4e9, 2 * P_mat / 25e9
-    U = max(1, math.ceil(adam / T_dev), math.ceil(h2d / (0.05 * T_dev)))
+    adam, h2d = P_mat / 4e9, (4 if moments else 2) * P_mat / 25e9
+    install = h2d + t["install_gather_s"]
+    U = max(1, math.ceil(adam / T_dev), math.ceil(install / (0.05 * T_dev)))
     assert r["settings"]["update_interval"] == U
     b = r["bus"]["zenflow"]
-    assert b["d2h_bytes_per_step"] == pytest.approx(4 * P_mat / U)
-    assert b["h2d_bytes_per_step"] == pytest.approx(2 * P_mat / U)
-    zen = max(T_dev, adam / U) + (h2d + max(0.0, 4 * P_mat / 25e9 - 1.5)) / U
+    assert b["d2h_bytes_per_step"] == pytest.approx((8 if moments else 4) * P_mat / U)
+    assert b["h2d_bytes_per_step"] == pytest.approx((4 if moments else 2) * P_mat / U)
+    sums_wait = max(0.0, (8 if moments else 4) * P_mat / 25e9 - 1.5)
+    zen = max(T_dev, adam / U) + (install + sums_wait) / U
     assert r["time"]["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
 
 
 def test_more_gpus_split_the_host_state_but_not_the_device_state():
     shapes = llama_shapes(**LLAMA2_7B)
-    one = estimate(shapes, torch.bfloat16, gpus=1, measured=FIGURES)
-    four = estimate(shapes, torch.bfloat16, gpus=4, measured=FIGURES)
+    # "mean": "moments" applies to one GPU's matrices, not to data-parallel replicas
+    one = estimate(shapes, torch.bfloat16, gpus=1, measured=FIGURES, deferred_credit="mean")
+    four = estimate(shapes, torch.bfloat16, gpus=4, measured=FIGURES, deferred_credit="mean")
     assert four["per_gpu"]["state_bytes"] == one["per_gpu"]["state_bytes"]
     assert four["per_host"]["zenflow"]["host_bytes"] == one["per_host"]["zenflow"]["host_bytes"]
     assert four["per_host"]["zenflow"]["host_bytes_rank0"] == pytest.approx(
@@ -149,6 +161,12 @@ def test_fsdp_shards_every_device_cost_but_not_the_host_state_by_hand():
     assert ddp["state_bytes"] == 16 * columns + 8 * indices + 12 * P_vec
     assert fsdp["state_bytes"] == 16 * columns // 4 + 8 * indices + 12 * P_vec // 4
     assert ddp["host_bytes"] == fsdp["host_bytes"] == r["per_host"]["zenflow"]["host_bytes_rank0"]
+    # With a device-sum budget FSDP2's shards take deferred_credit "moments" (DDP's replicas do
+    # not): the bf16 rates of the rank's rows too
+    budget = estimate(shapes, torch.bfloat16, gpus=4, fsdp=4, gpu_memory_bytes=24 * GIB,
+                      measured=FIGURES, device_sum_budget=10 ** 9)["per_rank"]
+    assert budget["fsdp2"]["host_bytes"] == ddp["host_bytes"] + 2 * P_mat // 4
+    assert budget["ddp"]["host_bytes"] == ddp["host_bytes"]
     assert ddp["sums_d2h_bytes_per_window"] == fsdp["sums_d2h_bytes_per_window"] == P_mat
     assert ddp["install_h2d_bytes_per_window"] == fsdp["install_h2d_bytes_per_window"] == P_mat // 2
     assert ddp["install_allgather_bytes_per_window"] == 2 * P_mat * 3 // 4
@@ -201,7 +219,8 @@ def test_memory_matches_what_the_optimizers_allocate(overlap):
 
 def test_cpu_llama_preset_host_memory_by_hand():
     """The bench preset itself (316M params: too big to allocate in a test): fp32 with overlap
-    is 5 fp32 buffers + fp32 staging + install = 28 B per matrix parameter."""
+    is 5 fp32 buffers + fp32 staging + install = 28 B per matrix parameter (a CPU device keeps
+    no window sum, so no rates for "moments")."""
     shapes, dtype = preset_shapes("cpu-llama")
     assert dtype == torch.float32
     r = estimate(shapes, dtype, topk_ratio=0.05, update_interval=4, overlap=True, target="cpu")
@@ -272,14 +291,26 @@ def test_the_expected_quality_cost_follows_the_window():
     """The estimate says what its expected window costs in fine-tune quality, from the
     benchmark's table (linear between measured lengths, the last value beyond them)."""
     from zenflow.tools.estimate import QUALITY_BY_WINDOW, expected_quality_gap
-    table = dict(QUALITY_BY_WINDOW)
+    table = dict(QUALITY_BY_WINDOW["mean"])
     assert [expected_quality_gap(u) for u in table] == list(table.values())
     assert expected_quality_gap(2) == pytest.approx(table[1] + (table[4] - table[1]) / 3)
     assert expected_quality_gap(6) == pytest.approx((table[4] + table[8]) / 2)
     assert expected_quality_gap(16) == table[8]
+    moments = dict(QUALITY_BY_WINDOW["moments"])
+    assert [expected_quality_gap(u, "moments") for u in moments] == list(moments.values())
     shapes = llama_shapes(256, 4, 688, 1000, 4)
-    fixed = estimate(shapes, update_interval=4, fwd_bwd_s=0.5)["quality"]
+    fixed = estimate(shapes, update_interval=4, fwd_bwd_s=0.5, deferred_credit="mean")["quality"]
     assert (fixed["window_steps"], fixed["held_out_loss_gap_pct"]) == (4, table[4])
     assert not fixed["beyond_measured"]
+    # "moments" where the sums fit the device (all of them here), "mean" where they do not
+    on_device = estimate(shapes, update_interval=4, fwd_bwd_s=0.5)["quality"]
+    assert on_device["moments_share"] == 1.0
+    assert on_device["held_out_loss_gap_pct"] == moments[4]
+    half = estimate(shapes, update_interval=4, fwd_bwd_s=0.5,
+                    device_sum_budget=5 * sum(math.prod(s) for _, s in shapes if len(s) >= 2)
+                    )["quality"]
+    assert 0 < half["moments_share"] < 1
+    assert half["held_out_loss_gap_pct"] == pytest.approx(
+        half["moments_share"] * moments[4] + (1 - half["moments_share"]) * table[4])
     auto = estimate(shapes, update_interval="auto", fwd_bwd_s=0.5)
     assert auto["quality"]["window_steps"] == auto["settings"]["update_interval"]

@@ -20,7 +20,7 @@ import torch
 
 from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes, plan
-from zenflow.host.buffers import HostLayout
+from zenflow.host.buffers import HostLayout, rate_dtype
 from zenflow.host.device_sums import choose_device_summed
 from zenflow.optim.importance import num_selected
 from zenflow.optim.windows import INSTALL_BUDGET
@@ -33,13 +33,16 @@ RESERVE_BYTES = int(1.5 * GIB)
 # windows of 1, 4 and 8 steps (benchmarks/finetune_quality.py: a byte-level GPT pretrained on
 # Shakespeare, fine-tuned 300 steps on BBC News, mean of 3 seeds; benchmarks/README.md). One small
 # model's fine-tune: it shows how the cost grows with the window, not what your model will lose.
-QUALITY_BY_WINDOW = ((1, 0.35), (4, 4.9), (8, 6.1))
+# "mean" is deferred_credit="mean" (and what "moments" falls back to where a matrix's sums are on
+# the host); "moments" where they are on the device.
+QUALITY_BY_WINDOW = {"mean": ((1, 0.35), (4, 4.9), (8, 6.1)),
+                     "moments": ((1, 0.35), (4, 0.75), (8, 1.17))}
 
 
-def expected_quality_gap(window: int) -> float:
-    """The held-out loss gap (percent) QUALITY_BY_WINDOW gives a window of `window` steps:
-    linear between the measured lengths, the last measured value beyond them."""
-    (first, gap), *rest = QUALITY_BY_WINDOW
+def expected_quality_gap(window: int, credit: str = "mean") -> float:
+    """The held-out loss gap (percent) QUALITY_BY_WINDOW[credit] gives a window of `window`
+    steps: linear between the measured lengths, the last measured value beyond them."""
+    (first, gap), *rest = QUALITY_BY_WINDOW[credit]
     if window <= first:
         return gap
     for length, next_gap in rest:
@@ -78,15 +81,17 @@ def _figures(measured: dict | None, target: str) -> tuple[dict, dict]:
     return values, sources
 
 
-def _host(entries, gpus: int, sum_slots: int, staging_slots: int) -> dict:
+def _host(entries, gpus: int, sum_slots: int, staging_slots: int, rates: bool = False) -> dict:
     """Host memory of every rank on the host, from the optimizer's own HostLayout (two staging
-    buffers where copies outlive the step, as on CUDA: zenflow/host/pipeline.py)."""
+    buffers where copies outlive the step, as on CUDA: zenflow/host/pipeline.py; "moments": the
+    rates, and always two sum slots)."""
     total = arena = pinned = first = 0
     for rank in range(gpus):
         part = Partition(rank=rank, world_size=gpus)
         layout = HostLayout.build([(len(range(rows)[part.rows(rows)]), cols, dtype)
-                                   for rows, cols, dtype in entries], sum_slots,
-                                  staging_slots=staging_slots)
+                                   for rows, cols, dtype in entries],
+                                  2 if rates else sum_slots, staging_slots=staging_slots,
+                                  rates=rates)
         regions, size = plan(layout.regions())
         dma = set(layout.dma_regions())
         nbytes = sum(r.nbytes for r in regions)
@@ -98,7 +103,7 @@ def _host(entries, gpus: int, sum_slots: int, staging_slots: int) -> dict:
 
 
 def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dtype, world: int,
-             overlap: bool, staging_slots: int) -> dict:
+             overlap: bool, staging_slots: int, moments: bool = False) -> dict:
     """Bytes per rank of ZenFlowAdamW on `world` ranks, replicas (DDP) against row shards (FSDP2),
     for rank 0, which holds the largest share (ceil(rows / world) rows of every matrix, as both
     split them): the table of docs/fsdp2.md, exactly. `mats` holds (rows, columns, k) per matrix,
@@ -117,8 +122,11 @@ def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dty
         return {"weights_bytes": weights, "grads_bytes": weights, "state_bytes": state,
                 "total_bytes": 2 * weights + state}
 
-    host = _host([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1,
-                 staging_slots)["host_bytes_rank0"]
+    entries = [(r, c, dtype) for r, c, _ in mats]
+    host = _host(entries, world, 2 if overlap else 1, staging_slots)["host_bytes_rank0"]
+    # "moments" applies to FSDP2's shards (not to DDP's replicas, whose ranks sum their rows)
+    host_fsdp2 = _host(entries, world, 2 if overlap else 1, staging_slots,
+                       rates=moments)["host_bytes_rank0"]
     deferred = [(r, c) for r, c, k in mats if k < c]
     own = sum(rows0(r) * c for r, c in deferred)
     # with device sums: the fp32 sums of the rank's rows down, its rows (weights' dtype) up
@@ -127,7 +135,7 @@ def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dty
     return {"world_size": world, "rank": 0,
             "ddp": {**device(lambda r: r, lambda n: n), "host_bytes": host, **bus,
                     "install_allgather_bytes_per_window": gather},
-            "fsdp2": {**device(rows0, rows0), "host_bytes": host, **bus,
+            "fsdp2": {**device(rows0, rows0), "host_bytes": host_fsdp2, **bus,
                       "install_allgather_bytes_per_window": 0}}
 
 
@@ -136,19 +144,28 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              update_interval: int | str = "auto", overlap: bool = True,
              fwd_bwd_s: float | None = None, measured: dict | None = None, target: str = "cuda",
              source: str = "", device_sum_budget: int | str = "auto",
-             activation_bytes: int = 0, fsdp: int | None = None) -> dict:
+             activation_bytes: int = 0, fsdp: int | None = None,
+             deferred_credit: str = "moments") -> dict:
     """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...]. `fsdp`:
     also the bytes per rank of the model sharded that many ways with FSDP2 (`per_rank`), beside
     DDP's on as many GPUs (`gpus` must then be that number).
     `device_sum_budget`: bytes, or "auto" as the optimizer decides it (what the device has left
     after its peak, here the weights, gradients, device state, reserve and `activation_bytes`,
-    less a tenth of its memory; 0 on a CPU device)."""
+    less a tenth of its memory; 0 on a CPU device). `deferred_credit`: the optimizer's; "moments"
+    applies to the matrices summed on the device, on one GPU (data-parallel replicas take
+    "mean")."""
     if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1
                              or fsdp != gpus):
         raise ValueError(f"fsdp must be the number of GPUs the model is sharded over (>= 1, "
                          f"equal to gpus={gpus}), got {fsdp!r}")
     item = torch.empty((), dtype=dtype).element_size()
     U, world = update_interval, gpus
+    # as the optimizer decides it: not under data parallel, nor where no sum can be on the device
+    cpu = target == "cpu"
+    may_move = (deferred_credit == "moments" and device_sum_budget != 0
+                and not (device_sum_budget == "auto" and cpu))
+    moments = may_move and world == 1
+    rate_item = rate_dtype(dtype).itemsize
     fig, fig_source = _figures(measured, target)
     gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
     mats, vecs = [], []
@@ -176,7 +193,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                "left_for_activations_bytes": left, "fits": {k: v > 0 for k, v in left.items()}}
     # -- per host: every matrix has host state whatever topk_ratio is; OffloadAdamW adds vectors
     staging = 2 if target == "cuda" else 1
-    zen_host = _host([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1, staging)
+    zen_host = _host([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1, staging,
+                     rates=moments)
     off_host = _host([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs], world, 1,
                      staging)
     avail = (measured or {}).get("available_host_bytes") or available_host_bytes()
@@ -185,23 +203,26 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          "offload": off_host["arena_bytes"] <= avail}}
     # -- where the window sums live (rank 0's rows: the largest share), as the optimizer decides
     deferred = [(r, c) for r, c, k in mats if k < c]
-    cpu = target == "cpu"
     if device_sum_budget == "auto":
         spare = left["zenflow"] - activation_bytes - int(0.1 * gpu_memory_bytes)
         device_sum_budget = 0 if cpu else max(0, spare)
+    # "moments": each summed element also has its square (fp32) and its rate on the device
+    per_element = 4 + (4 + rate_item if moments else 0)
     on_device = set(choose_device_summed([share(r) * c for r, c in deferred],
-                                         int(device_sum_budget)))
+                                         int(device_sum_budget), per_element))
     dev_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i in on_device)
     host_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i not in on_device)
-    per_gpu["device_sum_bytes"] = 4 * dev_sum_params
+    moment_params = dev_sum_params if moments else 0
+    per_gpu["device_sum_bytes"] = per_element * dev_sum_params
+    per_gpu["moments_matrices"] = len(on_device) if moments else 0
     per_gpu["device_sum_matrices"] = len(on_device)
     per_gpu["host_sum_matrices"] = len(deferred) - len(on_device)
     # -- bus bytes per GPU: host-summed rows every step in the weights' dtype; device sums once
     # per window in fp32; installs: this rank's rows (NCCL all-gathers the rest on the device)
     zen_d2h_step = host_sum_params * item
-    zen_d2h_window_sums = 4 * dev_sum_params
+    zen_d2h_window_sums = 4 * dev_sum_params + 4 * moment_params   # "moments": the squares
     install_rows = sum((share(r) if world > 1 else r) * c for r, c in deferred)
-    zen_h2d_window = install_rows * item
+    zen_h2d_window = install_rows * item + rate_item * moment_params   # and the rates
     off_d2h = (sum(share(r) * c for r, c, _ in mats) + sum(share(1) * n for n in vecs)) * item
     # -- host work per GPU: each rank's worker has 1/gpus of the host's measured throughput
     A = fig["host_adamw_params_per_s"] / world
@@ -218,9 +239,14 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     t = {"accumulate_s": host_sum_params / C, "adamw_s": zen_host_params / A,
          "d2h_s": zen_d2h_step / Bd, "h2d_s": zen_h2d_window / Bh,
          "sums_d2h_s": zen_d2h_window_sums / Bd,
-         # one fused add per step: read the sum and the gradient, write the sum
-         "sum_add_s": dev_sum_params * (8 + item) / fig["device_copy_bytes_per_s"],
-         "install_gather_s": gather / fig["device_copy_bytes_per_s"],
+         # one fused add per step: read the sum and the gradient, write the sum; "moments": the
+         # squares likewise, and the interim step (read the gradient and rate, rewrite the weight)
+         "sum_add_s": (dev_sum_params * (8 + item) + moment_params * (8 + 4 * item + rate_item)
+                       ) / fig["device_copy_bytes_per_s"],
+         # an all-gather of the other ranks' rows; "moments": the install's correction (read the
+         # sum and rate, rewrite the weight)
+         "install_gather_s": (gather + moment_params * (4 + rate_item + 2 * item)
+                              ) / fig["device_copy_bytes_per_s"],
          # AdamW on the selected columns and vectors, plus one read of every gradient (the global
          # norm) by the norm kernel, and the selected columns' gather and scatter (3 passes over
          # the touched lines = 1.5 copies)
@@ -258,7 +284,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          "the device) once per window"),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",
     ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
-    sharded = per_rank(mats, vecs, dtype, world, overlap, staging) if fsdp else None
+    sharded = per_rank(mats, vecs, dtype, world, overlap, staging, moments=may_move) \
+        if fsdp else None
     if sharded:
         left = gpu_memory_bytes - RESERVE_BYTES - sharded["fsdp2"]["total_bytes"]
         sharded["fsdp2"]["left_for_activations_bytes"] = left
@@ -269,15 +296,24 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
             "model": {"params": P, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,
                       "dtype": str(dtype).removeprefix("torch."), "source": source},
-            "quality": {"window_steps": U, "held_out_loss_gap_pct": expected_quality_gap(U),
-                        "beyond_measured": U > QUALITY_BY_WINDOW[-1][0],
-                        "measured": dict(QUALITY_BY_WINDOW),
-                        "source": "benchmarks/finetune_quality.py (a small model's fine-tune)"},
+            "quality": _quality(U, moment_params / max(1, dev_sum_params + host_sum_params)),
             "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
                          "update_interval_asked": update_interval,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s},
             "per_gpu": per_gpu, "per_host": per_host, "bus": bus,
             "seconds": t, "time": times, "figures": fig, "assumptions": assumptions}
+
+
+def _quality(window: int, moments_share: float) -> dict:
+    """The expected quality cost at `window` steps, where `moments_share` of the deferred
+    parameters take "moments" and the rest "mean": the two measured gaps, weighted."""
+    gap = (moments_share * expected_quality_gap(window, "moments")
+           + (1 - moments_share) * expected_quality_gap(window, "mean"))
+    return {"window_steps": window, "held_out_loss_gap_pct": gap,
+            "moments_share": moments_share,
+            "beyond_measured": window > QUALITY_BY_WINDOW["mean"][-1][0],
+            "measured": {credit: dict(table) for credit, table in QUALITY_BY_WINDOW.items()},
+            "source": "benchmarks/finetune_quality.py (a small model's fine-tune)"}
 
 
 def _device_time(t: dict, cpu: bool, fwd_bwd_s: float) -> float:
@@ -350,11 +386,13 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
 
 # ---------------------------------------------------------------------------------- output
 def _quality_line(q: dict) -> str:
-    measured = ", ".join(f"{u}: {g:+.1f}%" for u, g in q["measured"].items())
+    measured = "; ".join(f"{credit} " + ", ".join(f"{u}: {g:+.1f}%" for u, g in table.items())
+                         for credit, table in q["measured"].items())
     at_least = " or more" if q["beyond_measured"] else ""
     return (f"Quality at windows of {q['window_steps']} steps: about {q['held_out_loss_gap_pct']:+.1f}%"
-            f"{at_least} held-out loss against AdamW on the fine-tune benchmark (windows {measured}; "
-            "a small model's fine-tune, for the trend: benchmarks/README.md)")
+            f"{at_least} held-out loss against AdamW on the fine-tune benchmark, with "
+            f"{100 * q['moments_share']:.0f}% of the deferred parameters under 'moments' (by "
+            f"window: {measured}; a small model's fine-tune, for the trend: benchmarks/README.md)")
 
 
 def _gib(n) -> str:
@@ -386,7 +424,8 @@ def format_report(r: dict) -> str:
     for name, vals in rows:
         out.append(f"  {name:<28}" + "".join(f"{_gib(v):>16}" for v in vals))
     out.append(f"  {'fits':<28}" + "".join(f"{'yes' if g['fits'][c] else 'NO':>16}" for c in cols))
-    out.append(f"  window sums on the device: {g['device_sum_matrices']} matrices, "
+    out.append(f"  window sums on the device: {g['device_sum_matrices']} matrices "
+               f"({g['moments_matrices']} under 'moments', with squares and rates), "
                f"{g['device_sum_bytes'] / GIB:.2f} GiB; on the host: {g['host_sum_matrices']}")
     out += ["", f"{'Per host (' + str(s['gpus']) + f' {unit}(s))':<32}{'OffloadAdamW':>16}"
             f"{'ZenFlowAdamW':>16}"]
@@ -484,6 +523,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-gib", type=float, default=0.0,
                    help="GiB of activations at the peak of forward and backward (for the "
                         "auto device-sum budget)")
+    p.add_argument("--deferred-credit", choices=("moments", "mean", "window"), default="moments",
+                   help="ZenFlow deferred_credit (default: the optimizer's, moments)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ZenFlow overlap_step")
     p.add_argument("--fwd-bwd-seconds", type=float, default=None,
@@ -549,7 +590,8 @@ def run(args: argparse.Namespace) -> int:
                           overlap=args.overlap, fwd_bwd_s=args.fwd_bwd_seconds,
                           measured=measured, target=target, source=source,
                           device_sum_budget=args.device_sum_budget,
-                          activation_bytes=int(args.activation_gib * GIB))
+                          activation_bytes=int(args.activation_gib * GIB),
+                          deferred_credit=args.deferred_credit)
     except (ValueError, OSError) as exc:
         print(f"zenflow estimate: error: {exc}", file=sys.stderr)
         return 2
