@@ -43,6 +43,12 @@ SYSTEMS = {
     "ZenFlowAdamW U=1 lookahead 1": ("zenflow", dict(update_interval=1, install_lookahead=1.0)),
     "ZenFlowAdamW sync window credit": ("zenflow", dict(overlap_step=False,
                                                          deferred_credit="window")),
+    # deferred_credit "moments" (the default) where a GPU keeps every window sum on the device
+    # (emulated: the CPU "device" gets a budget for them all), at a GPU's windows.
+    "ZenFlowAdamW moments U=4": ("zenflow", dict(update_interval=4, deferred_credit="moments",
+                                                 device_sum_budget=1 << 40)),
+    "ZenFlowAdamW moments U=8": ("zenflow", dict(update_interval=8, deferred_credit="moments",
+                                                 device_sum_budget=1 << 40)),
 }
 
 def spread(values: list[float]) -> dict:

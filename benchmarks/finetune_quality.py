@@ -62,6 +62,7 @@ class System:
 # The seeds' ZenFlow block (DeepSpeed's zf_config.json): k=0.05, U=4, overlap, select "auto",
 # DeepSpeed's arithmetic (one AdamW step per window on the mean gradient, no lookahead).
 SEEDS_BLOCK = dict(topk_ratio=0.05, update_interval=4, install_lookahead=0.0)
+MOMENTS = dict(deferred_credit="moments", device_sum_budget=1 << 40)
 SYSTEMS = {
     "AdamW": System("adamw", {}),
     "OffloadAdamW": System("offload", {}),
@@ -74,6 +75,12 @@ SYSTEMS = {
     "defaults, U=8": System("zenflow", dict(update_interval=8)),
     "defaults, host 4 steps slow": System("zenflow", {}, emulated_host_steps=4),
     "defaults, host 8 steps slow": System("zenflow", {}, emulated_host_steps=8),
+    # deferred_credit="moments" where the window sums fit the device, as a GPU's budget holds
+    # them (emulated: the CPU "device", which by default sums nothing, gets a budget for all).
+    "moments, one-step windows": System("zenflow", dict(MOMENTS)),
+    "moments, U=4": System("zenflow", dict(MOMENTS, update_interval=4)),
+    "moments, U=8": System("zenflow", dict(MOMENTS, update_interval=8)),
+    "moments, host 4 steps slow": System("zenflow", dict(MOMENTS), emulated_host_steps=4),
     # Options measured before (one-step windows unless said).
     "ZenFlow DeepSpeed auto (auto_ratio=0.99)": System("zenflow", dict(auto_ratio=0.99,
                                                                         install_lookahead=0.0)),
@@ -229,6 +236,7 @@ def finetune(name: str, seed: int, weights, setting: Setting, direction: Directi
         "median_step_s": statistics.median(times[min(10, len(times) // 2):]),  # warmed up
         "reselections": stats.get("reselections"),
         "windows": stats.get("windows"),
+        "moments_matrices": stats.get("moments_matrices"),   # deferred_credit "moments" on
         "mean_window_steps": (setting.steps / stats["windows"]) if stats.get("windows") else None,
         "losses": losses,
     }

@@ -38,7 +38,7 @@ from zenflow.tools.bench import cli, harness, plots
 from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
 from zenflow.tools.bench.systems import BUILDERS
 
-SYSTEMS = ["adamw", "offload", "zenflow-sync", "zenflow", "zenflow-defaults"]
+SYSTEMS = ["adamw", "offload", "zenflow-sync", "zenflow", "zenflow-defaults", "zenflow-moments"]
 # GPT-2-shaped, 117.6M parameters, batch 1 x 32 tokens: the step, not the model, dominates.
 DEFAULTS = dict(systems=",".join(SYSTEMS), n_layer=8, n_embd=1024, n_head=16, vocab_size=8192,
                 seq_len=32, batch_size=1, dtype="float32", warmup=4, steps=8, rounds=6,
@@ -80,7 +80,7 @@ def stall_per_step(report: dict) -> dict[str, dict[str, float | None]]:
         rows[name] = {"time_per_step_s": summary["window_step_s"]["median"], "step_s": step,
                       "stall_s": stall}
     offload_stall = rows.get("offload", {}).get("stall_s")
-    for name in ("zenflow-sync", "zenflow", "zenflow-defaults"):
+    for name in ("zenflow-sync", "zenflow", "zenflow-defaults", "zenflow-moments"):
         stall = rows.get(name, {}).get("stall_s")
         if stall is not None and offload_stall:
             rows[name]["stall_cut_vs_offload"] = 1 - stall / offload_stall

@@ -87,7 +87,7 @@ def test_bench_runs_available_systems_and_writes_json_and_png(tmp_path, capsys):
         # Every system starts from the same weights on the same batch.
         assert s["loss_given_weights"] == pytest.approx(
             report["systems"][systems[0]]["summary"]["loss_given_weights"], rel=1e-6)
-    for name in ("offload", "zenflow-sync", "zenflow", "zenflow-defaults"):
+    for name in ("offload", "zenflow-sync", "zenflow", "zenflow-defaults", "zenflow-moments"):
         if name in systems:  # our optimizers report their stall and host time
             assert report["systems"][name]["summary"]["stall_per_step_s"] is not None
     if "adamw" in systems:

@@ -29,12 +29,19 @@ Settings of a rule (keyword arguments of `Rule`):
             r = 1 / (sqrt(v_hat) + eps) from the host's last update, and keeps P, the sum of
             lr * g since the last install; an install writes x - fresh * P * r: the host's values
             plus a momentum-free step for every gradient the host has not applied yet
+  motion    with fresh: whether the device moves the deferred columns every step (False: only
+            the install's correction, "install only")
+  pending   with fresh: P as the exact sum of lr * g ("exact") or the learning rate at the install
+            times the gradients' sum ("sum": what the package keeps, the window sums it has)
   full_ends the embeddings and the output head (rows 256 or 64 at width 128) wholly on the device
+
+Writes benchmarks/results/window_rules.json (each rule's gaps per seed; the machine named).
 """
 from __future__ import annotations
 
 import json
 import math
+import platform
 import statistics
 import sys
 import time
@@ -53,13 +60,14 @@ HOST_RULES = ("mean", "window", "window_v", "moments", "moments_matrix")
 class Rule:
     def __init__(self, params, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8, k_ratio=0.1,
                  U=4, overlap=True, host="mean", lookahead=0.0, drift=False, fresh=0.0,
-                 full_ends=False):
+                 full_ends=False, motion=True, pending="exact"):
         if host not in HOST_RULES:
             raise ValueError(f"host={host!r}: choose one of {HOST_RULES}")
         self.params = list(params)
         self.lr, self.wd, (self.b1, self.b2), self.eps = lr, weight_decay, betas, eps
         self.U, self.overlap, self.host, self.lookahead = U, overlap, host, lookahead
         self.drift, self.fresh = drift, fresh
+        self.motion, self.pending_rule, self.lr_now = motion, pending, lr
         self.window_steps, self.pending, self.selected = 0, False, False
         self.state = []
         for p in self.params:
@@ -73,7 +81,7 @@ class Rule:
                          energy=0.0, n=0, host_count=0, device_count=0, on_device=None,
                          k=cols if whole else math.ceil(k_ratio * cols),
                          D=torch.zeros_like(s["x"]), r=torch.zeros_like(s["x"]),
-                         P=torch.zeros_like(s["x"]))
+                         P=torch.zeros_like(s["x"]), S=torch.zeros_like(s["x"]))
             else:
                 s["count"] = 0
             self.state.append(s)
@@ -106,8 +114,9 @@ class Rule:
             shown = s["x"] - self.lookahead * s["last_lr"] * direction
             if self.fresh:
                 r[:, s["on_device"]] = 0
-                shown = shown - self.fresh * s["P"] * r
-                s["r"], s["P"] = r, torch.zeros_like(s["P"])
+                P = s["P"] if self.pending_rule == "exact" else self.lr_now * s["S"]
+                shown = shown - self.fresh * P * r
+                s["r"], s["P"], s["S"] = r, torch.zeros_like(s["P"]), torch.zeros_like(s["P"])
             self.write(p, s, shown, deferred)
             if self.drift:
                 s["D"] = direction.masked_fill(s["on_device"], 0.0)
@@ -122,6 +131,7 @@ class Rule:
 
     # -- a step -----------------------------------------------------------------------------
     def step(self, lr):
+        self.lr_now = lr
         grads = [p.grad for p in self.params]
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
         grads = [g.float() * min(1.0, 1.0 / (norm + 1e-6)) for g in grads]
@@ -147,7 +157,9 @@ class Rule:
             if self.fresh:
                 motion = lr * g * deferred
                 s["P"] += motion
-                weights.sub_((self.fresh * motion * s["r"]).to(p.dtype))
+                s["S"] += g * deferred
+                if self.motion:
+                    weights.sub_((self.fresh * motion * s["r"]).to(p.dtype))
             s["sum"][:, deferred] += g[:, deferred]
             s["sum_sq"][:, deferred] += g[:, deferred] ** 2
             s["energy"] += float(g[:, deferred].pow(2).sum())
@@ -231,7 +243,7 @@ def main(argv: list[str]) -> int:
     setting = fq.Setting()
     data = fq.corpora(direction)
     weights = fq.pretrained(setting, direction, data, progress=True)
-    base = {}
+    base, results = {}, {}
     for seed in seeds:
         start = time.time()
         base[seed] = run(None, seed, setting, direction, data, weights)
@@ -245,6 +257,19 @@ def main(argv: list[str]) -> int:
         print(f"{name:40s} new {statistics.fmean(g[0] for g in gaps):+.2f}%  "
               f"old {statistics.fmean(g[1] for g in gaps):+.2f}%  "
               f"(per seed: {', '.join(f'{g[0]:+.2f}%' for g in gaps)})", flush=True)
+        results[name] = {"rule": rule, "new_gap_pct": [g[0] for g in gaps],
+                         "old_gap_pct": [g[1] for g in gaps],
+                         "new_gap_pct_mean": statistics.fmean(g[0] for g in gaps),
+                         "old_gap_pct_mean": statistics.fmean(g[1] for g in gaps)}
+    out = Path(__file__).resolve().parents[1] / "results" / "window_rules.json"
+    saved = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    saved["runs"].append({"machine": f"{platform.processor() or platform.machine()}, "
+                                     f"{torch.get_num_threads()} thread(s), torch "
+                                     f"{torch.__version__}",
+                          "direction": argv[2] if len(argv) > 2 else "shakespeare-to-bbc",
+                          "seeds": seeds, "rules": results})
+    out.write_text(json.dumps(saved, indent=1))
+    print(f"added to {out}")
     return 0
 
 

@@ -28,6 +28,8 @@ SYSTEMS: dict[str, tuple[str, bool]] = {
     "zenflow-sync": ("zenflow ZenFlowAdamW, overlap off", False),
     "zenflow": ("zenflow ZenFlowAdamW, overlap on", False),
     "zenflow-defaults": ("zenflow ZenFlowAdamW, its own defaults (host-paced windows)", False),
+    "zenflow-moments": ("zenflow ZenFlowAdamW, overlap on, every window sum on the device "
+                        "(deferred_credit 'moments')", False),
     "ds-offload": ("DeepSpeed ZeRO-Offload (stage 2)", True),
     "ds-zenflow": ("DeepSpeed ZenFlow (stage 2)", True),
 }
@@ -134,6 +136,16 @@ def build_zenflow(model, spec):
     return _build_zenflow(model, spec, overlap=True)
 
 
+def build_zenflow_moments(model, spec):
+    # The shared block with every window sum on the device, as a GPU with room for them runs it
+    # (a CPU "device" gets no budget by default): deferred_credit "moments" on every matrix.
+    from zenflow import ZenFlowAdamW
+    opt = ZenFlowAdamW(model.parameters(), **_adam_kwargs(spec),
+                       **dict(spec["zenflow"], overlap_step=True, deferred_credit="moments",
+                              device_sum_budget=1 << 50))
+    return _TorchOptimizerRunner(model, opt)
+
+
 def build_zenflow_defaults(model, spec):
     # Not the shared zenflow block: the package's defaults (update_interval "auto" with no
     # importance threshold, lookahead 1), which DeepSpeed has no equivalent of.
@@ -227,6 +239,7 @@ BUILDERS = {
     "zenflow-sync": build_zenflow_sync,
     "zenflow": build_zenflow,
     "zenflow-defaults": build_zenflow_defaults,
+    "zenflow-moments": build_zenflow_moments,
     "ds-offload": build_ds_offload,
     "ds-zenflow": build_ds_zenflow,
 }
