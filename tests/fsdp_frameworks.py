@@ -20,7 +20,7 @@ def _kwargs(overlap: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------- Accelerate
-def _accelerator():
+def _accelerator(device_placement: bool = True):
     """An Accelerator with the FSDP2 plugin. Accelerate turns the plugin on only where it finds
     GPUs (accelerate/state.py: MULTI_GPU and the like); on the CPU it silently runs DDP instead.
     These lines set its state to what a 2-GPU node gets, so that prepare(), save_state and
@@ -29,7 +29,8 @@ def _accelerator():
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
     plugin = accelerate.FullyShardedDataParallelPlugin(fsdp_version=2)
-    accelerator = accelerate.Accelerator(cpu=True, fsdp_plugin=plugin)
+    accelerator = accelerate.Accelerator(cpu=True, fsdp_plugin=plugin,
+                                         device_placement=device_placement)
     # (AcceleratorState copies PartialState's type whenever one is made: both say FSDP.)
     PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
@@ -72,7 +73,8 @@ def _accelerate(rank, world, steps, options, result):
     result["selections"] = selections(zenflow.find_optimizer(opt))
     zenflow.find_optimizer(opt).close()
 
-    accelerator = _accelerator()
+    # As docs/fsdp2.md advises on GPUs: no round trip of the optimizer's state at prepare().
+    accelerator = _accelerator(device_placement=False)
     model, opt = _accelerate_prepared(accelerator, overlap=True)
     accelerator.load_state(path)
     result["loaded_step"] = zenflow.find_optimizer(opt).counters.step
