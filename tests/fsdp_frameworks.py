@@ -11,6 +11,7 @@ import torch.distributed as dist
 from conftest import make_mlp
 from dist_helpers import engine_config, my_share, optimizer_kwargs
 from fsdp_helpers import _engine_steps, full_weights, selections, sharded_mlp
+from torch.distributed.tensor import DTensor
 
 import zenflow
 
@@ -62,7 +63,7 @@ def _accelerate(rank, world, steps, options, result):
     path = options["dir"]
     accelerator = _accelerator()
     model, opt = _accelerate_prepared(accelerator, overlap=True)
-    result["sharded"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    result["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
     in_groups = [p for g in opt.param_groups for p in g["params"]]
     result["same_params"] = (len(in_groups) == len(list(model.parameters())) and all(
         a is b for a, b in zip(in_groups, model.parameters())))
@@ -86,6 +87,7 @@ def _accelerate(rank, world, steps, options, result):
     model = make_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **_kwargs(False)) as opt:
         model, prepared = accelerator.prepare(model, opt)
+        result["unsharded_first"] = None
         try:
             _accelerate_steps(accelerator, model, prepared, 0, 1, rank, world)
         except ValueError as exc:
@@ -139,8 +141,8 @@ def _lightning(rank, world, steps, options, result):
             default_root_dir=options["dir"])
         trainer.fit(module, torch.utils.data.DataLoader(range(steps), batch_size=None),
                     ckpt_path=ckpt_path)
-        out = {"weights": {f"{k}": v for k, v in full_weights(module.net).items()},
-               "selections": selections(module.zenflow), "step": trainer.global_step}
+        out = {"weights": full_weights(module.net), "selections": selections(module.zenflow),
+               "step": trainer.global_step}
         module.zenflow.close()
         return out
 
