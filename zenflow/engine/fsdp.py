@@ -7,13 +7,19 @@ averages no gradient (FSDP2's reduce-scatter did), and its checkpoints go throug
 torch.distributed.checkpoint (zenflow/engine/checkpoint_dcp.py). Precision is FSDP2's too:
 `fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))` computes in bf16 and
 keeps the sharded parameters in fp32, so the config's bf16/fp16 blocks do not map to it.
+A model the user sharded runs the same way under a stage 0-2 config: those stages say what
+DeepSpeed splits of replicas, and this model holds none (the engine logs that it runs as stage 3).
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from zenflow.config.deepspeed_json import ConfigError, ZenFlowConfig
 from zenflow.distributed import is_sharded
+
+log = logging.getLogger("zenflow.engine")
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
@@ -40,4 +46,10 @@ def check_sharding(model: torch.nn.Module, config: ZenFlowConfig) -> bool:
             f"{config.dtype_name} off (the sharded parameters and the optimizer state stay fp32)")
     if problems:
         raise ConfigError(problems)
+    if sharded and config.zero_optimization.stage < 3:
+        # Stages 0-2 say what DeepSpeed splits of replicas; the model's own sharding decides here.
+        log.info("the model is FSDP2-sharded and zero_optimization.stage is %d: it runs as stage 3 "
+                 "does (FSDP2 shards the weights and gradients; the host state is split by rows "
+                 "under every stage), and checkpoints go through torch.distributed.checkpoint",
+                 config.zero_optimization.stage)
     return sharded

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.distributed import local
+from zenflow.distributed import is_sharded, local
 from zenflow.optim import columns
 from zenflow.optim.device_adam import DeviceColumns, DeviceVector, device_step
 from zenflow.optim.importance import num_selected
@@ -75,9 +75,10 @@ class VectorParam:
 
 
 def built_layout(param_groups: list[dict]) -> dict:
-    """What the optimizer built its state for, per trainable parameter: its dtype and that it is
-    contiguous (a parameter frozen then has no entry)."""
-    return {p: p.dtype for group in param_groups for p in group["params"] if p.requires_grad}
+    """What the optimizer built its state for, per parameter it was given: the dtype of a
+    trainable one (and that it is contiguous), None for one frozen then."""
+    return {p: p.dtype if p.requires_grad else None
+            for group in param_groups for p in group["params"]}
 
 
 def present_gradients(param_groups: list[dict], device: torch.device, owner: str,
@@ -91,8 +92,10 @@ def present_gradients(param_groups: list[dict], device: torch.device, owner: str
             g = p.grad
             if g is None or not p.requires_grad:
                 continue
-            if built.get(p) != p.dtype or not p.is_contiguous():
-                raise ValueError(f"{owner}: {_changed_since_built(p, built.get(p))}")
+            if p not in built:
+                raise ValueError(f"{owner}: {_not_built_for(p)}")
+            if built[p] != p.dtype or not p.is_contiguous():
+                raise ValueError(f"{owner}: {_changed_since_built(p, built[p])}")
             if g.is_sparse or g.device != device:
                 where = "sparse" if g.is_sparse else f"on {g.device}"
                 raise ValueError(f"{owner}: the gradient of a parameter of shape "
@@ -100,6 +103,18 @@ def present_gradients(param_groups: list[dict], device: torch.device, owner: str
                                  "are required")
             grads[p] = local(g)
     return grads
+
+
+def _not_built_for(p: torch.Tensor) -> str:
+    kind = "a DTensor" if is_sharded(p) else "a plain tensor"
+    return (f"param_groups holds a parameter of shape {tuple(p.shape)} ({kind}) that the optimizer "
+            "was not built over: something replaced the parameters in param_groups after it was "
+            "built, so its state belongs to tensors the model no longer uses. Accelerate's "
+            "prepare(model, optimizer) with an FSDP2 plugin does this (it shards the model, then "
+            "swaps the optimizer's parameters for the shards): shard the model first "
+            "(accelerate.utils.fsdp2_prepare_model(accelerator, model), or fully_shard), build "
+            "the optimizer over the sharded model.parameters(), then pass both to "
+            "accelerator.prepare (docs/fsdp2.md)")
 
 
 def _changed_since_built(p: torch.Tensor, dtype: torch.dtype | None) -> str:
