@@ -6,10 +6,10 @@ import torch
 import zenflow
 from tests.test_reference import SHAPES, random_case, run_pair
 
-# Bytes per summed element with "moments" and fp32 weights: the sum, the squares and the rates.
-PER_ELEMENT = 12
-# The matrices of SHAPES: (7, 9), (5, 3, 2) as (5, 6), (4, 12), (3, 1). HALF fits the first two.
-HALF = PER_ELEMENT * (7 * 9 + 5 * 6)
+# The matrices of SHAPES: (7, 9), (5, 3, 2) as (5, 6), (4, 12), (3, 1). Every fp32 sum (4 bytes
+# an element) goes on the device first; HALF then fits the squares and fp32 rates (8 bytes) of
+# the first two.
+HALF = 4 * (7 * 9 + 5 * 6 + 4 * 12 + 3 * 1) + 8 * (7 * 9 + 5 * 6)
 ALL = 10 ** 9
 MATRICES = [i for i, s in enumerate(SHAPES) if len(s) >= 2]
 
@@ -24,11 +24,21 @@ def test_moments_match_the_reference(seed):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_matrices_summed_on_the_host_take_mean_credit(seed):
+def test_matrices_without_room_for_moments_take_mean_credit(seed):
     case = {**random_case(seed), "deferred_credit": "moments", "device_sum_budget": HALF,
-            "host_summed": set(MATRICES[2:])}
+            "mean_credit": set(MATRICES[2:])}
     opt, _ = run_pair(case, seed)
     assert opt.stats()["moments_matrices"] == 2
+    assert opt.stats()["device_sum_matrices"] == len(MATRICES)
+
+
+def test_every_sum_goes_on_the_device_before_any_matrix_takes_moments():
+    """A sum on the device saves a gradient's copy every step; "moments" better windows. A tight
+    device gets every sum it can hold first, then "moments" for what is left, in order."""
+    from zenflow.host.device_sums import choose_placement
+    assert choose_placement([100, 50, 10], 4 * 160 + 8 * 60, 8) == ([0, 1, 2], [1, 2])
+    assert choose_placement([100, 50, 10], 4 * 150, 8) == ([0, 1], [])
+    assert choose_placement([100, 50, 10], 10 ** 6, 0) == ([0, 1, 2], [])
 
 
 def _model(seed=0, dtype=torch.float32):

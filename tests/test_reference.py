@@ -45,7 +45,7 @@ def run_pair(case, seed):
                                select_interval=interval if interval else 10 ** 6,
                                device_sum_budget=case.get("device_sum_budget", 0))
     ref = ReferenceZenFlow(ref_params, **kwargs, select_interval=interval,
-                           host_summed=case.get("host_summed", ()))
+                           mean_credit=case.get("mean_credit", ()))
     for t in range(case["steps"]):
         grads = [torch.randn(s, generator=gen) * (1 + 3 * (i % 2)) for i, s in enumerate(SHAPES)]
         if case["missing_grads"] and t % 4 == 1:

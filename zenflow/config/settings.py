@@ -127,14 +127,14 @@ class ZenFlowSettings(_Arguments):
     # Measured on a fine-tune (benchmarks/finetune_quality.py): "window" closes most of the gap
     # to AdamW with overlap_step=False; with the one-window-stale installs of overlap_step=True
     # its larger steps overshoot unless windows are short.
-    # "moments", for the matrices whose window sums are on the device (`device_sum_budget`; the
-    # others take "mean"): the host's moments take the window as n AdamW steps would (from the
+    # "moments", for the matrices whose window sums are on the device with room for their squares
+    # and rates (`device_sum_budget` holds every sum first; the others take "mean"): the host's moments take the window as n AdamW steps would (from the
     # window's sum and its sum of squares), the value moves n steps' worth; between installs the
     # device moves the deferred columns every step by a momentum-free step at the host's last
     # per-parameter rate, and an install corrects the host's values with such a step for each
     # gradient the host has not yet applied. Costs 4 more bytes of device memory per summed
     # parameter (the squares) and the rates (2 bytes; 4 for fp32 weights), two fused launches
-    # per step; measured within 1.2% of AdamW at 4- and 8-step windows where "mean" is 5-6% off
+    # per step, the squares down and the rates up per window; measured within 1.2% of AdamW at 4- and 8-step windows where "mean" is 5-6% off
     # (benchmarks/README.md, "Rules for long windows").
     deferred_credit: DeferredCredit = "moments"
     # Install the deferred columns this fraction of the next host step ahead of the host's
@@ -167,7 +167,9 @@ class ZenFlowSettings(_Arguments):
     # and costs the host nothing per step; the others cross every step and the worker sums them.
     # 0: every sum on the host. "auto": what the device has left after the first step's forward
     # and backward (its peak so far), less a headroom of a tenth of its memory; on a CPU "device",
-    # where the worker adds in parallel with training, 0.
+    # where the worker adds in parallel with training, 0. Every sum it can hold comes first; what
+    # is left holds the squares and rates of deferred_credit "moments" (8 bytes, 6 for 16-bit
+    # weights), for as many of the summed matrices as fit.
     device_sum_budget: DeviceSumBudget = "auto"
     # Run the host side in a worker process (False: in the training process, synchronously;
     # for debugging and for machines without a spare core).

@@ -38,6 +38,22 @@ def choose_device_summed(numels: list[int], budget_bytes: int,
     return chosen
 
 
+def choose_placement(numels: list[int], budget_bytes: int,
+                     moments_bytes: int = 0) -> tuple[list[int], list[int]]:
+    """(summed, moving): the matrices whose fp32 sums fit `budget_bytes`, and of those, with what
+    is left, the ones that also fit `moments_bytes` per element more (the squares and rates of
+    deferred_credit "moments"; 0: none). Every sum first: a matrix summed on the device saves the
+    bus and the host a copy of its gradient every step, which a tight device cannot afford to
+    trade for better windows."""
+    summed = choose_device_summed(numels, budget_bytes)
+    if not moments_bytes:
+        return summed, []
+    spare = budget_bytes - 4 * sum(numels[i] for i in summed)
+    moving = choose_device_summed([n if i in set(summed) else 0 for i, n in enumerate(numels)],
+                                  spare, moments_bytes)
+    return summed, moving
+
+
 class DeviceSums:
     """fp32 sums on the device of this rank's rows of some host-owned matrices."""
 

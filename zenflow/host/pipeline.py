@@ -42,7 +42,7 @@ import torch
 from zenflow.distributed import Partition, local
 from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState, rate_dtype
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
-from zenflow.host.device_sums import DeviceSums, choose_device_summed
+from zenflow.host.device_sums import DeviceSums, choose_placement
 from zenflow.host.signals import sigint_deferred
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
@@ -208,12 +208,12 @@ class HostPipeline:
         if budget == "auto":
             budget = self.transfers.spare_device_bytes()
         matrices = self.layout.matrices
-        per_element = 4   # the fp32 sum; "moments": its squares and the widest rates too
+        moments_bytes = 0   # "moments": the squares and the widest rates, per element
         if self.moments and matrices:
-            per_element += 4 + max(rate_dtype(m.dtype).itemsize for m in matrices)
-        chosen = choose_device_summed([m.numel for m in matrices], int(budget), per_element)
+            moments_bytes = 4 + max(rate_dtype(m.dtype).itemsize for m in matrices)
+        chosen, moving = choose_placement([m.numel for m in matrices], int(budget), moments_bytes)
         self.device_sums.allocate({i: (matrices[i].rows, matrices[i].cols,
-                                       rate_dtype(matrices[i].dtype) if self.moments else None)
+                                       rate_dtype(matrices[i].dtype) if i in moving else None)
                                    for i in chosen}, self.device)
         for i in chosen:   # a window restored before the first step summed on the host so far
             if self.num_grads[i]:

@@ -39,14 +39,15 @@ class ReferenceZenFlow:
     selection), whatever the windows: the window in progress ends the step before, when some
     matrix has columns that can move (None: never reselect on its own; pass reselect=True to
     step()).
-    host_summed: with deferred_credit="moments", the positions in `params` of the matrices whose
-    window sums are on the host (`device_sum_budget`): they take "mean".
+    mean_credit: with deferred_credit="moments", the positions in `params` of the matrices that
+    take "mean" (their window sums on the host, or no room on the device for the squares and
+    rates: `device_sum_budget`).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  topk_ratio=0.1, update_interval=4, full_warm_up_rounds=0, overlap_step=False,
                  max_grad_norm=None, importance="l2", select_interval=None,
-                 deferred_credit="mean", install_lookahead=1.0, host_summed=()):
+                 deferred_credit="mean", install_lookahead=1.0, mean_credit=()):
         self.params = list(params)
         self.lr, (self.beta1, self.beta2), self.eps, self.wd = lr, betas, eps, weight_decay
         self.topk_ratio, self.update_interval = topk_ratio, update_interval
@@ -72,7 +73,7 @@ class ReferenceZenFlow:
                          acc=torch.zeros(p.shape[0], cols), acc_n=0, host_count=0,
                          device_count=0, on_device=torch.zeros(cols, dtype=torch.bool),
                          k=min(cols, math.ceil(topk_ratio * cols)),
-                         moments=deferred_credit == "moments" and index not in host_summed)
+                         moments=deferred_credit == "moments" and index not in mean_credit)
                 if s["moments"]:   # the squares; the rates, bf16 for 16-bit weights
                     rate_dtype = torch.bfloat16 if p.element_size() == 2 else torch.float32
                     s.update(acc_sq=torch.zeros(p.shape[0], cols),

@@ -21,7 +21,7 @@ import torch
 from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes, plan
 from zenflow.host.buffers import HostLayout, rate_dtype
-from zenflow.host.device_sums import choose_device_summed
+from zenflow.host.device_sums import choose_placement
 from zenflow.optim.importance import num_selected
 from zenflow.optim.windows import INSTALL_BUDGET
 from zenflow.tools import estimate_shapes as shapes_from
@@ -206,15 +206,15 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     if device_sum_budget == "auto":
         spare = left["zenflow"] - activation_bytes - int(0.1 * gpu_memory_bytes)
         device_sum_budget = 0 if cpu else max(0, spare)
-    # "moments": each summed element also has its square (fp32) and its rate on the device
-    per_element = 4 + (4 + rate_item if moments else 0)
-    on_device = set(choose_device_summed([share(r) * c for r, c in deferred],
-                                         int(device_sum_budget), per_element))
+    # every sum first; then, with what is left, "moments" (the square, fp32, and the rate)
+    summed, moving = choose_placement([share(r) * c for r, c in deferred], int(device_sum_budget),
+                                      4 + rate_item if moments else 0)
+    on_device = set(summed)
     dev_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i in on_device)
     host_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i not in on_device)
-    moment_params = dev_sum_params if moments else 0
-    per_gpu["device_sum_bytes"] = per_element * dev_sum_params
-    per_gpu["moments_matrices"] = len(on_device) if moments else 0
+    moment_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i in set(moving))
+    per_gpu["device_sum_bytes"] = 4 * dev_sum_params + (4 + rate_item) * moment_params
+    per_gpu["moments_matrices"] = len(moving)
     per_gpu["device_sum_matrices"] = len(on_device)
     per_gpu["host_sum_matrices"] = len(deferred) - len(on_device)
     # -- bus bytes per GPU: host-summed rows every step in the weights' dtype; device sums once
