@@ -78,7 +78,7 @@ def _use_transfers(opt, factory) -> None:
         return
     old, new = opt._pipeline.transfers, factory(opt.device)
     new._pinned, old._pinned = old._pinned, []
-    opt._pipeline.transfers = new
+    opt._pipeline.transfers = opt._pipeline.device_sums.transfers = new
 
 
 def _tol(ctx: _Ctx, dtype=torch.float32) -> dict:
@@ -104,12 +104,20 @@ def _close(a, b, tol) -> bool:
 
 
 # ---------------------------------------------------------------------------------- correctness
+# Every window sum on the device, whatever it has spare: deferred_credit "moments" then applies to
+# every matrix, as the reference assumes (it is told no matrix takes "mean"); "mean" runs keep
+# theirs on the host, so that both paths are checked.
+ALL_ON_DEVICE = dict(device_sum_budget=1 << 50)
+ON_HOST = dict(device_sum_budget=0)
+
+
 def _against_reference(ctx: _Ctx, settings: dict, steps: int, seed: int) -> Check:
     values, grads = _values(SHAPES, seed), _grads(SHAPES, steps, seed)
     fast = _params(values, ctx)
     slow = [v.to(ctx.dtype).clone() for v in values]
     tol, worst, bad = _tol(ctx, ctx.dtype), 0.0, None
-    opt = ZenFlowAdamW(fast, select_strategy="step", select_interval=4, **settings)
+    placement = ALL_ON_DEVICE if settings.get("deferred_credit") == "moments" else ON_HOST
+    opt = ZenFlowAdamW(fast, select_strategy="step", select_interval=4, **placement, **settings)
     _use_transfers(opt, ctx.transfers)
     ref = ReferenceZenFlow(slow, select_interval=4, **settings)
     try:
@@ -137,15 +145,18 @@ def correctness(ctx: _Ctx, quick: bool) -> list[Check]:
                  max_grad_norm=4.0)
     checks = []
     for overlap in (True, False):
-        checks.append(_timed(f"vs reference, fixed, overlap {'on' if overlap else 'off'}",
-                             _against_reference, ctx, dict(fixed, overlap_step=overlap), 24, 1))
+        for credit in ("moments", "mean"):
+            checks.append(_timed(f"vs reference, fixed, overlap {'on' if overlap else 'off'}, "
+                                 f"{credit}", _against_reference, ctx,
+                                 dict(fixed, overlap_step=overlap, deferred_credit=credit), 24, 1))
     for seed in range(3 if quick else 8):
         rng = random.Random(seed)
         settings = dict(lr=rng.choice([1e-2, 3e-3]), topk_ratio=[0.25, 0.5, 0.0, 1.0][seed % 4],
                         update_interval=rng.choice([1, 2, 3]),
                         overlap_step=seed % 3 != 1,
                         full_warm_up_rounds=rng.choice([0, 2]),
-                        max_grad_norm=rng.choice([None, 4.0]), importance=rng.choice(["l2", "l1"]))
+                        max_grad_norm=rng.choice([None, 4.0]), importance=rng.choice(["l2", "l1"]),
+                        deferred_credit=("moments", "mean")[seed % 2])
         checks.append(_timed(f"vs reference, random settings #{seed}", _against_reference, ctx,
                              settings, 12, 100 + seed))
     return checks
@@ -200,11 +211,15 @@ def equivalences(ctx: _Ctx) -> list[Check]:
                                             select_strategy="step", select_interval=5), "same"),
              ("topk_ratio=0, U=1, no overlap == AdamW",
               dict(topk_ratio=0.0, update_interval=1, overlap_step=False), "same"),
-             ("topk_ratio=0, U=3, no overlap == accumulated AdamW",
-              dict(topk_ratio=0.0, update_interval=3, overlap_step=False), "accumulate"),
-             ("topk_ratio=0, U=1, overlap == AdamW one step late",
-              dict(topk_ratio=0.0, update_interval=1, overlap_step=True, install_lookahead=0.0),
-              "delayed")]
+             ("topk_ratio=0, U=1, no overlap, 'moments' on the device == AdamW",
+              dict(topk_ratio=0.0, update_interval=1, overlap_step=False,
+                   deferred_credit="moments", **ALL_ON_DEVICE), "same"),
+             ("topk_ratio=0, U=3, no overlap, 'mean' == accumulated AdamW",
+              dict(topk_ratio=0.0, update_interval=3, overlap_step=False, deferred_credit="mean"),
+              "accumulate"),
+             ("topk_ratio=0, U=1, overlap, 'mean' == AdamW one step late",
+              dict(topk_ratio=0.0, update_interval=1, overlap_step=True, install_lookahead=0.0,
+                   deferred_credit="mean"), "delayed")]
     return [_timed(name, _equivalence, ctx, kw, mode) for name, kw, mode in cases]
 
 
