@@ -128,14 +128,16 @@ class ZenFlowSettings(_Arguments):
     # to AdamW with overlap_step=False; with the one-window-stale installs of overlap_step=True
     # its larger steps overshoot unless windows are short.
     # "moments", for the matrices whose window sums are on the device with room for their squares
-    # and rates (`device_sum_budget` holds every sum first; the others take "mean"): the host's moments take the window as n AdamW steps would (from the
-    # window's sum and its sum of squares), the value moves n steps' worth; between installs the
-    # device moves the deferred columns every step by a momentum-free step at the host's last
-    # per-parameter rate, and an install corrects the host's values with such a step for each
-    # gradient the host has not yet applied. Costs 4 more bytes of device memory per summed
-    # parameter (the squares) and the rates (2 bytes; 4 for fp32 weights), two fused launches
-    # per step, the squares down and the rates up per window; measured within 1.2% of AdamW at 4- and 8-step windows where "mean" is 5-6% off
-    # (benchmarks/README.md, "Rules for long windows").
+    # and rates (`device_sum_budget` holds every sum first; the others take "mean"): the host's
+    # moments take the window as n AdamW steps would (from the window's sum and its sum of
+    # squares), the value moves n steps' worth; between installs the device moves the deferred
+    # columns every step by a momentum-free step at the host's last per-parameter rate, and an
+    # install corrects the host's values with such a step for each gradient the host has not
+    # yet applied. Costs 4 more bytes of device memory per summed parameter (the squares) and
+    # the rates (2 bytes; 4 for fp32 weights), two fused launches per step, the squares down and
+    # the rates up per window. Measured within 0.75% of AdamW at 4-step windows and 1.2% at 8,
+    # where "mean" is 4.9% and 6.1% off; at one-step windows 1.05% where "mean" is 0.35%
+    # (benchmarks/README.md, "The windows a GPU runs").
     deferred_credit: DeferredCredit = "moments"
     # Install the deferred columns this fraction of the next host step ahead of the host's
     # values (0: the values). With overlap_step=True the device computes its gradients on
