@@ -308,6 +308,30 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def merge(paths: list[str], out: Path, name: str) -> int:
+    """Write the runs of result files `paths` (one setting and direction) as one result."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    first = parts[0]
+    for key in ("setting", "direction", "model"):
+        if any(part[key] != first[key] for part in parts):
+            raise SystemExit(f"--merge: the files differ in {key!r}; merge only runs of one setting")
+    systems = [n for n in first["systems"] if all(n in part["systems"] for part in parts)]
+    runs = [r for part in parts for r in part["runs"] if r["system"] in systems]
+    result = {**first, "seeds": sorted({r["seed"] for r in runs}),
+              "systems": {n: first["systems"][n] for n in systems},
+              "summary": summarize(runs, systems), "runs": runs,
+              "wall_s": sum(part["wall_s"] for part in parts), "merged_from": paths}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / f"{name}.png")
+    for system, summary in result["summary"].items():
+        print(f"{system:36s} new {summary['new_loss']['mean']:.4f} "
+              f"{summary.get('new_gap_pct', 0.0):+.2f}%  old {summary['old_loss']['mean']:.4f} "
+              f"{summary.get('old_gap_pct', 0.0):+.2f}%")
+    print(f"wrote {out / (name + '.json')}")
+    return 0
+
+
 def machine() -> str:
     info = machine_info("cpu")
     return f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}"
@@ -328,10 +352,16 @@ def main(argv=None) -> int:
                          "for the second direction)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine result files of separate runs (a long comparison run seed by "
+                         "seed) into --out/--name: the systems every file has, their runs, a "
+                         "new summary and plot; nothing is trained")
     ap.add_argument("--quick", action="store_true",
                     help="a tiny run to check the script works (40 pretraining steps, 10 "
                          "fine-tuning steps, 64 evaluation windows); not a measurement")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out), args.name or "finetune_quality_merged")
     setting = Setting(steps=args.steps)
     if args.quick:
         setting = Setting(pretrain_steps=40, steps=10, warmup=2, eval_windows=64)

@@ -43,3 +43,33 @@ def test_a_quick_run_of_the_second_direction_with_an_emulated_slow_host(tmp_path
     assert slow and all(r["windows"] <= math.ceil(result["setting"]["steps"] / 4) for r in slow)
     assert all(r["moments_matrices"] > 0 for r in slow)
     assert "old_gap_pct" in summary["moments, host 4 steps slow"]
+
+
+def test_runs_of_separate_seeds_merge_into_one_result(tmp_path):
+    """A long comparison runs seed by seed (each file survives an interruption); --merge keeps
+    the systems every file has and summarizes their runs together."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import finetune_quality as fq
+
+    def part(seed, systems, new):
+        runs = [{"system": s, "seed": seed, "new_loss": new[s], "old_loss": 2.0,
+                 "median_step_s": 0.1, "reselections": 0, "mean_window_steps": 4.0}
+                for s in systems]
+        return {"setting": {"steps": 3}, "direction": "shakespeare-to-bbc", "model": {"w": 1},
+                "machine": "a test",
+                "systems": {s: {} for s in systems}, "runs": runs, "wall_s": 1.0}
+    paths = []
+    for seed, systems, new in ((0, ["AdamW", "moments, U=4", "seeds' block, U=4"],
+                                {"AdamW": 1.0, "moments, U=4": 1.02, "seeds' block, U=4": 1.1}),
+                               (1, ["AdamW", "moments, U=4"],
+                                {"AdamW": 2.0, "moments, U=4": 2.04})):
+        paths.append(tmp_path / f"s{seed}.json")
+        paths[-1].write_text(json.dumps(part(seed, systems, new)))
+    assert fq.main(["--merge", *map(str, paths), "--out", str(tmp_path), "--name", "m"]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["seeds"] == [0, 1] and list(merged["summary"]) == ["AdamW", "moments, U=4"]
+    assert merged["summary"]["moments, U=4"]["new_gap_pct"] == pytest.approx(100 * (1.53 / 1.5 - 1))
+    other = {**part(2, ["AdamW"], {"AdamW": 1.0}), "direction": "bbc-to-shakespeare"}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="differ in 'direction'"):
+        fq.main(["--merge", str(paths[0]), str(tmp_path / "other.json"), "--out", str(tmp_path)])
