@@ -206,3 +206,31 @@ def test_data_parallel_replicas_take_mean_credit():
                             device_sum_budget=budget)
         assert pipe.moments is moves and pipe.layout.rates is moves
         pipe.close()
+
+
+def test_a_row_that_saw_no_gradient_moves_at_most_lr_per_step():
+    """An embedding's rare token: its row's v is 0, so its rate is 1 / eps. When a gradient
+    arrives, the interim step and the install's correction stay within AdamW's own bound on a
+    step, (1 - beta1) / sqrt(1 - beta2) = 3.16 times lr per gradient with the default betas,
+    instead of moving it by lr * g / eps."""
+    from zenflow.host.device_sums import step_bound
+    lr = 0.1 / step_bound(0.9, 0.999)   # the most AdamW moves a value per step: 0.1
+    w = torch.nn.Parameter(torch.zeros(6, 4))
+    opt = zenflow.ZenFlowAdamW([w], lr=lr, weight_decay=0.0, topk_ratio=0.0, update_interval=2,
+                               deferred_credit="moments", device_sum_budget=ALL,
+                               install_lookahead=0.0, worker=False)
+    only_row_0 = torch.zeros(6, 4)
+    only_row_0[0] = 1.0
+    for _ in range(8):
+        w.grad = only_row_0.clone()
+        opt.step()
+    assert not w.detach()[3].any()
+    rare = torch.zeros(6, 4)
+    rare[3] = 1.0
+    w.grad = rare.clone()
+    opt.step()    # the window's first step: an interim step only
+    assert 0 < w.detach()[3].abs().max() <= 0.1 * (1 + 1e-6)
+    w.grad = rare.clone()
+    opt.step()    # the window's last: an install corrected for its 2 gradients, then handed off
+    assert w.detach()[3].abs().max() <= 0.2 * (1 + 1e-6)
+    opt.close()

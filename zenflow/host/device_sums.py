@@ -19,9 +19,17 @@ lr * sum * rate, a momentum-free step for each gradient of the window the host h
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zenflow.host.transfers import DONE, Ticket, Transfers
+
+
+def step_bound(beta1: float, beta2: float) -> float:
+    """The largest step AdamW takes, in units of lr (Kingma & Ba, section 2.1):
+    (1 - beta1) / sqrt(1 - beta2) where that exceeds 1 (3.16 with the default betas), else 1."""
+    return max(1.0, (1.0 - beta1) / math.sqrt(1.0 - beta2)) if beta2 < 1 else 1.0
 
 
 def choose_device_summed(numels: list[int], budget_bytes: int,
@@ -52,6 +60,32 @@ def choose_placement(numels: list[int], budget_bytes: int,
     moving = choose_device_summed([n if i in set(summed) else 0 for i, n in enumerate(numels)],
                                   spare, moments_bytes)
     return summed, moving
+
+
+_CHUNK_ELEMENTS = 1 << 26   # the temporaries of one launch of move() and correct(): 256 MiB fp32
+
+
+def _chunks(indices: list[int], tensors: dict[int, torch.Tensor]):
+    """`indices` in runs of at most _CHUNK_ELEMENTS elements (at least one matrix each)."""
+    run, size = [], 0
+    for i in indices:
+        if run and size + tensors[i].numel() > _CHUNK_ELEMENTS:
+            yield run
+            run, size = [], 0
+        run.append(i)
+        size += tensors[i].numel()
+    if run:
+        yield run
+
+
+def _bounded_step(weights: list[torch.Tensor], steps: list[torch.Tensor], scale: float,
+                  bound: float, lr: float) -> None:
+    """weights -= lr * clamp(scale * steps, -bound, bound); `steps` is overwritten."""
+    if scale != 1.0:
+        torch._foreach_mul_(steps, scale)
+    torch._foreach_clamp_min_(steps, -bound)
+    torch._foreach_clamp_max_(steps, bound)
+    torch._foreach_add_(weights, steps, alpha=-lr)
 
 
 class DeviceSums:
@@ -102,27 +136,36 @@ class DeviceSums:
                                     value=scale * scale)
 
     def move(self, weights: dict[int, torch.Tensor], rows: dict[int, torch.Tensor],
-             scale: float, lrs: dict[int, float]) -> None:
-        """weights[i] -= lrs[i] * scale * rows[i] * rate[i] (the interim step of every value the
-        device does not update itself: its own columns are written over afterwards), one fused
-        launch per learning rate."""
-        by_lr: dict[float, list[int]] = {}
+             scale: float, steps: dict[int, tuple[float, float]]) -> None:
+        """weights[i] -= lr * clamp(scale * rows[i] * rate[i], -bound, bound), (lr, bound) =
+        steps[i]: the interim step of every value the device does not update itself (its own
+        columns are written over afterwards). `bound` is AdamW's own bound on a step, in units
+        of lr (`step_bound`): it keeps a value whose rate is stale from moving further than
+        AdamW could, where a row that saw no gradient for long (an embedding's rare token) has v
+        near 0 and a rate near 1 / eps. A few fused launches per (lr, bound) and chunk."""
+        groups: dict[tuple, list[int]] = {}
         for i in rows:
             if i in self.rates:
-                by_lr.setdefault(lrs[i], []).append(i)
-        for lr, indices in by_lr.items():
-            torch._foreach_addcmul_([weights[i] for i in indices], [rows[i] for i in indices],
-                                    [self.rates[i] for i in indices], value=-lr * scale)
+                groups.setdefault(steps[i], []).append(i)
+        for (lr, bound), indices in groups.items():
+            for chunk in _chunks(indices, rows):
+                moves = torch._foreach_mul([rows[i] for i in chunk],
+                                           [self.rates[i] for i in chunk])
+                _bounded_step([weights[i] for i in chunk], moves, scale, bound, lr)
 
-    def correct(self, weights: dict[int, torch.Tensor], lrs: dict[int, float]) -> None:
-        """weights[i] -= lrs[i] * sum[i] * rate[i]: an install's step for the gradients summed
-        since the update it installs was handed off (weights[i] holds the installed values)."""
-        by_lr: dict[float, list[int]] = {}
+    def correct(self, weights: dict[int, torch.Tensor], steps: dict[int, tuple[float, float]],
+                counts: dict[int, int]) -> None:
+        """weights[i] -= lr * clamp(sum[i] * rate[i], -counts[i] * bound, counts[i] * bound): an
+        install's step for the counts[i] gradients summed since the update it installs was
+        handed off (weights[i] holds the installed values), each bounded as move() bounds one."""
+        groups: dict[tuple, list[int]] = {}
         for i in weights:
-            by_lr.setdefault(lrs[i], []).append(i)
-        for lr, indices in by_lr.items():
-            torch._foreach_addcmul_([weights[i] for i in indices], [self.sums[i] for i in indices],
-                                    [self.rates[i] for i in indices], value=-lr)
+            groups.setdefault((*steps[i], counts[i]), []).append(i)
+        for (lr, bound, count), indices in groups.items():
+            for chunk in _chunks(indices, self.sums):
+                moves = torch._foreach_mul([self.sums[i] for i in chunk],
+                                           [self.rates[i] for i in chunk])
+                _bounded_step([weights[i] for i in chunk], moves, 1.0, count * bound, lr)
 
     def copy_out(self, targets: dict[int, torch.Tensor],
                  square_targets: dict[int, torch.Tensor] | None = None) -> Ticket:

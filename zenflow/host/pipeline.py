@@ -238,11 +238,11 @@ class HostPipeline:
         return i in self.device_sums.rates
 
     def stage(self, grads: dict[int, torch.Tensor], scale: float,
-              lrs: dict[int, float] | None = None) -> None:
+              lrs: dict[int, tuple[float, float]] | None = None) -> None:
         """This step's gradient rows of parameters `grads` (index -> gradient), times `scale`:
         added into the device sums of the matrices summed there, and for the others copied to a
-        staging buffer that accumulate() hands to the host. With `lrs` (index -> learning rate),
-        the "moments" matrices also take their interim step."""
+        staging buffer that accumulate() hands to the host. With `lrs` (index -> (learning rate,
+        AdamW's step bound)), the "moments" matrices also take their interim step."""
         start = time.perf_counter()
         if not self._sums_placed:
             self._place_sums()
@@ -357,11 +357,11 @@ class HostPipeline:
             return seq is not None and self.runner.done(seq)
         return False
 
-    def install(self, lrs: dict[int, float] | None = None) -> list[int]:
+    def install(self, lrs: dict[int, tuple[float, float]] | None = None) -> list[int]:
         """Wait for the in-flight update and copy its new values into the parameters; returns the
         indices installed (the caller writes its own newer columns over them). With `lrs`
-        (index -> learning rate; at a window end), the "moments" matrices' values are corrected
-        for the window's gradients summed since the update was handed off."""
+        (index -> (learning rate, AdamW's step bound); at a window end), the "moments" matrices'
+        values are corrected for the window's gradients summed since the update was handed off."""
         if self.in_flight is None:
             return []
         flight, self.in_flight = self.in_flight, None
@@ -374,8 +374,9 @@ class HostPipeline:
         self._install_reader = all_of(copy_rows_to_params(self, flight.matrices),
                                       self._install_rates(moving))
         if lrs is not None:
-            self.device_sums.correct({i: self._weights(i) for i in moving if self.num_grads[i]},
-                                     lrs)
+            pending = [i for i in moving if self.num_grads[i]]
+            self.device_sums.correct({i: self._weights(i) for i in pending}, lrs,
+                                     {i: self.num_grads[i] for i in pending})
         return flight.matrices
 
     def _install_rates(self, indices: list[int]) -> Ticket:

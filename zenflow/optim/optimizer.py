@@ -36,6 +36,7 @@ import torch
 from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 from zenflow.distributed import Partition, environment_without_group, row_sharding_group
 from zenflow.host.cores import local_rank_share, split_cores
+from zenflow.host.device_sums import step_bound
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
 from zenflow.optim import param_checks as _checks
@@ -196,11 +197,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                              self._pipeline, self._NAME,
                                              lambda: self._selector.has_chosen)
 
-    def _learning_rates(self) -> dict[int, float] | None:
-        """Each host matrix's learning rate, where "moments" matrices may take device steps."""
+    def _learning_rates(self) -> dict[int, tuple[float, float]] | None:
+        """Each host matrix's (learning rate, AdamW's step bound), where "moments" matrices may
+        take device steps."""
         if not self._pipeline.moments:
             return None
-        return {m.host_index: float(m.group["lr"]) for m in self._host_params}
+        return {m.host_index: (float(m.group["lr"]), step_bound(*m.group["betas"]))
+                for m in self._host_params}
 
     @property
     def _runner(self):
@@ -333,7 +336,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.counters.num_windows += 1
         self._decided("flush")
 
-    def _install_in_flight(self, lrs: dict[int, float] | None = None) -> None:
+    def _install_in_flight(self, lrs: dict[int, tuple[float, float]] | None = None) -> None:
         """Wait for the host update in flight (if any), install it (at a window end, with the
         learning rates `lrs`, corrected for the gradients since its hand-off), and write the
         device's own, newer columns back over it."""

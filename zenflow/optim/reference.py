@@ -93,6 +93,10 @@ class ReferenceZenFlow:
             if column_mask is None or column_mask[j]:
                 current[:, j] = s["master"][:, j].to(p.dtype)
 
+    def _step_bound(self):
+        """AdamW's largest step in units of lr: (1 - beta1) / sqrt(1 - beta2), at least 1."""
+        return max(1.0, (1 - self.beta1) / math.sqrt(1 - self.beta2))
+
     def _install_host_columns(self, correct=False):
         """Write the host's values into the deferred columns. "moments" matrices also take the
         host's rates, and with `correct` (a window end) a momentum-free step at those rates for
@@ -118,7 +122,10 @@ class ReferenceZenFlow:
                     current = p.data.reshape(s["master"].shape)
                     deferred = ~s["on_device"]
                     stored = rate[:, deferred].to(s["rate"].dtype).float()   # as the device holds it
-                    moved = current[:, deferred].float() - self.lr * s["acc"][:, deferred] * stored
+                    # each of the acc_n gradients' steps at most AdamW's largest
+                    most = s["acc_n"] * self._step_bound()
+                    step = (s["acc"][:, deferred] * stored).clamp(-most, most)
+                    moved = current[:, deferred].float() - self.lr * step
                     current[:, deferred] = moved.to(p.dtype)
                 s["rate"] = rate.masked_fill(s["on_device"], 0.0).to(s["rate"].dtype)
         self.pending = False
@@ -201,8 +208,9 @@ class ReferenceZenFlow:
             if g is not None and s.get("moments"):
                 current = p.data.reshape(s["master"].shape)
                 g = g.reshape(current.shape)
-                current.copy_((current.float() - self.lr * coef * g.float() * s["rate"].float())
-                              .to(p.dtype))
+                bound = self._step_bound()   # AdamW's largest step, in units of lr
+                step = (g.float() * s["rate"].float() * coef).clamp(-bound, bound)
+                current.copy_((current.float() - self.lr * step).to(p.dtype))
 
         # Device: vectors, and the device-owned columns of each matrix.
         for p, s, g, g2 in zip(self.params, self.state, grads, grads2d):
