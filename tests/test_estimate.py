@@ -111,11 +111,13 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     t = r["seconds"]
     assert t["accumulate_s"] == 0 and t["d2h_s"] == 0      # nothing crosses or sums per step
     # the sum's add reads 4 + 2 and writes 4 bytes; "moments": the squares' add as much, and the
-    # interim step reads the gradient and the rate and rewrites the bf16 weight (2 + 2 + 2 + 2)
-    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + 18 * moments) / 1e12)
+    # bounded interim step: gradient x rate into a bf16 temporary (2 + 2 + 2), scaled and
+    # clamped twice in place (3 x 4), added to the weight (2 + 2 + 2)
+    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + (10 + 24) * moments) / 1e12)
     assert t["sums_d2h_s"] == pytest.approx((8 if moments else 4) * P_mat / 25e9)
-    # the install's correction reads the sum and rate and rewrites the weight
-    assert t["install_gather_s"] == pytest.approx(moments * P_mat * (4 + 2 + 4) / 1e12)
+    # the install's bounded correction: sum x rate into an fp32 temporary (4 + 2 + 4), clamped
+    # twice in place (2 x 8), added to the weight (4 + 2 + 2)
+    assert t["install_gather_s"] == pytest.approx(moments * P_mat * (10 + 16 + 8) / 1e12)
     # auto window: cover the host AdamW, and keep the install within 5% of the window's time
     T_dev = r["time"]["zenflow_T_dev_s"]
     adam, h2d = P_mat / 4e9, (4 if moments else 2) * P_mat / 25e9

@@ -240,12 +240,14 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          "d2h_s": zen_d2h_step / Bd, "h2d_s": zen_h2d_window / Bh,
          "sums_d2h_s": zen_d2h_window_sums / Bd,
          # one fused add per step: read the sum and the gradient, write the sum; "moments": the
-         # squares likewise, and the interim step (read the gradient and rate, rewrite the weight)
-         "sum_add_s": (dev_sum_params * (8 + item) + moment_params * (8 + 4 * item + rate_item)
-                       ) / fig["device_copy_bytes_per_s"],
-         # an all-gather of the other ranks' rows; "moments": the install's correction (read the
-         # sum and rate, rewrite the weight)
-         "install_gather_s": (gather + moment_params * (4 + rate_item + 2 * item)
+         # squares likewise, and the bounded interim step (device_sums.move: the product of the
+         # gradient and rate into a temporary, scaled and clamped in place, added to the weight)
+         "sum_add_s": (dev_sum_params * (8 + item) + moment_params * (
+             8 + item + 3 * item + rate_item + 8 * max(item, rate_item))
+         ) / fig["device_copy_bytes_per_s"],
+         # an all-gather of the other ranks' rows; "moments": the install's bounded correction
+         # (the sum times the rate into an fp32 temporary, clamped in place, added to the weight)
+         "install_gather_s": (gather + moment_params * (4 + rate_item + 4 + 16 + 4 + 2 * item)
                               ) / fig["device_copy_bytes_per_s"],
          # AdamW on the selected columns and vectors, plus one read of every gradient (the global
          # norm) by the norm kernel, and the selected columns' gather and scatter (3 passes over
