@@ -213,7 +213,7 @@ def test_a_row_that_saw_no_gradient_moves_at_most_lr_per_step():
     arrives, the interim step and the install's correction stay within AdamW's own bound on a
     step, (1 - beta1) / sqrt(1 - beta2) = 3.16 times lr per gradient with the default betas,
     instead of moving it by lr * g / eps."""
-    from zenflow.host.device_sums import step_bound
+    from zenflow.adamw import step_bound
     lr = 0.1 / step_bound(0.9, 0.999)   # the most AdamW moves a value per step: 0.1
     w = torch.nn.Parameter(torch.zeros(6, 4))
     opt = zenflow.ZenFlowAdamW([w], lr=lr, weight_decay=0.0, topk_ratio=0.0, update_interval=2,

@@ -74,6 +74,12 @@ def adamw_moments_(params: list[torch.Tensor], grad_sums: list[torch.Tensor],
             xs.mul_(1.0 - lr * weight_decay).addcdiv_(ms, denom, value=-lr / bias1)
 
 
+def step_bound(beta1: float, beta2: float) -> float:
+    """The largest step AdamW takes, in units of lr (Kingma & Ba, section 2.1):
+    (1 - beta1) / sqrt(1 - beta2) where that exceeds 1 (3.16 with the default betas), else 1."""
+    return max(1.0, (1.0 - beta1) / math.sqrt(1.0 - beta2)) if beta2 < 1 else 1.0
+
+
 def adam_rate(out: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, *, beta2: float,
               eps: float) -> None:
     """out = 1 / (sqrt(v / (1 - beta2^step)) + eps), in out's dtype: how far one AdamW step

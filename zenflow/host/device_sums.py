@@ -19,17 +19,18 @@ lr * sum * rate, a momentum-free step for each gradient of the window the host h
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from zenflow.host.transfers import DONE, Ticket, Transfers
 
 
-def step_bound(beta1: float, beta2: float) -> float:
-    """The largest step AdamW takes, in units of lr (Kingma & Ba, section 2.1):
-    (1 - beta1) / sqrt(1 - beta2) where that exceeds 1 (3.16 with the default betas), else 1."""
-    return max(1.0, (1.0 - beta1) / math.sqrt(1.0 - beta2)) if beta2 < 1 else 1.0
+def takes_moments(credit: str, budget: int | str, cuda: bool, splits_rows: bool) -> bool:
+    """Whether deferred_credit `credit` can put any matrix under "moments": not under data
+    parallel, where each rank sums only its rows and every replica must move alike (the interim
+    steps would need every rank's sums and rates), nor where no sum can be on the device (a
+    budget of 0; "auto" on a CPU "device", which has none to spare)."""
+    return (credit == "moments" and not splits_rows and budget != 0
+            and not (budget == "auto" and not cuda))
 
 
 def choose_device_summed(numels: list[int], budget_bytes: int,
@@ -57,7 +58,8 @@ def choose_placement(numels: list[int], budget_bytes: int,
     if not moments_bytes:
         return summed, []
     spare = budget_bytes - 4 * sum(numels[i] for i in summed)
-    moving = choose_device_summed([n if i in set(summed) else 0 for i, n in enumerate(numels)],
+    chosen = set(summed)
+    moving = choose_device_summed([n if i in chosen else 0 for i, n in enumerate(numels)],
                                   spare, moments_bytes)
     return summed, moving
 
@@ -140,7 +142,7 @@ class DeviceSums:
         """weights[i] -= lr * clamp(scale * rows[i] * rate[i], -bound, bound), (lr, bound) =
         steps[i]: the interim step of every value the device does not update itself (its own
         columns are written over afterwards). `bound` is AdamW's own bound on a step, in units
-        of lr (`step_bound`): it keeps a value whose rate is stale from moving further than
+        of lr (zenflow.adamw.step_bound): it keeps a value whose rate is stale from moving further than
         AdamW could, where a row that saw no gradient for long (an embedding's rare token) has v
         near 0 and a rate near 1 / eps. A few fused launches per (lr, bound) and chunk."""
         groups: dict[tuple, list[int]] = {}

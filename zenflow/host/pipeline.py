@@ -42,7 +42,7 @@ import torch
 from zenflow.distributed import Partition, local
 from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState, rate_dtype
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
-from zenflow.host.device_sums import DeviceSums, choose_placement
+from zenflow.host.device_sums import DeviceSums, choose_placement, takes_moments
 from zenflow.host.signals import sigint_deferred
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
@@ -93,11 +93,9 @@ class HostPipeline:
         shapes = [(len(range(host_view(local(p)).shape[0])[r]), host_view(local(p)).shape[1],
                    p.dtype) for p, r in zip(params, self.rows)]
         self.transfers = Transfers(device, copy_cores=worker_cores)
-        # Under data parallel each rank sums only its rows, and every rank's weights must move
-        # alike: the interim steps would need every rank's rates and sums; "mean" there. Nor
-        # where no sum can be on the device (no budget; "auto" on a CPU "device"): no rates.
-        self.moments = moments and not partition.splits_rows and device_sum_budget != 0 and not (
-            device_sum_budget == "auto" and not self.transfers.cuda)
+        # Where no matrix can take "moments", the host holds no rates for them either.
+        self.moments = takes_moments("moments" if moments else "mean", device_sum_budget,
+                                     self.transfers.cuda, partition.splits_rows)
         self.layout = HostLayout.build(shapes, sum_slots=2 if overlap or self.moments else 1,
                                        staging_slots=2 if self.transfers.copies_outlive_step else 1,
                                        rates=self.moments)

@@ -33,10 +33,10 @@ import typing
 
 import torch
 
+from zenflow.adamw import step_bound
 from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 from zenflow.distributed import Partition, environment_without_group, row_sharding_group
 from zenflow.host.cores import local_rank_share, split_cores
-from zenflow.host.device_sums import step_bound
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
 from zenflow.optim import param_checks as _checks

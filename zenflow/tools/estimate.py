@@ -21,7 +21,7 @@ import torch
 from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes, plan
 from zenflow.host.buffers import HostLayout, rate_dtype
-from zenflow.host.device_sums import choose_placement
+from zenflow.host.device_sums import choose_placement, takes_moments
 from zenflow.optim.importance import num_selected
 from zenflow.optim.windows import INSTALL_BUDGET
 from zenflow.tools import estimate_shapes as shapes_from
@@ -160,11 +160,11 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          f"equal to gpus={gpus}), got {fsdp!r}")
     item = torch.empty((), dtype=dtype).element_size()
     U, world = update_interval, gpus
-    # as the optimizer decides it: not under data parallel, nor where no sum can be on the device
+    # as the optimizer decides it: DDP's replicas (world > 1) split rows, FSDP2's shards do not
     cpu = target == "cpu"
-    may_move = (deferred_credit == "moments" and device_sum_budget != 0
-                and not (device_sum_budget == "auto" and cpu))
-    moments = may_move and world == 1
+    moments = takes_moments(deferred_credit, device_sum_budget, not cpu, splits_rows=world > 1)
+    sharded_moments = takes_moments(deferred_credit, device_sum_budget, not cpu,
+                                    splits_rows=False)
     rate_item = rate_dtype(dtype).itemsize
     fig, fig_source = _figures(measured, target)
     gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
@@ -286,7 +286,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          "the device) once per window"),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",
     ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
-    sharded = per_rank(mats, vecs, dtype, world, overlap, staging, moments=may_move) \
+    sharded = per_rank(mats, vecs, dtype, world, overlap, staging, moments=sharded_moments) \
         if fsdp else None
     if sharded:
         left = gpu_memory_bytes - RESERVE_BYTES - sharded["fsdp2"]["total_bytes"]
