@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zenflow.host.numa import place_host_memory
+
 _ALIGN = 4096  # regions start on page boundaries: page-locking and DMA want whole pages
 
 
@@ -153,10 +155,12 @@ def anonymous_file(name: str) -> int:
     return fd
 
 
-def _memory_file(nbytes: int) -> int:
+def _memory_file(nbytes: int, nodes: list[int] | None = None) -> int:
     fd = anonymous_file("zenflow-host-state")
     try:
         os.ftruncate(fd, nbytes)
+        if nodes:   # before the pages exist: they are allocated by the policy then
+            place_host_memory(fd, nbytes, nodes)
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
@@ -179,10 +183,12 @@ class Arena:
 
     @classmethod
     def create(cls, regions: list[tuple[str, torch.dtype, int]], owner: str = "ZenFlowAdamW",
-               available: int | None = None) -> Arena:
+               available: int | None = None, nodes: list[int] | None = None) -> Arena:
+        """A new arena; `nodes`: the NUMA nodes its pages should come from
+        (zenflow/host/numa.py; None or [] leaves it to Linux)."""
         placed, size = plan(regions)
         check_fits(size, owner, available)
-        fd = _memory_file(max(size, _ALIGN))
+        fd = _memory_file(max(size, _ALIGN), nodes)
         try:
             return cls._mapped(placed, size, fd)
         except OSError as exc:

@@ -140,8 +140,8 @@ class HostState:
 
     @classmethod
     def allocate(cls, layout: HostLayout, owner: str = "ZenFlowAdamW",
-                 available: int | None = None) -> HostState:
-        return cls(Arena.create(layout.regions(), owner, available), layout)
+                 available: int | None = None, nodes: list[int] | None = None) -> HostState:
+        return cls(Arena.create(layout.regions(), owner, available, nodes), layout)
 
     @classmethod
     def attach(cls, layout: HostLayout, regions: list[Region], size: int, fd: int) -> HostState:

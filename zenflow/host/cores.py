@@ -6,12 +6,15 @@ import math
 import os
 
 
-def _physical_cores(cpus: list[int]) -> list[list[int]]:
-    """`cpus` grouped by physical core (hyperthread siblings together), in ascending order.
-    Without /sys topology every CPU counts as its own core."""
+def _physical_cores(cpus: list[int], topology: str = "/sys/devices/system/cpu"
+                    ) -> list[list[int]]:
+    """`cpus` grouped by physical core (hyperthread siblings together), socket by socket, in
+    ascending order within each: consecutive cores share a socket, so a rank given a run of
+    them keeps its worker's memory on one socket (zenflow/host/numa.py). Without /sys topology
+    every CPU counts as its own core."""
     groups: dict[tuple, list[int]] = {}
     for cpu in cpus:
-        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        base = f"{topology}/cpu{cpu}/topology"
         try:
             with open(f"{base}/physical_package_id") as f:
                 package = int(f.read())
@@ -19,9 +22,9 @@ def _physical_cores(cpus: list[int]) -> list[list[int]]:
                 core = int(f.read())
             key = (package, core)
         except (OSError, ValueError):
-            key = (cpu,)
+            key = (0, -1 - cpu)
         groups.setdefault(key, []).append(cpu)
-    return sorted((sorted(g) for g in groups.values()), key=lambda g: g[0])
+    return [sorted(g) for _, g in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1])))]
 
 
 def split_cores(reserved_perc: float, cpus: list[int] | None = None) -> tuple[list[int], list[int]]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from zenflow.distributed import Partition, local
+from zenflow.host import numa
 from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState, rate_dtype
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
 from zenflow.host.device_sums import DeviceSums, choose_placement, takes_moments
@@ -99,7 +101,9 @@ class HostPipeline:
         self.layout = HostLayout.build(shapes, sum_slots=2 if overlap or self.moments else 1,
                                        staging_slots=2 if self.transfers.copies_outlive_step else 1,
                                        rates=self.moments)
-        self.host = HostState.allocate(self.layout, owner, available_bytes)
+        # The worker's memory: on its cores' NUMA node(s) (zenflow/host/numa.py).
+        self.host = HostState.allocate(self.layout, owner, available_bytes, numa.nodes_for(
+            worker_cores or sorted(os.sched_getaffinity(0))))
         self._load_masters(range(len(params)))
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
         self._worker_cores = worker_cores
