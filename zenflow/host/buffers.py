@@ -30,7 +30,6 @@ descriptor and the layout, so the same code runs in or out of the training proce
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -129,16 +128,20 @@ class HostLayout:
                              *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
 
 
-def scaled_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
-    """coef * grad in fp32 for each of `grads` (coef: a step's 0-dim fp32 factor, 0 on a skipped
-    step), the one arithmetic of every window sum, on the device or the host, so that the two
-    agree bit for bit. A skipped step's gradients may hold inf or NaN, which times 0 is NaN: NaN
-    becomes 0, so a skipped step adds exactly nothing (a kept step's gradients are finite, and
-    so are their products)."""
-    out = torch._foreach_mul([g.float() for g in grads], coef)
-    for t in out:
-        t.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
-    return out
+def kept_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
+    """`grads` where the step's factor `coef` (0-dim, on their device) is not 0, else zeros, in
+    their dtype: one pass each. A skipped step (coef 0) may hold inf or NaN, and 0 times those is
+    NaN; a kept step's gradients are finite, so adding coef times these is exactly adding coef
+    times the gradients, and a skipped step adds exactly nothing."""
+    keep = coef != 0
+    return [torch.where(keep, g, 0.0) for g in grads]
+
+
+def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """sums += coef * grads in fp32 (grads of any float dtype, coef a 0-dim fp32 tensor): the
+    one arithmetic of every window sum, on the device or the host, so that the two agree bit for
+    bit."""
+    torch._foreach_addcmul_(sums, grads, [coef] * len(sums))
 
 
 def rate_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -226,17 +229,17 @@ class HostState:
         nothing)."""
         sums = self.arena.views[f"grad_sum{sum_slot}"]
         coef = self.step_coef(staging_slot)
+        skipped = float(coef.numpy()) == 0.0   # host memory, landed before this runs
         for matrices, add in ((added, True), (fresh, False)):
             for offset, numel, dtype in self._runs(matrices):
                 total = sums[offset:offset + numel]
+                if not add:
+                    total.zero_()
+                if skipped:
+                    continue
                 grad = self._typed_run(f"staging{staging_slot}", offset, numel, dtype)
-                for start in range(0, numel, _CHUNK):   # the fp32 temporary stays in cache
-                    part = total[start:start + _CHUNK]
-                    scaled, = scaled_grads([grad[start:start + _CHUNK]], coef)
-                    if add:
-                        part.add_(scaled)
-                    else:
-                        part.copy_(scaled)
+                for start in range(0, numel, _CHUNK):
+                    add_scaled_([total[start:start + _CHUNK]], [grad[start:start + _CHUNK]], coef)
 
     def update(self, jobs: list[HostJob], sum_slot: int) -> None:
         """AdamW on each job's matrix with the mean of its gradient sum, then the new values (with

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from zenflow.host.buffers import scaled_grads
+from zenflow.host.buffers import add_scaled_, kept_grads
 from zenflow.host.transfers import DONE, Ticket, Transfers
 
 
@@ -121,7 +121,7 @@ class DeviceSums:
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
         """sum[i] += coef * rows[i] in fp32 (= for the `fresh` ones: the window's first
         gradient), the squares likewise, in a few fused launches per chunk on the device. `coef`
-        is the step's 0-dim factor, 0 on a skipped step, which adds nothing (`scaled_grads`)."""
+        is the step's 0-dim factor, 0 on a skipped step, which adds nothing (`kept_grads`)."""
         if not rows:
             return
         self.transfers.fence(self._copied)   # the last window's sums have left these buffers
@@ -129,12 +129,12 @@ class DeviceSums:
             torch._foreach_zero_([self.sums[i] for i in fresh]
                                  + [self.squares[i] for i in fresh if i in self.squares])
         for chunk in _chunks(list(rows), rows):
-            scaled = dict(zip(chunk, scaled_grads([rows[i] for i in chunk], coef)))
-            torch._foreach_add_([self.sums[i] for i in chunk], list(scaled.values()))
+            grads = dict(zip(chunk, kept_grads([rows[i] for i in chunk], coef)))
+            add_scaled_([self.sums[i] for i in chunk], list(grads.values()), coef)
             squared = [i for i in chunk if i in self.squares]
-            if squared:
-                torch._foreach_addcmul_([self.squares[i] for i in squared],
-                                        [scaled[i] for i in squared], [scaled[i] for i in squared])
+            if squared:   # (coef * g)^2 from an fp32 product, as the reference sums it
+                scaled = torch._foreach_mul([grads[i].float() for i in squared], coef)
+                torch._foreach_addcmul_([self.squares[i] for i in squared], scaled, scaled)
 
     def move(self, weights: dict[int, torch.Tensor], rows: dict[int, torch.Tensor],
              coef: torch.Tensor, steps: dict[int, tuple[float, float]]) -> None:
@@ -151,9 +151,10 @@ class DeviceSums:
                 groups.setdefault(steps[i], []).append(i)
         for (lr, bound), indices in groups.items():
             for chunk in _chunks(indices, rows):
-                moves = torch._foreach_mul([rows[i] for i in chunk],
+                moves = torch._foreach_mul(kept_grads([rows[i] for i in chunk], coef),
                                            [self.rates[i] for i in chunk])
-                _bounded_step([weights[i] for i in chunk], scaled_grads(moves, coef), bound, lr)
+                torch._foreach_mul_(moves, coef)
+                _bounded_step([weights[i] for i in chunk], moves, bound, lr)
 
     def correct(self, weights: dict[int, torch.Tensor], steps: dict[int, tuple[float, float]],
                 counts: dict[int, int]) -> None:

@@ -239,16 +239,15 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     t = {"accumulate_s": host_sum_params / C, "adamw_s": zen_host_params / A,
          "d2h_s": zen_d2h_step / Bd, "h2d_s": zen_h2d_window / Bh,
          "sums_d2h_s": zen_d2h_window_sums / Bd,
-         # per step, as buffers.scaled_grads and device_sums.add write it: the gradient times
-         # the step's factor (a device tensor, never read) into an fp32 temporary, a skipped
-         # step's NaN made 0 in place, the temporary added to the sum; "moments": the squares
-         # (one addcmul), and the bounded interim step (device_sums.move: the product of the
-         # gradient and rate into a temporary, to fp32, scaled and NaN-cleared, clamped in
-         # place, added to the weight)
-         "sum_add_s": (dev_sum_params * (item + 4 + 8 + 12) + moment_params * (
-             16 + item + rate_item + max(item, rate_item)
-             + (max(item, rate_item) + 4 if max(item, rate_item) == 2 else 0)
-             + 8 + 8 + 16 + 2 * item + 4)
+         # per step, as device_sums.add writes it: the gradient where the step's factor (a
+         # device tensor, never read) is not 0, else 0, into a temporary of its dtype (a skipped
+         # step's inf/NaN must not reach the sum), added to the sum times the factor (one
+         # addcmul); "moments": the squares (that temporary to fp32, times the factor, one
+         # addcmul of it with itself), and the bounded interim step (device_sums.move: the
+         # temporary again, its product with the rate, scaled and clamped in place, added to
+         # the weight)
+         "sum_add_s": (dev_sum_params * (3 * item + 8) + moment_params * (
+             (item + 24) + 5 * item + rate_item + 8 * max(item, rate_item))
          ) / fig["device_copy_bytes_per_s"],
          # an all-gather of the other ranks' rows; "moments": the install's bounded correction
          # (the sum times the rate into an fp32 temporary, clamped in place, added to the weight)
