@@ -58,11 +58,11 @@ def test_llama2_7b_worked_example_by_hand():
     # Per host, overlap on: fp32 master, exp_avg, exp_avg_sq, two gradient sums (20 B), two bf16
     # staging buffers (copies outlive the step on CUDA) and one install buffer (6 B) per matrix
     # parameter (no device-sum budget: no rates for deferred_credit "moments"); OffloadAdamW: one
-    # sum, every param.
+    # sum, every param. Each staging buffer also holds its step's 4-byte factor.
     h = r["per_host"]
-    assert h["zenflow"]["host_bytes"] == 26 * P_mat
-    assert h["zenflow"]["pinned_bytes"] == 6 * P_mat
-    assert h["offload"]["host_bytes"] == 22 * P
+    assert h["zenflow"]["host_bytes"] == 26 * P_mat + 2 * 4
+    assert h["zenflow"]["pinned_bytes"] == 6 * P_mat + 2 * 4
+    assert h["offload"]["host_bytes"] == 22 * P + 2 * 4
     assert 0 <= h["zenflow"]["arena_bytes"] - 26 * P_mat < 8 * 4096
 
     # Bus: every matrix has deferred columns, so whole bf16 gradients go down each step and whole
@@ -110,10 +110,12 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     assert r["per_gpu"]["device_sum_bytes"] == (10 if moments else 4) * P_mat
     t = r["seconds"]
     assert t["accumulate_s"] == 0 and t["d2h_s"] == 0      # nothing crosses or sums per step
-    # the sum's add reads 4 + 2 and writes 4 bytes; "moments": the squares' add as much, and the
-    # bounded interim step: gradient x rate into a bf16 temporary (2 + 2 + 2), scaled and
-    # clamped twice in place (3 x 4), added to the weight (2 + 2 + 2)
-    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + (10 + 24) * moments) / 1e12)
+    # the gradient kept or zeroed by the step's factor into a bf16 temporary (2 + 2), added to
+    # the sum times the factor (2 + 4 + 4): 14 bytes; "moments": the squares (the temporary to
+    # fp32 (2 + 4), times the factor (4 + 4), its square added (4 + 4 + 4 + 4)) and the bounded
+    # interim step: the temporary again (2 + 2), times the rate (2 + 2 + 2), scaled and clamped
+    # twice in place (3 x 4), added to the weight (2 + 2 + 2): 54 bytes
+    assert t["sum_add_s"] == pytest.approx(P_mat * (14 + 54 * moments) / 1e12)
     assert t["sums_d2h_s"] == pytest.approx((8 if moments else 4) * P_mat / 25e9)
     # the install's bounded correction: sum x rate into an fp32 temporary (4 + 2 + 4), clamped
     # twice in place (2 x 8), added to the weight (4 + 2 + 2)
@@ -138,7 +140,9 @@ def test_more_gpus_split_the_host_state_but_not_the_device_state():
     one = estimate(shapes, torch.bfloat16, gpus=1, measured=FIGURES, deferred_credit="mean")
     four = estimate(shapes, torch.bfloat16, gpus=4, measured=FIGURES, deferred_credit="mean")
     assert four["per_gpu"]["state_bytes"] == one["per_gpu"]["state_bytes"]
-    assert four["per_host"]["zenflow"]["host_bytes"] == one["per_host"]["zenflow"]["host_bytes"]
+    # each rank's staging buffers also hold their steps' 4-byte factors
+    assert four["per_host"]["zenflow"]["host_bytes"] == (
+        one["per_host"]["zenflow"]["host_bytes"] + 3 * 2 * 4)
     assert four["per_host"]["zenflow"]["host_bytes_rank0"] == pytest.approx(
         one["per_host"]["zenflow"]["host_bytes"] / 4, rel=1e-3)
     assert four["bus"]["zenflow"]["d2h_bytes_per_step"] == pytest.approx(
@@ -228,7 +232,7 @@ def test_cpu_llama_preset_host_memory_by_hand():
     r = estimate(shapes, dtype, topk_ratio=0.05, update_interval=4, overlap=True, target="cpu")
     P_mat = sum(math.prod(s) for _, s in shapes if len(s) >= 2)
     assert r["model"]["matrices"] == 226
-    assert r["per_host"]["zenflow"]["host_bytes"] == 28 * P_mat
+    assert r["per_host"]["zenflow"]["host_bytes"] == 28 * P_mat + 4   # + the step's factor
     P = GPTConfig(arch="llama", n_layer=32, n_embd=896, n_head=14, ffn=2304,
                   vocab_size=8192).num_params()
     assert r["model"]["params"] == P

@@ -144,7 +144,7 @@ def test_waiting_for_everything_waits_for_an_update_that_finishes_last():
     try:
         for _ in range(3):
             runner.send(Update(0, (HostJob(0, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0),)))
-            runner.send(Accumulate(0, 1, 1.0, (), (1,)))   # tiny: done long before the update
+            runner.send(Accumulate(0, 1, (), (1,)))   # tiny: done long before the update
             runner.wait()
             assert runner.unfinished() == []
     finally:

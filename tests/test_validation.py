@@ -180,7 +180,9 @@ def assert_unchanged(before, model, opt):
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("make_opt", [
-    lambda ps: zenflow.ZenFlowAdamW(ps, topk_ratio=0.3, update_interval=2, overlap_step=True),
+    # The skip lands on a window's first step (or in warm-up), where it is undone entirely; one
+    # inside a window is a step of it that adds nothing (tests/test_host_reads.py).
+    lambda ps: zenflow.ZenFlowAdamW(ps, topk_ratio=0.3, update_interval=3, overlap_step=True),
     lambda ps: zenflow.ZenFlowAdamW(ps, topk_ratio=0.3, update_interval=1, max_grad_norm=1.0,
                                     full_warm_up_rounds=5),
     lambda ps: zenflow.OffloadAdamW(ps),

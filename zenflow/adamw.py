@@ -15,28 +15,54 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 FP32_STATE = ("master", *MOMENTS)   # with the fp32 master value
 
 def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-           exp_avg_sqs: list[torch.Tensor], step: int, *, lr: float, beta1: float, beta2: float,
-           eps: float, weight_decay: float, grad_divisor: float = 1.0) -> None:
-    """One AdamW update of same-device fp32 tensors that share `step` (1-based, after this update).
+           exp_avg_sqs: list[torch.Tensor], step: int | list[torch.Tensor], *, lr: float,
+           beta1: float, beta2: float, eps: float, weight_decay: float,
+           grad_divisor: float = 1.0, skip: torch.Tensor | None = None) -> None:
+    """One AdamW update of same-device fp32 tensors (`step`: the 1-based count after this update,
+    shared, or each tensor's count as a 0-dim fp32 tensor on the device).
 
     `grad_divisor` divides every gradient first (the host passes the window length to turn a
-    gradient sum into its mean without a separate pass). Gradients may be overwritten.
+    gradient sum into its mean without a separate pass). With `skip` (a 0-dim fp32 device flag,
+    1.0 to skip) the update changes nothing when the flag is set, decided on the device, as
+    torch.optim's fused AdamW does with GradScaler's found_inf. Gradients may be overwritten.
     """
     if not params:
         return
     device = params[0].device
-    # Filled on the device (a fill kernel), not copied from host memory: no transfer to wait for.
-    steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(params)
+    if isinstance(step, int):
+        # Filled on the device (a fill kernel), not copied from host memory: no transfer to wait for.
+        steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(params)
+    else:
+        steps = step
     divisor = None
     if grad_divisor != 1.0:
         divisor = torch.full((), float(grad_divisor), dtype=torch.float32, device=device)
     if _has_fused(device):
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-                            maximize=False, grad_scale=divisor, found_inf=None)
+                            maximize=False, grad_scale=divisor, found_inf=skip)
         return
-    # Devices without the fused kernel: the same arithmetic with foreach ops.
-    if divisor is not None:
+    # Devices without the fused kernel: the same arithmetic with foreach ops; the counts and the
+    # skip flag are read here (such devices are not the data path this project times).
+    if skip is not None and bool(skip):
+        return
+    for group_step, indices in _by_count(steps).items():
+        _adamw_foreach([params[i] for i in indices], [grads[i] for i in indices],
+                       [exp_avgs[i] for i in indices], [exp_avg_sqs[i] for i in indices],
+                       group_step, lr, beta1, beta2, eps, weight_decay, grad_divisor)
+
+
+def _by_count(steps: list[torch.Tensor]) -> dict[int, list[int]]:
+    """The positions of `steps`, grouped by their count (one read of the device)."""
+    groups: dict[int, list[int]] = {}
+    for i, count in enumerate(torch.stack(steps).tolist()):
+        groups.setdefault(int(count), []).append(i)
+    return groups
+
+
+def _adamw_foreach(params, grads, exp_avgs, exp_avg_sqs, step: int, lr: float, beta1: float,
+                   beta2: float, eps: float, weight_decay: float, grad_divisor: float) -> None:
+    if grad_divisor != 1.0:
         torch._foreach_div_(grads, grad_divisor)
     torch._foreach_mul_(params, 1.0 - lr * weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)

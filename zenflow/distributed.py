@@ -252,6 +252,34 @@ class Partition:
         self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
+    def start_any(self, flag: bool, what: str):
+        """Start the all-reduce of any() without waiting for it; returns a function that gives
+        its result, to call later (a step later, it waits for nothing: the collective has long
+        finished). Under NCCL the result comes back through page-locked host memory, copied
+        after the collective on the current stream, so reading it waits for that copy's event,
+        not for everything the device has queued since."""
+        if not self.active:
+            return lambda: flag
+        t = torch.full((1,), 1 if flag else 0, dtype=torch.int32, device=self.device)
+        self._count(what, t)
+        work = self._run(what, dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group,
+                         async_op=True)
+        if not self.on_device:
+            def result() -> bool:
+                self._run(what, work.wait)
+                return bool(t[0])
+            return result
+        work.wait()   # orders the current stream after the collective; the host goes on
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        copied = torch.Event(device=self.device)
+        copied.record()
+
+        def result_on_host() -> bool:
+            copied.synchronize()
+            return bool(host[0])
+        return result_on_host
+
     def gather_objects(self, obj, what: str) -> list:
         """Every rank's picklable `obj`, in rank order (small metadata only)."""
         if not self.active:

@@ -12,6 +12,8 @@ Buffers, all flat views of one `Arena`:
     master, exp_avg, exp_avg_sq    fp32, every matrix back to back
     grad_sum{slot}                 fp32; one per window in flight (two with overlap)
     staging{slot}_{dtype}          the parameters' dtype: gradients on their way to the sums
+    step_coef                      fp32, one per staging slot: the factor of the gradients in
+                                   that slot (0 for a skipped step), copied with them
     install_{dtype}                the parameters' dtype: new values on their way to the device
     rate_{dtype}                   with deferred_credit="moments": each value's AdamW rate,
                                    1 / (sqrt(v_hat) + eps), on its way to the device (bf16 for
@@ -108,6 +110,7 @@ class HostLayout:
     def regions(self) -> list[tuple[str, torch.dtype, int]]:
         fp32 = [*FP32_KINDS, *(f"grad_sum{s}" for s in range(self.sum_slots))]
         out = [(name, torch.float32, self.numel) for name in fp32]
+        out.append(("step_coef", torch.float32, self.staging_slots))
         for dtype, _, numel in self.groups:
             out += [(name, dtype, numel) for name in self._typed_names(dtype)]
             if self.rates:
@@ -120,9 +123,25 @@ class HostLayout:
 
     def dma_regions(self) -> list[str]:
         """The buffers that device copies read or write: the only ones worth page-locking."""
-        return [name for dtype, _, _ in self.groups
+        return ["step_coef", *(name for dtype, _, _ in self.groups
                 for name in [*self._typed_names(dtype),
-                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])]]
+                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
+
+
+def kept_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
+    """`grads` where the step's factor `coef` (0-dim, on their device) is not 0, else zeros, in
+    their dtype: one pass each. A skipped step (coef 0) may hold inf or NaN, and 0 times those is
+    NaN; a kept step's gradients are finite, so adding coef times these is exactly adding coef
+    times the gradients, and a skipped step adds exactly nothing."""
+    keep = coef != 0
+    return [torch.where(keep, g, 0.0) for g in grads]
+
+
+def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """sums += coef * grads in fp32 (grads of any float dtype, coef a 0-dim fp32 tensor): the
+    one arithmetic of every window sum, on the device or the host, so that the two agree bit for
+    bit."""
+    torch._foreach_addcmul_(sums, grads, [coef] * len(sums))
 
 
 def rate_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -161,6 +180,10 @@ class HostState:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
         return self._typed(f"staging{slot}", i)
 
+    def step_coef(self, slot: int) -> torch.Tensor:
+        """The 0-dim factor of the gradients in staging buffer `slot`."""
+        return self.arena.views["step_coef"][slot]
+
     def install(self, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in the install buffer (the param's dtype)."""
         return self._typed("install", i)
@@ -198,22 +221,25 @@ class HostState:
         return flat[offset - start:offset - start + numel]
 
     # -- the arithmetic -----------------------------------------------------------------------
-    def accumulate(self, staging_slot: int, sum_slot: int, scale: float, added: list[int],
+    def accumulate(self, staging_slot: int, sum_slot: int, added: list[int],
                    fresh: list[int]) -> None:
-        """grad_sum[sum_slot] += scale * staging[staging_slot] in fp32 for the `added` matrices;
-        = for the `fresh` ones (the window's first gradient: their sums hold stale bytes)."""
+        """grad_sum[sum_slot] += coef * staging[staging_slot] in fp32 for the `added` matrices
+        (= for the `fresh` ones: the window's first gradient: their sums hold stale bytes), where
+        coef is the slot's step_coef, copied with the gradients (0: a skipped step adds
+        nothing)."""
         sums = self.arena.views[f"grad_sum{sum_slot}"]
+        coef = self.step_coef(staging_slot)
+        skipped = float(coef.numpy()) == 0.0   # host memory, landed before this runs
         for matrices, add in ((added, True), (fresh, False)):
             for offset, numel, dtype in self._runs(matrices):
                 total = sums[offset:offset + numel]
+                if not add:
+                    total.zero_()
+                if skipped:
+                    continue
                 grad = self._typed_run(f"staging{staging_slot}", offset, numel, dtype)
-                step = numel if dtype == torch.float32 else _CHUNK
-                for start in range(0, numel, step):
-                    part, g = total[start:start + step], grad[start:start + step].float()
-                    if add:
-                        part.add_(g, alpha=scale)
-                    else:
-                        torch.mul(g, scale, out=part)
+                for start in range(0, numel, _CHUNK):
+                    add_scaled_([total[start:start + _CHUNK]], [grad[start:start + _CHUNK]], coef)
 
     def update(self, jobs: list[HostJob], sum_slot: int) -> None:
         """AdamW on each job's matrix with the mean of its gradient sum, then the new values (with

@@ -3,7 +3,8 @@
 Two commands, each carried out by `HostState` (zenflow/host/buffers.py) in the worker process or,
 with `worker=False`, right away in the training process by `InlineHostRunner`:
 
-    Accumulate   add a staging buffer's gradients, times a factor, into a window's fp32 sums
+    Accumulate   add a staging buffer's gradients, times the factor copied with them, into a
+                 window's fp32 sums
     Update       AdamW on each matrix's window sum, new values into the install buffer
 """
 from __future__ import annotations
@@ -16,11 +17,12 @@ from zenflow.host.buffers import HostJob, HostState
 
 @dataclass(frozen=True)
 class Accumulate:
-    """grad_sum[sum_slot] += scale * staging[staging_slot] for the `added` matrices; = for the
-    `fresh` ones (the window's first gradient: their sums hold stale bytes)."""
+    """grad_sum[sum_slot] += coef * staging[staging_slot] for the `added` matrices; = for the
+    `fresh` ones (the window's first gradient: their sums hold stale bytes). coef is the step's
+    factor, copied from the device into the slot's step_coef with the gradients: the training
+    thread never reads it (0 on a skipped step, which adds nothing)."""
     staging_slot: int
     sum_slot: int
-    scale: float
     added: tuple[int, ...]
     fresh: tuple[int, ...]
 
@@ -29,8 +31,7 @@ class Accumulate:
         return [*self.added, *self.fresh]
 
     def run(self, host: HostState) -> None:
-        host.accumulate(self.staging_slot, self.sum_slot, self.scale, list(self.added),
-                        list(self.fresh))
+        host.accumulate(self.staging_slot, self.sum_slot, list(self.added), list(self.fresh))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from zenflow.host.buffers import add_scaled_, kept_grads
 from zenflow.host.transfers import DONE, Ticket, Transfers
 
 
@@ -80,11 +81,9 @@ def _chunks(indices: list[int], tensors: dict[int, torch.Tensor]):
         yield run
 
 
-def _bounded_step(weights: list[torch.Tensor], steps: list[torch.Tensor], scale: float,
-                  bound: float, lr: float) -> None:
-    """weights -= lr * clamp(scale * steps, -bound, bound); `steps` is overwritten."""
-    if scale != 1.0:
-        torch._foreach_mul_(steps, scale)
+def _bounded_step(weights: list[torch.Tensor], steps: list[torch.Tensor], bound: float,
+                  lr: float) -> None:
+    """weights -= lr * clamp(steps, -bound, bound); `steps` is overwritten."""
     torch._foreach_clamp_min_(steps, -bound)
     torch._foreach_clamp_max_(steps, bound)
     torch._foreach_add_(weights, steps, alpha=-lr)
@@ -119,41 +118,43 @@ class DeviceSums:
         return sum(t.numel() * t.element_size()
                    for part in (self.sums, self.squares, self.rates) for t in part.values())
 
-    def add(self, rows: dict[int, torch.Tensor], fresh: list[int], scale: float) -> None:
-        """sum[i] += scale * rows[i] in fp32 (= for the `fresh` ones: the window's first
-        gradient), in one fused launch on the device; the squares likewise."""
+    def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
+        """sum[i] += coef * rows[i] in fp32 (= for the `fresh` ones: the window's first
+        gradient), the squares likewise, in a few fused launches per chunk on the device. `coef`
+        is the step's 0-dim factor, 0 on a skipped step, which adds nothing (`kept_grads`)."""
         if not rows:
             return
         self.transfers.fence(self._copied)   # the last window's sums have left these buffers
         if fresh:
             torch._foreach_zero_([self.sums[i] for i in fresh]
                                  + [self.squares[i] for i in fresh if i in self.squares])
-        indices = list(rows)
-        torch._foreach_add_([self.sums[i] for i in indices], [rows[i] for i in indices],
-                            alpha=scale)
-        squared = [i for i in indices if i in self.squares]
-        if squared:
-            grads = [rows[i] for i in squared]
-            torch._foreach_addcmul_([self.squares[i] for i in squared], grads, grads,
-                                    value=scale * scale)
+        for chunk in _chunks(list(rows), rows):
+            grads = dict(zip(chunk, kept_grads([rows[i] for i in chunk], coef)))
+            add_scaled_([self.sums[i] for i in chunk], list(grads.values()), coef)
+            squared = [i for i in chunk if i in self.squares]
+            if squared:   # (coef * g)^2 from an fp32 product, as the reference sums it
+                scaled = torch._foreach_mul([grads[i].float() for i in squared], coef)
+                torch._foreach_addcmul_([self.squares[i] for i in squared], scaled, scaled)
 
     def move(self, weights: dict[int, torch.Tensor], rows: dict[int, torch.Tensor],
-             scale: float, steps: dict[int, tuple[float, float]]) -> None:
-        """weights[i] -= lr * clamp(scale * rows[i] * rate[i], -bound, bound), (lr, bound) =
+             coef: torch.Tensor, steps: dict[int, tuple[float, float]]) -> None:
+        """weights[i] -= lr * clamp(coef * rows[i] * rate[i], -bound, bound), (lr, bound) =
         steps[i]: the interim step of every value the device does not update itself (its own
         columns are written over afterwards). `bound` is AdamW's own bound on a step, in units
         of lr (zenflow.adamw.step_bound): it keeps a value whose rate is stale from moving further than
         AdamW could, where a row that saw no gradient for long (an embedding's rare token) has v
-        near 0 and a rate near 1 / eps. A few fused launches per (lr, bound) and chunk."""
+        near 0 and a rate near 1 / eps. On a skipped step (coef 0) the step is 0. A few fused
+        launches per (lr, bound) and chunk."""
         groups: dict[tuple, list[int]] = {}
         for i in rows:
             if i in self.rates:
                 groups.setdefault(steps[i], []).append(i)
         for (lr, bound), indices in groups.items():
             for chunk in _chunks(indices, rows):
-                moves = torch._foreach_mul([rows[i] for i in chunk],
+                moves = torch._foreach_mul(kept_grads([rows[i] for i in chunk], coef),
                                            [self.rates[i] for i in chunk])
-                _bounded_step([weights[i] for i in chunk], moves, scale, bound, lr)
+                torch._foreach_mul_(moves, coef)
+                _bounded_step([weights[i] for i in chunk], moves, bound, lr)
 
     def correct(self, weights: dict[int, torch.Tensor], steps: dict[int, tuple[float, float]],
                 counts: dict[int, int]) -> None:
@@ -167,7 +168,7 @@ class DeviceSums:
             for chunk in _chunks(indices, self.sums):
                 moves = torch._foreach_mul([self.sums[i] for i in chunk],
                                            [self.rates[i] for i in chunk])
-                _bounded_step([weights[i] for i in chunk], moves, 1.0, count * bound, lr)
+                _bounded_step([weights[i] for i in chunk], moves, count * bound, lr)
 
     def copy_out(self, targets: dict[int, torch.Tensor],
                  square_targets: dict[int, torch.Tensor] | None = None) -> Ticket:

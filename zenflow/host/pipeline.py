@@ -1,10 +1,11 @@
 """The host side of one optimizer step: staging, accumulation, window end, install.
 
-    stage(grads, scale) add this step's gradient rows, times `scale`, into the window's sums on the
-                        device (zenflow/host/device_sums.py), for the matrices whose sums fit the
-                        device budget; copy the other matrices' rows to a staging buffer (on
-                        CUDA: queued on a side stream; the Python thread does not wait)
-    accumulate()        tell the host to add that buffer, times `scale`, to the window's sums
+    stage(grads, coef)  add this step's gradient rows, times `coef` (a 0-dim device tensor, 0 on a
+                        skipped step), into the window's sums on the device
+                        (zenflow/host/device_sums.py), for the matrices whose sums fit the
+                        device budget; copy the other matrices' rows and `coef` to a staging
+                        buffer (on CUDA: queued on a side stream; the Python thread does not wait)
+    accumulate()        tell the host to add that buffer, times its `coef`, to the window's sums
     end_window(jobs)    copy the device's sums to the host, and tell the host to run AdamW on
                         the window's mean gradient
     install()           wait for that update and copy the new values to the parameters
@@ -239,12 +240,14 @@ class HostPipeline:
         """Whether matrix i takes deferred_credit "moments" (its sums are on the device)."""
         return i in self.device_sums.rates
 
-    def stage(self, grads: dict[int, torch.Tensor], scale: float,
+    def stage(self, grads: dict[int, torch.Tensor], coef: torch.Tensor,
               lrs: dict[int, tuple[float, float]] | None = None) -> None:
-        """This step's gradient rows of parameters `grads` (index -> gradient), times `scale`:
-        added into the device sums of the matrices summed there, and for the others copied to a
-        staging buffer that accumulate() hands to the host. With `lrs` (index -> (learning rate,
-        AdamW's step bound)), the "moments" matrices also take their interim step."""
+        """This step's gradient rows of parameters `grads` (index -> gradient), times `coef` (the
+        step's 0-dim fp32 factor on the device, 0 on a skipped step, never read here): added into
+        the device sums of the matrices summed there, and for the others copied, with `coef`, to
+        a staging buffer that accumulate() hands to the host. With `lrs` (index -> (learning
+        rate, AdamW's step bound)), the "moments" matrices also take their interim step. Every
+        gradient counts in num_grads; drop_grads() takes a skipped step's back out."""
         start = time.perf_counter()
         if not self._sums_placed:
             self._place_sums()
@@ -252,10 +255,10 @@ class HostPipeline:
                      if i in self.device_sums}
         if on_device:
             self.device_sums.add(on_device, [i for i in on_device if self.num_grads[i] == 0],
-                                 scale)
+                                 coef)
             if lrs is not None and self.device_sums.rates:
                 self.device_sums.move({i: self._weights(i) for i in on_device if self.moves(i)},
-                                      on_device, scale, lrs)
+                                      on_device, coef, lrs)
             for i in on_device:
                 self.num_grads[i] += 1
             grads = {i: g for i, g in grads.items() if i not in self.device_sums}
@@ -273,22 +276,22 @@ class HostPipeline:
                 waited = self.runner.wait(reader)
             self.timer.stall(waited)
             self._staging_reader[slot] = None
-        pairs, nbytes = [], 0
+        pairs, nbytes = [(self.host.step_coef(slot), coef.reshape(()))], 0
         for i, grad in grads.items():
             src = host_view(grad)[self.rows[i]]
             pairs.append((self.host.staging(slot, i), src))
             nbytes += src.numel() * src.element_size()
         ticket = self.transfers.to_host(pairs)
-        self._staged = (slot, list(grads), ticket, scale)
+        self._staged = (slot, list(grads), ticket)
         self._last_copy = ticket
         self.timer.moved(d2h=nbytes)
         self.timer.offload(time.perf_counter() - start - waited)
 
     def accumulate(self) -> None:
-        """Have the host add the staged gradients, times their scale, to this window's sums."""
+        """Have the host add the staged gradients, times their coef, to this window's sums."""
         if self._staged is None:
             return
-        slot, matrices, ticket, scale = self._staged
+        slot, matrices, ticket = self._staged
         self._staged = None
         if not matrices:
             return
@@ -299,9 +302,14 @@ class HostPipeline:
 
         def sent(seq: int, slot=slot) -> None:
             self._staging_reader[slot] = seq
-        self._enqueue(ticket, Accumulate(slot, self._sum_slot, float(scale), tuple(added),
-                                         tuple(fresh)), sent)
+        self._enqueue(ticket, Accumulate(slot, self._sum_slot, tuple(added), tuple(fresh)), sent)
         self._staging_slot = (slot + 1) % self.layout.staging_slots
+
+    def drop_grads(self, matrices: list[int]) -> None:
+        """A step that stage() counted for `matrices` was skipped (found at a window end): its
+        sums took nothing from it, and the window's mean does not count it."""
+        for i in matrices:
+            self.num_grads[i] -= 1
 
     def end_window(self, hyperparameters: list[tuple]) -> bool:
         """Hand the window's sums to the host: AdamW on the mean gradient with

@@ -1,7 +1,7 @@
 """The step's gradient norms and clipping factor (docs/semantics.md, "Clipping")."""
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 
@@ -12,42 +12,62 @@ def gradient_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
-def clip_coefficient(norms: list[torch.Tensor], max_grad_norm: float | None,
-                     grad_scale: float | torch.Tensor | None = None,
-                     found_inf: torch.Tensor | None = None,
-                     partition=None) -> tuple[float | None, bool]:
-    """(factor, amp_overflow): the factor to multiply every gradient by, 1 / grad_scale (a loss
-    scale still in the gradients) times what clip_grad_norm_ would scale the unscaled gradients
-    by; None when the step must be skipped, because GradScaler found inf/NaN (`found_inf`, then
-    amp_overflow is True) or the global gradient norm is not finite.
+@dataclass
+class StepScale:
+    """What a step multiplies its gradients by, and whether it is kept, as 0-dim fp32 tensors on
+    the device, computed without reading anything back: every kernel of the step takes them, so
+    the Python thread launches the step without waiting for the backward to finish."""
+    coef: torch.Tensor       # 1 / grad_scale times the clipping factor; 0 on a skipped step
+    kept: torch.Tensor       # 1.0, or 0.0 when the step is skipped
+    skip: torch.Tensor       # 1.0 - kept: the skip flag in the form the fused AdamW kernel takes
+    overflow: torch.Tensor   # GradScaler's found_inf (0.0 without a scaler)
+    loss_scale: torch.Tensor  # GradScaler's scale (1.0 without a scaler)
 
-    Everything the step's host side needs from the device (the norm, the clipping factor, the
-    scaler's flag and scale) comes back in one read: the step's only wait for the device.
+    def flags(self) -> torch.Tensor:
+        """[kept, overflow, loss scale], to read together with other steps' (`read_flags`)."""
+        return torch.stack([self.kept, self.overflow, self.loss_scale])
+
+
+def read_flags(scales: list[StepScale]) -> list[tuple[bool, bool, float]]:
+    """(kept, GradScaler overflow, loss scale) of each step, in one read of the device."""
+    if not scales:
+        return []
+    rows = torch.stack([s.flags() for s in scales]).tolist()
+    return [(kept > 0, overflow > 0, scale) for kept, overflow, scale in rows]
+
+
+def _scalar(value, device: torch.device, default: float) -> torch.Tensor:
+    """`value` (a tensor, a number or None for `default`) as a 0-dim fp32 tensor on `device`,
+    made with a device kernel: a number is filled in, never copied from host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, torch.float32).reshape(())
+    return torch.full((), float(default if value is None else value), dtype=torch.float32,
+                      device=device)
+
+
+def step_scale(norms: list[torch.Tensor], max_grad_norm: float | None,
+               grad_scale: float | torch.Tensor | None = None,
+               found_inf: torch.Tensor | None = None, partition=None) -> StepScale:
+    """The step's `StepScale`: 1 / grad_scale (a loss scale still in the gradients) times what
+    clip_grad_norm_ would scale the unscaled gradients by; the step is skipped when GradScaler
+    found inf/NaN (`found_inf`) or the global gradient norm is not finite.
 
     Where each rank holds only some rows of every gradient (FSDP2: `partition.shards_gradients`),
     `norms` are the local shards' norms: one all-reduce sums their squares (and GradScaler's
     flags) across ranks, so every rank clips by the same global norm and skips the same steps."""
     total = torch.linalg.vector_norm(torch.stack(norms))
+    device = total.device
+    overflow = _scalar(found_inf if isinstance(found_inf, torch.Tensor) else None, device, 0.0)
     if partition is not None and partition.shards_gradients:
-        parts = [total.square()]
-        if isinstance(found_inf, torch.Tensor):
-            parts.append(found_inf.to(total.device, torch.float32).reshape(()))
-        summed = partition.sum_(torch.stack(parts), "summing the squared gradient norms")
-        total = summed[0].sqrt()
-        if isinstance(found_inf, torch.Tensor):
-            found_inf = summed[1]
-    scaled = total if grad_scale is None else total / grad_scale
-    reads = {"norm": total}
+        summed = partition.sum_(torch.stack([total.square(), overflow]),
+                                "summing the squared gradient norms")
+        total, overflow = summed[0].sqrt(), summed[1]
+    loss_scale = _scalar(grad_scale, device, 1.0)
+    factor = 1.0 / loss_scale
     if max_grad_norm is not None:
         # The same fp32 tensor arithmetic as torch.nn.utils.clip_grad_norm_, so results match it.
-        reads["clip"] = torch.clamp(max_grad_norm / (scaled + 1e-6), max=1.0)
-    for name, extra in (("found_inf", found_inf), ("scale", grad_scale)):
-        if isinstance(extra, torch.Tensor):
-            reads[name] = extra.to(total.device, torch.float32).reshape(())
-    values = dict(zip(reads, torch.stack(list(reads.values())).tolist()))
-    if values.get("found_inf", 0.0) > 0:
-        return None, True
-    if not math.isfinite(values["norm"]):
-        return None, False
-    scale = 1.0 if grad_scale is None else values.get("scale", grad_scale)
-    return values.get("clip", 1.0) / float(scale), False
+        factor = torch.clamp(max_grad_norm / (total / loss_scale + 1e-6), max=1.0) / loss_scale
+    kept = torch.isfinite(total) & (overflow == 0)
+    coef = torch.where(kept, factor, torch.zeros_like(total))
+    kept = kept.float()
+    return StepScale(coef, kept, 1.0 - kept, overflow, loss_scale)

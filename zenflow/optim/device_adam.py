@@ -1,7 +1,11 @@
 """Device side of ZenFlow: AdamW on the selected columns of every matrix and on every vector.
 
-All device state is fp32 (master values and both moments), whatever the parameter's dtype, and
-step counts are Python ints. A vector parameter that is already fp32 is its own master.
+All device state is fp32 (master values and both moments), whatever the parameter's dtype. Each
+step count is a 0-dim fp32 tensor on the device (`count`; exact up to 2**24 updates): the fused
+kernel reads it there, and a step inside a window advances it by the step's kept flag, so a step
+skipped on the device counts nothing without the Python thread reading the flag. `step` reads it
+as an int (saving, moving columns: places that read the device anyway). A vector parameter that is
+already fp32 is its own master.
 """
 from __future__ import annotations
 
@@ -18,7 +22,16 @@ class _SavedAdamState:
     """state_dict() and load_state_dict() of fp32 AdamW state: the tensors named in `SAVED`
     and the integer step count."""
     SAVED: tuple[str, ...] = ()
-    step: int
+    count: torch.Tensor   # AdamW updates so far: 0-dim fp32 on the device
+
+    @property
+    def step(self) -> int:
+        """The step count as an int (one read of the device)."""
+        return int(self.count.item())
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.count.fill_(float(value))
 
     def state_dict(self) -> dict:
         return {"step": self.step, **{name: getattr(self, name).clone() for name in self.SAVED}}
@@ -42,16 +55,17 @@ class DeviceColumns(_SavedAdamState):
     master: torch.Tensor           # [out, k]
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: int
+    count: torch.Tensor            # 0-dim fp32: AdamW updates so far
     grad: torch.Tensor             # [out, k] scratch for the gathered gradient columns
 
     SAVED = ("column_indices", *FP32_STATE)
 
     @classmethod
-    def empty(cls, rows: int, k: int, device: torch.device, step: int) -> DeviceColumns:
+    def empty(cls, rows: int, k: int, device: torch.device) -> DeviceColumns:
         def z():
             return torch.zeros(rows, k, dtype=torch.float32, device=device)
-        return cls(torch.zeros(k, dtype=torch.long, device=device), z(), z(), z(), step, z())
+        return cls(torch.zeros(k, dtype=torch.long, device=device), z(), z(), z(),
+                   torch.zeros((), dtype=torch.float32, device=device), z())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size()
@@ -73,14 +87,15 @@ class DeviceVector(_SavedAdamState):
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: int = 0
+    count: torch.Tensor            # 0-dim fp32: AdamW updates so far
 
     SAVED = FP32_STATE
 
     @classmethod
     def for_param(cls, param: torch.Tensor) -> DeviceVector:
         master = param.data if param.dtype == torch.float32 else param.detach().float().clone()
-        return cls(master, torch.zeros_like(master), torch.zeros_like(master))
+        return cls(master, torch.zeros_like(master), torch.zeros_like(master),
+                   torch.zeros((), dtype=torch.float32, device=master.device))
 
     def nbytes(self, param: torch.Tensor) -> int:
         """Bytes it adds to the device (an fp32 parameter is its own master)."""
@@ -91,16 +106,17 @@ class DeviceVector(_SavedAdamState):
 
 
 class _Batch:
-    """Tensors that share hyperparameters and step count, for one fused kernel call."""
+    """Tensors that share hyperparameters, for one fused kernel call."""
 
     def __init__(self):
-        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs = [], [], [], []
+        self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.counts = [], [], [], [], []
 
-    def add(self, master, grad, exp_avg, exp_avg_sq):
+    def add(self, master, grad, exp_avg, exp_avg_sq, count):
         self.params.append(master)
         self.grads.append(grad)
         self.exp_avgs.append(exp_avg)
         self.exp_avg_sqs.append(exp_avg_sq)
+        self.counts.append(count)
 
 
 def group_hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
@@ -112,31 +128,30 @@ def group_hyperparameters(group: dict) -> tuple[float, float, float, float, floa
 
 def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, dict]],
                 vectors: list[tuple[torch.Tensor, torch.Tensor, DeviceVector, dict]],
-                clip_coef: float) -> None:
+                scale) -> None:
     """One AdamW step of the selected columns and the vectors, then write them into the params.
 
     `matrices` holds (param, grad, columns, group) and `vectors` (param, grad, state, group);
     entries without a gradient are left out by the caller, exactly as torch.optim skips them.
+    `scale` (a `zenflow.optim.clipping.StepScale`) multiplies every gradient; on a step it marks
+    skipped, nothing changes: the counts advance by its kept flag and the fused kernel, handed
+    its skip flag as torch.optim hands GradScaler's found_inf, leaves the state alone.
     """
     batches: dict[tuple, _Batch] = {}
     for param, grad, cols, group in matrices:
         columns.gather_columns(columns.as_matrix(grad), cols.column_indices, out=cols.grad)
-        if clip_coef != 1.0:
-            cols.grad.mul_(clip_coef)
-        cols.step += 1
-        batches.setdefault((cols.step, *group_hyperparameters(group)), _Batch()).add(
-            cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq)
+        cols.grad.mul_(scale.coef)
+        batches.setdefault(group_hyperparameters(group), _Batch()).add(
+            cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
     for param, grad, state, group in vectors:
-        g = grad.float()
-        if clip_coef != 1.0:
-            g = g * clip_coef
-        state.step += 1
-        batches.setdefault((state.step, *group_hyperparameters(group)), _Batch()).add(
-            state.master, g, state.exp_avg, state.exp_avg_sq)
+        batches.setdefault(group_hyperparameters(group), _Batch()).add(
+            state.master, grad.float() * scale.coef, state.exp_avg, state.exp_avg_sq,
+            state.count)
 
-    for (step, lr, beta1, beta2, eps, weight_decay), b in batches.items():
-        adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, step, lr=lr, beta1=beta1,
-               beta2=beta2, eps=eps, weight_decay=weight_decay)
+    for (lr, beta1, beta2, eps, weight_decay), b in batches.items():
+        torch._foreach_add_(b.counts, scale.kept)
+        adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
+               beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
     for param, _, cols, _ in matrices:
         columns.scatter_columns(columns.as_matrix(param.data), cols.column_indices, cols.master)

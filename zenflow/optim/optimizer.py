@@ -2,7 +2,8 @@
 
 One step, top to bottom (docs/semantics.md):
 
-    clip          global gradient norm; a non-finite norm skips the step untouched
+    clip          global gradient norm and the step's factor, as device tensors (a non-finite norm
+                  or GradScaler's found_inf marks the step skipped there: see "Skips" below)
     select        at a window boundary: choose each matrix's top-k columns (first time, or when due)
     stage         add host-owned gradient rows into the window's fp32 sums on the device (where
                   they fit `device_sum_budget`); queue the copy of the others to the host
@@ -11,6 +12,14 @@ One step, top to bottom (docs/semantics.md):
     end window    every `update_interval` steps: the host runs AdamW with the mean gradient
 
 Warm-up steps (`full_warm_up_rounds`) are windows of one step with no column on the device.
+
+Skips. A step strictly inside a window reads nothing back from the device: its factor and kept
+flag (`StepScale`) go to every kernel (the fused AdamW takes the skip flag as torch.optim takes
+GradScaler's found_inf; the device sums and the host's add 0 times the gradient), and the flag
+travels to the host with the gradients. Whether it was skipped is settled at the window's end in
+one read (`_settle_skips`): a skipped step is a step of the window that added nothing. A window's
+first step (and a warm-up step) reads its flag at once, since selecting columns needs finite
+gradients; a skip found there is undone entirely, as if step() had not been called.
 With `overlap_step`, a window's host update is installed at the end of the next window, so the
 host works while the device trains; otherwise it is installed before step() returns.
 
@@ -41,7 +50,7 @@ from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
 from zenflow.optim import param_checks as _checks
 from zenflow.optim import state as state_format
-from zenflow.optim.clipping import clip_coefficient, gradient_norms
+from zenflow.optim.clipping import StepScale, gradient_norms, read_flags, step_scale
 from zenflow.optim.device_adam import group_hyperparameters
 from zenflow.optim.params import (
     HostParam,
@@ -56,7 +65,7 @@ from zenflow.optim.params import (
 from zenflow.optim.selection_schedule import SelectionSchedule
 from zenflow.optim.selector import ColumnSelector
 from zenflow.optim.state import StepCounters
-from zenflow.optim.windows import StepPeriod, window_for
+from zenflow.optim.windows import DelayedAgreement, StepPeriod, window_for
 
 log = logging.getLogger("zenflow")
 
@@ -193,6 +202,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
         self._step_period = StepPeriod()
         self._consecutive_skips = 0
+        # Steps of this window whose kept flags are still on the device: (step, scale, the host
+        # matrices it staged), settled at the window's end.
+        self._unsettled: list[tuple[int, StepScale, list[int]]] = []
+        self._agreement = DelayedAgreement(self._partition)
         self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
                                              self._pipeline, self._NAME,
                                              lambda: self._selector.has_chosen)
@@ -211,6 +224,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
+        with self._lock:
+            self._settle_skips()
         return self.counters.skipped_steps
 
     @property
@@ -245,56 +260,76 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._step_period.tick()
         norms = dict(zip(grads, gradient_norms(list(grads.values()))))
         # torch.amp.GradScaler sets grad_scale and found_inf around step() (None without one)
-        clip_coef, amp_overflow = clip_coefficient(
-            list(norms.values()), self.settings.max_grad_norm,
-            getattr(self, "grad_scale", None), getattr(self, "found_inf", None), self._partition)
-        if clip_coef is None:
-            self._skip(amp_overflow=amp_overflow)
-            return loss
-        self._consecutive_skips = 0
-
+        scale = step_scale(list(norms.values()), self.settings.max_grad_norm,
+                           getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
+                           self._partition)
         count = self.counters
         warming_up = count.step < self.settings.full_warm_up_rounds
+        reads_now = warming_up or count.window_steps == 0
+        if reads_now:   # selecting columns needs finite gradients: decide the skip now
+            (kept, overflow, loss_scale), = read_flags([scale])
+            if not kept:
+                self._skipped(count.step, overflow, loss_scale, counted=False)
+                self._timer.end(skipped=True)
+                return loss
+            self._consecutive_skips = 0
         if not warming_up and count.window_steps == 0:
             self._outside_writes.adopt_data_writes()
             self._select_columns(grads)
         chosen = self._selector.has_chosen
-        self._pipeline.stage({m.host_index: grads[m.param] for m in self._host_params
-                              if m.param in grads and m.host_owns_columns(chosen)}, clip_coef,
-                             self._learning_rates())
-        device_update(self._host_params if chosen else [], self._vector_params, grads, clip_coef)
+        staged = {m.host_index: grads[m.param] for m in self._host_params
+                  if m.param in grads and m.host_owns_columns(chosen)}
+        self._pipeline.stage(staged, scale.coef, self._learning_rates())
+        if not reads_now:
+            self._unsettled.append((count.step, scale, list(staged)))
+        device_update(self._host_params if chosen else [], self._vector_params, grads, scale)
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
-            if present:
-                self._window.observe(*importance_split(present, norms, clip_coef,
-                                                       self._partition))
+            split = importance_split(present, norms, scale, self._partition) if present else None
+            if split is not None:
+                self._window.observe(*split)
         self._pipeline.accumulate()
         count.window_steps += 1
         if warming_up or self._window_ends():
             if not warming_up:
                 log.debug("step %d: end window: %s", count.step, self._window.reason)
+            self._settle_skips()
             self._end_window(synchronous=warming_up or not self.settings.overlap_step)
         self._pipeline.fence()
         count.step += 1
         self._timer.end()
         return loss
 
-    def _skip(self, amp_overflow: bool) -> None:
+    def _settle_skips(self) -> None:
+        """Read the kept flags of the steps inside this window in one read: count and log the
+        skipped ones (each a step of the window that added nothing), and take their gradients
+        out of the window's counts, so that its mean divides by the kept steps."""
+        unsettled, self._unsettled = self._unsettled, []
+        for (step, _, staged), (kept, overflow, loss_scale) in zip(
+                unsettled, read_flags([scale for _, scale, _ in unsettled])):
+            if kept:
+                self._consecutive_skips = 0
+                continue
+            self._pipeline.drop_grads(staged)
+            self._skipped(step, overflow, loss_scale, counted=True)
+
+    def _skipped(self, step: int, amp_overflow: bool, loss_scale: float, counted: bool) -> None:
+        """Count and log the skip of step `step`; `counted`: it was a step of its window (one
+        inside a window, found at the window's end), not undone."""
         self.counters.skipped_steps += 1
         self._consecutive_skips += 1
         n = self._consecutive_skips
+        what = "added nothing to its window" if counted else "skipped"
         if amp_overflow:
             # Ordinary mixed-precision life: GradScaler found inf/NaN at this scale and lowers it.
             # DeepSpeed logs these at INFO with the new scale; so do we.
-            scale = float(getattr(self, "grad_scale", None) or 1.0)
-            log.info("%s: gradient overflow at loss scale %g: step %d skipped; GradScaler lowers "
-                     "the scale (to %g with its default backoff_factor 0.5)", self._NAME, scale,
-                     self.counters.step, scale * 0.5)
+            log.info("%s: gradient overflow at loss scale %g: step %d %s; GradScaler lowers "
+                     "the scale (to %g with its default backoff_factor 0.5)", self._NAME,
+                     loss_scale, step, what, loss_scale * 0.5)
         elif n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
-            log.warning("%s: skipped step %d: the gradients are not finite (%d consecutive "
-                        "skipped steps, %d in all)", self._NAME, self.counters.step, n,
+            log.warning("%s: step %d %s: the gradients are not finite (%d consecutive "
+                        "skipped steps, %d in all)", self._NAME, step, what, n,
                         self.counters.skipped_steps)
-        self._timer.end(skipped=True)
 
     def _window_ends(self) -> bool:
         if self._selector.reselection_due_at(self.counters.step + 1):
@@ -309,10 +344,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             install_s = self._pipeline.transfers.last_install_seconds
         ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
                                        host_s, step_s, install_s)
-        if self._window.needs_rank_agreement:
+        if self._window.needs_rank_agreement and self._partition.active:
             # Every rank must end the window at the same step, and only once every rank's rule
-            # says so (an auto window: once every rank's host is ready, so that none waits).
-            ends = not self._partition.any(not ends, "agreeing on the end of a host window")
+            # says so (an auto window: once every rank's host is ready, so that none waits):
+            # one step after they all said so, so that no step waits for the vote.
+            ends = self._agreement.ends(
+                ends, forced=self._window.must_end(self.counters.window_steps))
         return ends
 
     def _decided(self, what: str) -> None:
@@ -332,6 +369,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._install_in_flight()
         self._outside_writes.fingerprint()
         self._window.ended(self.counters.window_steps)
+        self._agreement.forget()
         self.counters.window_steps = 0
         self.counters.num_windows += 1
         self._decided("flush")
@@ -404,8 +442,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def __exit__(self, *exc):
         self.close()
 
+    @_serialized
     def stats(self) -> dict:
-        """Telemetry: counters, memory per parameter, per-step timings and bytes moved."""
+        """Telemetry: counters, memory per parameter, per-step timings and bytes moved (the
+        window's skips so far settled first: one read)."""
+        self._settle_skips()
         return optimizer_stats(self)
 
     def timeline(self) -> dict:
@@ -419,7 +460,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Everything needed to continue exactly (the format: zenflow/optim/state.py): host and device
         state, selection, counters and the partial window. Waits for in-flight host work first
-        (without installing it)."""
+        (without installing it). The skips of the window so far are settled first (one read), so
+        that its counts are exact."""
+        self._settle_skips()
         return state_format.save(self, self._state_parts())
 
     def check_state_dict(self, state_dict: dict) -> None:
@@ -433,6 +476,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         it was. Load the model's weights first, then this (as frameworks do): weights loaded
         afterwards count as changed outside the optimizer and become the master values."""
         state_format.load(self, self._state_parts(), state_dict)
+        self._unsettled = []       # steps of the window the loaded state replaces
+        self._agreement.forget()
 
     def _state_parts(self) -> state_format.StateParts:
         return state_format.StateParts(

@@ -133,14 +133,15 @@ def _changed_since_built(p: torch.Tensor, dtype: torch.dtype | None) -> str:
 
 
 def device_update(host_params: list[HostParam], vector_params: list[VectorParam], grads: dict,
-                  clip_coef: float) -> None:
+                  scale) -> None:
     """AdamW on the device: the selected columns of `host_params` and every vector (those without
-    a gradient this step are left alone, as torch.optim does)."""
+    a gradient this step are left alone, as torch.optim does), scaled by `scale` (a
+    zenflow.optim.clipping.StepScale: nothing changes on a step it skips)."""
     matrices = [(m.local, grads[m.param], m.selected, m.group) for m in host_params
                 if m.k > 0 and m.param in grads]
     vectors = [(v.local, grads[v.param], v.state, v.group) for v in vector_params
                if v.param in grads]
-    device_step(matrices, vectors, clip_coef)
+    device_step(matrices, vectors, scale)
 
 
 def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bool,
@@ -157,7 +158,7 @@ def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bo
                     if p.ndim >= 2 else 0
                 rows = local(p).shape[0] if p.ndim >= 2 else 1
                 host.append(HostParam(p, group, len(host), k,
-                                      DeviceColumns.empty(rows, k, device, step=0)))
+                                      DeviceColumns.empty(rows, k, device)))
             else:
                 vectors.append(VectorParam(p, group, DeviceVector.for_param(local(p))))
     return host, vectors
@@ -311,24 +312,29 @@ def device_state_bytes(host_params: list[HostParam], vector_params: list[VectorP
             + sum(v.state.nbytes(v.local) for v in vector_params))
 
 
-def importance_split(present: list[HostParam], norms: dict, clip_coef: float,
-                     partition=None) -> tuple[float, int, float, int]:
+def importance_split(present: list[HostParam], norms: dict, scale,
+                     partition=None) -> tuple[float, int, float, int] | None:
     """(squared norm, columns) of the deferred and of the selected columns of the matrices
-    `present` this step, for the auto window. The device update has just gathered and clipped the
-    selected columns, so their norms take no extra pass over the gradients; `norms` holds each
+    `present` this step, for the auto window; None when the step was skipped (`scale`, a
+    zenflow.optim.clipping.StepScale, says so in the same read). The device update has just
+    gathered and clipped the selected columns, so their norms take no extra pass over the
+    gradients; `norms` holds each
     whole gradient's norm before clipping. Where each rank holds some rows of every gradient
     (FSDP2, `partition.shards_gradients`), the squares are summed across ranks (one all-reduce),
     so every rank sees the whole matrices' split."""
     selected = [m for m in present if m.k > 0]
     selected_norms = torch._foreach_norm([m.selected.grad for m in selected]) if selected else []
-    squares = torch.cat([(torch.stack([norms[m.param] for m in present]).double() * clip_coef
+    squares = torch.cat([(torch.stack([norms[m.param] for m in present]).double() * scale.coef
                           ).square(),
                          torch.stack(selected_norms).double().square() if selected
                          else torch.zeros(0, dtype=torch.float64, device=norms[present[0].param].device)])
     if partition is not None and partition.shards_gradients:
         squares = partition.sum_(squares, "summing the deferred and selected gradient norms")
-    # One stacked transfer instead of one device sync per matrix.
-    squares = squares.tolist()
+    # One stacked transfer instead of one device sync per matrix (the auto window's importance
+    # criterion reads every step: an auto_ratio window's end depends on it).
+    kept, *squares = torch.cat([scale.kept.double().reshape(1), squares]).tolist()
+    if not kept:
+        return None
     total_sq = squares[:len(present)]
     sel_sq = dict(zip((id(m) for m in selected), squares[len(present):]))
     deferred_sq = sum(max(0.0, t - sel_sq.get(id(m), 0.0)) for m, t in zip(present, total_sq))

@@ -182,10 +182,14 @@ class ReferenceZenFlow:
             self.lr = lr
         present = [g.double() for g in grads if g is not None]
         norm = math.sqrt(sum(float((g * g).sum()) for g in present))
+        coef = 1.0
         if not math.isfinite(norm):
             self.skipped += 1
-            return
-        coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+            if self.t < self.warm_up or self.window_steps == 0:
+                return   # a warm-up step or a window's first step: undone entirely
+            grads = [None] * len(grads)   # inside a window: a step of it that adds nothing
+        elif self.max_grad_norm is not None:
+            coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
         raw = grads
         grads = [None if g is None else (g.float() * coef) for g in grads]
         grads2d = [None if g is None or p.ndim < 2 else g.reshape(p.shape[0], -1)

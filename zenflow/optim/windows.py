@@ -45,7 +45,7 @@ class WindowRule(Protocol):
     setting in zenflow/config (settings and rules), `window_for`, and a test."""
 
     # Whether the rule's answer can differ between ranks (it reads timings): the optimizer then
-    # ends the window only when every rank's rule says so, with one collective per step.
+    # ends the window only when every rank's rule says so (`DelayedAgreement`).
     needs_rank_agreement: bool
     # Whether observe() wants the deferred and selected columns' squared norms each step.
     watches_importance: bool
@@ -57,6 +57,11 @@ class WindowRule(Protocol):
 
     def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
                    step_seconds: float, install_seconds: float = 0.0) -> bool: ...
+
+    def must_end(self, window_steps: int) -> bool:
+        """Whether a window of `window_steps` steps ends whatever the timings (the same answer
+        on every rank)."""
+        ...
 
     def ended(self, steps: int) -> None: ...
 
@@ -83,6 +88,9 @@ class FixedWindow:
     def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
                    step_seconds: float, install_seconds: float = 0.0) -> bool:
         self.reason = f"fixed interval {self.steps}"
+        return window_steps >= self.steps
+
+    def must_end(self, window_steps: int) -> bool:
         return window_steps >= self.steps
 
     def ended(self, steps: int) -> None:
@@ -161,6 +169,9 @@ class AutoWindow:
                            f"{self.threshold} after {window_steps} steps (floor {floor})")
         return True
 
+    def must_end(self, window_steps: int) -> bool:
+        return window_steps >= self.max_steps
+
     def ended(self, steps: int) -> None:
         """The window ended after `steps` steps: the deferred columns start afresh."""
         self.last_interval = steps
@@ -172,6 +183,31 @@ class AutoWindow:
     def load_state_dict(self, state: dict) -> None:
         self.pending_importance = state["pending_importance"]
         self.last_interval = state["last_interval"]
+
+
+class DelayedAgreement:
+    """Under data parallel, ends a window one step after every rank's rule said it may end,
+    without making any step wait for the other ranks: each step starts an all-reduce of its
+    rule's answer (`Partition.start_any`) and reads the one the step before started, long
+    finished. Every rank reads the same votes, so every rank ends the same windows; a bound that
+    every rank computes alike (`forced`: max_steps, a reselection) ends the window at once. A
+    vote in flight is not saved with the state: a run resumed mid-window votes afresh."""
+
+    def __init__(self, partition):
+        self.partition = partition
+        self._previous = None   # the last step's vote: () -> whether some rank was not ready
+
+    def ends(self, ready: bool, forced: bool) -> bool:
+        previous, self._previous = self._previous, None
+        if forced or (previous is not None and not previous()):
+            return True
+        self._previous = self.partition.start_any(not ready, "agreeing on the end of a host "
+                                                  "window")
+        return False
+
+    def forget(self) -> None:
+        """Drop the vote in flight (the window it was about ended, or a state was loaded)."""
+        self._previous = None
 
 
 class StepPeriod:

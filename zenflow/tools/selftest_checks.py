@@ -311,7 +311,42 @@ def transfers(ctx: _Ctx) -> list[Check]:
     return [Check("async transfers == sync, bit for bit", "pass" if bad is None else "fail",
                   f"{steps} steps ({where})" + ("" if bad is None else
                                                 f"; first difference after step {bad}"),
-                  measured={"sync_s": sync_s, "async_s": async_s})]
+                  measured={"sync_s": sync_s, "async_s": async_s}),
+            *(no_syncs_inside_a_window(ctx, sums) for sums in ("host", "device"))]
+
+
+def no_syncs_inside_a_window(ctx: _Ctx, sums: str) -> Check:
+    """The steps strictly inside a window (window sums on the host or on the device, clipped,
+    with GradScaler's scale and flag) run under torch.cuda.set_sync_debug_mode("error"): any
+    wait of the Python thread for the device raises there."""
+    name = f"no host-device sync inside a window ({sums} sums)"
+    if not ctx.cuda:
+        return Check(name, "skip", "n/a on CPU: set_sync_debug_mode is CUDA's (the CPU tests "
+                                   "count reads instead: tests/test_host_reads.py)")
+    params = _params(_values([(512, 256), (256,), (256, 512)], 11), ctx)
+    opt = ZenFlowAdamW(params, topk_ratio=0.25, update_interval=4, overlap_step=True,
+                       max_grad_norm=1.0, device_sum_budget=10 ** 9 if sums == "device" else 0)
+    _use_transfers(opt, ctx.transfers)
+    detail = "steps 1 and 2 of a window of 4"
+    status = "pass"
+    try:
+        for t in range(4):
+            for p in params:
+                p.grad = torch.randn_like(p) * 256.0
+            opt.grad_scale = torch.full((), 256.0, device=ctx.device)
+            opt.found_inf = torch.zeros((), device=ctx.device)
+            inside = t in (1, 2)
+            if inside:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    except RuntimeError as exc:
+        status, detail = "fail", f"step {t}: {str(exc).splitlines()[0]}"
+    finally:
+        opt.close()
+    return Check(name, status, detail)
 
 
 # ---------------------------------------------------------------------------------- the worker
