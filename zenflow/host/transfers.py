@@ -9,6 +9,9 @@ instead of waiting:
   only tells the worker to read them after that. `fence` makes the current stream wait for the
   copies at the end of step(), so nothing queued after step() (an in-place zero_grad, the next
   backward accumulating into the same gradient) can overwrite a source before it is read.
+  Copies land in the order queued (one stream; on the CPU, one thread). A post-accumulate-grad
+  hook queues them too (zenflow/host/early_copies.py): in a hook the current stream is the one
+  autograd accumulated that gradient on, so the copy still waits for its producer.
 - to_device: the copies run on a second side stream after everything queued so far on the
   current stream (the destinations are free), and the current stream waits for them with an
   event: compute queued after step() is ordered after the install, and the Python thread never
@@ -163,6 +166,12 @@ class Transfers:
         """Whether a device-to-host copy may still be in flight when step() returns (CUDA: the
         compute stream waits for it, the Python thread does not)."""
         return self.cuda
+
+    @property
+    def copies_overlap_compute(self) -> bool:
+        """Whether to_host returns before its copies run (a CUDA side stream, or the CPU's copy
+        thread), so that a copy queued during backward runs beside it."""
+        return self.cuda or bool(self._copy_cores)
 
     def _current(self):
         return torch.cuda.current_stream(self.device)
