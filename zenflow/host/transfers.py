@@ -52,6 +52,10 @@ class Ticket:
     def done(self) -> bool:
         return self._event is None or self._event.query()
 
+    def events(self) -> list:
+        """The CUDA events that complete it (none for synchronous copies)."""
+        return [] if self._event is None else [self._event]
+
     def wait(self) -> float:
         """Block until done; returns the seconds spent blocked."""
         if self.done():
@@ -71,6 +75,9 @@ class _AllTickets(Ticket):
 
     def done(self) -> bool:
         return all(t.done() for t in self._tickets)
+
+    def events(self) -> list:
+        return [event for t in self._tickets for event in t.events()]
 
     def wait(self) -> float:
         return sum(t.wait() for t in self._tickets)
@@ -201,8 +208,8 @@ class Transfers:
         in-place zero_grad, the next backward accumulating into a gradient) can overwrite a
         source before the copy has read it, while the step's own device work overlaps it."""
         if self.cuda:
-            if ticket._event is not None:
-                self._current().wait_event(ticket._event)
+            for event in ticket.events():   # all of them: a step's copies may be several
+                self._current().wait_event(event)
         else:
             ticket.wait()
 
