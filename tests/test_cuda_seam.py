@@ -117,3 +117,21 @@ def test_gradients_are_averaged_in_buckets_not_one_model_sized_temporary():
     buckets = gradient_buckets(grads, bucket_bytes=800)
     assert [[g.numel() for g in b] for b in buckets] == [[100, 100], [300], [100], [50]]
     assert all(len({g.dtype for g in b}) == 1 for b in buckets)
+
+
+def test_the_fence_waits_for_every_copy_of_the_step_not_only_one(monkeypatch):
+    """A step's copies may be several batches (some started in backward hooks): the compute
+    stream must wait for each one's event before later work can overwrite their sources."""
+    from zenflow.host.transfers import Ticket, all_of
+
+    class FakeEvent:
+        def query(self):
+            return False
+    calls: list = []
+    transfers = _cuda_transfers(monkeypatch, calls)
+    current = FakeStream("current", calls)
+    current.wait_event = lambda event: calls.append(("wait", event))
+    transfers._current = lambda: current
+    early, late = FakeEvent(), FakeEvent()
+    transfers.fence(all_of(Ticket(early), Ticket(late)))
+    assert [c for c in calls if c[0] == "wait"] == [("wait", early), ("wait", late)]

@@ -78,22 +78,42 @@ def test_llama2_7b_worked_example_by_hand():
     # AdamW on the selected columns and vectors, one read of every gradient (the norm), and the
     # selected columns' gather and scatter: 410 of 4096 columns in bf16 touch 410 64-byte lines
     # of each 8192-byte row (all 256 of them: min(8192, 410 * 64)); 1101 of 11008 likewise.
+    t = r["time"]
     touched = 2 * (2 * 32000 * 4096 + 32 * per_layer)          # every line of every matrix
     assert touched == 2 * P_mat
     dev = (columns + P_vec) / 5e10 + 2 * P / 1e12 + 1.5 * touched / 1e12
-    # The copy of the step's rows runs beside the device update; step() ends when both are done.
-    T_dev = 1.5 + max(dev, d2h)                                  # 2.039 s
+    # The copy of the step's rows starts in backward (2/3 of 1.5 s) and goes on beside the device
+    # update; step() ends when both are done. Here the backward hides all of it.
+    assert d2h < 1.0
+    T_dev = 1.5 + dev + max(0.0, d2h - 1.0 - dev)                # 1.547 s
+    assert t["zenflow_exposed_d2h_s"] == 0 and T_dev == pytest.approx(1.5 + dev)
     zen = max(T_dev, acc + adam / 4) + h2d / 4
-    t = r["time"]
     assert t["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
     assert t["zenflow_stall_s"] == pytest.approx(zen - T_dev, rel=1e-12)
     assert t["zenflow_blocked_s"] == pytest.approx(zen - T_dev - h2d / 4, rel=1e-9, abs=1e-12)
     offload = 1.5 + 2 * P / 25e9 + P / 8e9 + P / 4e9 + 2 * P / 25e9
     assert t["offload_step_s"] == pytest.approx(offload, rel=1e-12)
     assert t["adamw_step_s"] == pytest.approx(1.5 + P / 5e10, rel=1e-12)
-    # Smallest U with accumulate + host_adamw / U <= T_dev: ceil(1.685 / (2.039 - 0.842)) = 2.
+    # Smallest U with accumulate + host_adamw / U <= T_dev: ceil(1.685 / (1.547 - 0.842)) = 3.
     assert t["min_update_interval_hiding_host"] == math.ceil(adam / (T_dev - acc))
-    assert t["min_update_interval_hiding_host"] == 2
+    assert t["min_update_interval_hiding_host"] == 3
+
+
+def test_the_copy_of_host_summed_rows_hides_behind_the_backward():
+    """Host-summed rows start their copy in backward hooks: of a step's copy, only what outlasts
+    the backward (2/3 of forward+backward) and the device update stays exposed."""
+    def run(fwd_bwd_s):
+        return estimate(llama_shapes(**LLAMA2_7B), torch.bfloat16, gpus=1,
+                        gpu_memory_bytes=80 * GIB, topk_ratio=0.1, update_interval=4,
+                        overlap=True, fwd_bwd_s=fwd_bwd_s, measured=FIGURES, device_sum_budget=0)
+    short, long = run(0.3), run(1.5)
+    d2h, dev = short["seconds"]["d2h_s"], short["seconds"]["device_update_s"]
+    exposed = d2h - 0.2 - dev                      # 0.539 s - 0.2 s of backward - the update
+    assert short["time"]["zenflow_exposed_d2h_s"] == pytest.approx(exposed, rel=1e-12)
+    assert 0 < exposed < d2h - dev                 # started at step(), d2h - dev stayed exposed
+    assert short["time"]["zenflow_T_dev_s"] == pytest.approx(0.3 + d2h - 0.2, rel=1e-12)
+    assert long["time"]["zenflow_exposed_d2h_s"] == 0
+    assert "hooks" in short["time"]["formulas"]["exposed d2h"]
 
 
 @pytest.mark.parametrize("credit", ["mean", "moments"])

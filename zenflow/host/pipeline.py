@@ -4,7 +4,9 @@
                         skipped step), into the window's sums on the device
                         (zenflow/host/device_sums.py), for the matrices whose sums fit the
                         device budget; copy the other matrices' rows and `coef` to a staging
-                        buffer (on CUDA: queued on a side stream; the Python thread does not wait)
+                        buffer (on CUDA: queued on a side stream; the Python thread does not wait),
+                        unless a backward hook already copied that very gradient there
+                        (zenflow/host/early_copies.py)
     accumulate()        tell the host to add that buffer, times its `coef`, to the window's sums
     end_window(jobs)    copy the device's sums to the host, and tell the host to run AdamW on
                         the window's mean gradient
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +49,7 @@ from zenflow.host import numa
 from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState, rate_dtype
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
 from zenflow.host.device_sums import DeviceSums, choose_placement, takes_moments
+from zenflow.host.early_copies import EarlyCopies
 from zenflow.host.signals import sigint_deferred
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
@@ -88,7 +92,10 @@ class HostPipeline:
     def __init__(self, params: list[torch.Tensor], partition: Partition, device: torch.device,
                  overlap: bool, worker_cores: list[int] | None, timer: StepTimer,
                  owner: str, available_bytes: int | None = None,
-                 device_sum_budget: int | str = 0, moments: bool = False):
+                 device_sum_budget: int | str = 0, moments: bool = False,
+                 lock: threading.RLock | None = None):
+        """`lock`: the owner's lock around its calls into this pipeline; with it, host-summed
+        gradients may start their copy during backward (zenflow/host/early_copies.py)."""
         self.params = params
         self.partition = partition
         self.rows = [partition.rows(host_view(local(p)).shape[0]) for p in params]
@@ -120,6 +127,7 @@ class HostPipeline:
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
         self._start_over()
+        self.early_copies = EarlyCopies(self, params, lock)
 
     def _start_over(self) -> None:
         """No command queued, no buffer being read, no update in flight; every slot at 0."""
@@ -226,6 +234,7 @@ class HostPipeline:
                 self.device_sums.squares[i].copy_(squares)
                 self.device_sums.rates[i].copy_(rate)
         self._restored = {}
+        self.early_copies.stop_watching(chosen)
         if chosen and self.transfers.cuda:   # the sums are copied into the host's sum buffers
             self._pinned_sums = [f"grad_sum{s}" for s in range(self.layout.sum_slots)]
             self.transfers.pin([self.host.arena.views[n] for n in self._pinned_sums])
@@ -262,11 +271,14 @@ class HostPipeline:
             for i in on_device:
                 self.num_grads[i] += 1
             grads = {i: g for i, g in grads.items() if i not in self.device_sums}
+        slot = self._staging_slot
+        # Copies the backward's hooks made; the fence covers the ones no longer wanted too.
+        early, self._last_copy, early_bytes = self.early_copies.take(grads, slot)
+        self.timer.moved(d2h=early_bytes)
         if not grads:
             self.timer.offload(time.perf_counter() - start)
             return
         waited = 0.0
-        slot = self._staging_slot
         if any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
                for q in self._queue):
             self.flush(block=True)     # the previous accumulate of this slot is still queued
@@ -276,16 +288,40 @@ class HostPipeline:
                 waited = self.runner.wait(reader)
             self.timer.stall(waited)
             self._staging_reader[slot] = None
-        pairs, nbytes = [(self.host.step_coef(slot), coef.reshape(()))], 0
-        for i, grad in grads.items():
-            src = host_view(grad)[self.rows[i]]
-            pairs.append((self.host.staging(slot, i), src))
-            nbytes += src.numel() * src.element_size()
-        ticket = self.transfers.to_host(pairs)
+        ticket, nbytes = self.copy_to_staging(
+            slot, {i: g for i, g in grads.items() if i not in early}, coef)
+        ticket = all_of(self._last_copy, ticket)
         self._staged = (slot, list(grads), ticket)
         self._last_copy = ticket
         self.timer.moved(d2h=nbytes)
         self.timer.offload(time.perf_counter() - start - waited)
+
+    def copy_to_staging(self, slot: int, grads: dict[int, torch.Tensor],
+                        coef: torch.Tensor | None = None) -> tuple[Ticket, int]:
+        """Queue the copy of the rows of `grads` (index -> gradient) into staging buffer `slot`,
+        and of the step's factor `coef` into the slot's step_coef (stage() does; a backward hook
+        copies gradients only); returns its ticket and the bytes it moves."""
+        pairs = [] if coef is None else [(self.host.step_coef(slot), coef.reshape(()))]
+        nbytes = 0
+        for i, grad in grads.items():
+            src = host_view(grad)[self.rows[i]]
+            pairs.append((self.host.staging(slot, i), src))
+            nbytes += src.numel() * src.element_size()
+        return (self.transfers.to_host(pairs) if pairs else DONE), nbytes
+
+    def free_staging_slot(self) -> int | None:
+        """The staging slot the next stage() writes, or None while a host command reads it (or
+        is queued to). Never blocks: a backward hook asks (zenflow/host/early_copies.py)."""
+        from zenflow.host.worker import WorkerDied
+        slot = self._staging_slot
+        if any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
+               for q in self._queue):
+            return None
+        reader = self._staging_reader[slot]
+        try:
+            return slot if reader is None or self.runner.done(reader) else None
+        except WorkerDied:   # the next step() reports it (check()); a hook only skips its copy
+            return None
 
     def accumulate(self) -> None:
         """Have the host add the staged gradients, times their coef, to this window's sums."""
@@ -522,6 +558,7 @@ class HostPipeline:
                    ) if self.transfers.cuda else 0
 
     def close(self) -> None:
+        self.early_copies.close()
         self.runner.close()
         self.transfers.close()
         self.host.arena.close_fd()

@@ -9,6 +9,9 @@ instead of waiting:
   only tells the worker to read them after that. `fence` makes the current stream wait for the
   copies at the end of step(), so nothing queued after step() (an in-place zero_grad, the next
   backward accumulating into the same gradient) can overwrite a source before it is read.
+  Copies land in the order queued (one stream; on the CPU, one thread). A post-accumulate-grad
+  hook queues them too (zenflow/host/early_copies.py): in a hook the current stream is the one
+  autograd accumulated that gradient on, so the copy still waits for its producer.
 - to_device: the copies run on a second side stream after everything queued so far on the
   current stream (the destinations are free), and the current stream waits for them with an
   event: compute queued after step() is ordered after the install, and the Python thread never
@@ -49,6 +52,10 @@ class Ticket:
     def done(self) -> bool:
         return self._event is None or self._event.query()
 
+    def events(self) -> list:
+        """The CUDA events that complete it (none for synchronous copies)."""
+        return [] if self._event is None else [self._event]
+
     def wait(self) -> float:
         """Block until done; returns the seconds spent blocked."""
         if self.done():
@@ -68,6 +75,9 @@ class _AllTickets(Ticket):
 
     def done(self) -> bool:
         return all(t.done() for t in self._tickets)
+
+    def events(self) -> list:
+        return [event for t in self._tickets for event in t.events()]
 
     def wait(self) -> float:
         return sum(t.wait() for t in self._tickets)
@@ -164,6 +174,12 @@ class Transfers:
         compute stream waits for it, the Python thread does not)."""
         return self.cuda
 
+    @property
+    def copies_overlap_compute(self) -> bool:
+        """Whether to_host returns before its copies run (a CUDA side stream, or the CPU's copy
+        thread), so that a copy queued during backward runs beside it."""
+        return self.cuda or bool(self._copy_cores)
+
     def _current(self):
         return torch.cuda.current_stream(self.device)
 
@@ -192,8 +208,8 @@ class Transfers:
         in-place zero_grad, the next backward accumulating into a gradient) can overwrite a
         source before the copy has read it, while the step's own device work overlaps it."""
         if self.cuda:
-            if ticket._event is not None:
-                self._current().wait_event(ticket._event)
+            for event in ticket.events():   # all of them: a step's copies may be several
+                self._current().wait_event(event)
         else:
             ticket.wait()
 

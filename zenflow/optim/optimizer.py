@@ -194,7 +194,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                       self.device, self.settings.overlap_step, worker_cores,
                                       self._timer, self._NAME,
                                       device_sum_budget=self.settings.device_sum_budget,
-                                      moments=self.settings.deferred_credit == "moments")
+                                      moments=self.settings.deferred_credit == "moments",
+                                      lock=self._lock)
         self._closed = False
         self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
                                         self.device, self.settings.importance, schedule)
@@ -252,6 +253,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
         self._pipeline.check()  # a dead worker fails this step, not only the next window end
+        # GradScaler.unscale_ rewrites gradients without bumping their versions; scaler.step()
+        # then hands found_inf but no grad_scale (the scale is out of the gradients already).
+        self._pipeline.early_copies.step_began(unscaled_in_place=getattr(
+            self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None)
         self._outside_writes.adopt()
         grads = present_gradients(self.param_groups, self.device, self._NAME, self._built)
         if not grads:
@@ -512,6 +517,9 @@ def optimizer_stats(opt: ZenFlowAdamW) -> dict:
         "host_sum_matrices": len(opt._host_params) - len(opt._pipeline.device_sums.sums),
         "device_sum_bytes": opt._pipeline.device_sums.nbytes(),
         "moments_matrices": len(opt._pipeline.device_sums.rates),
+        # host-summed gradients whose copy started in backward / waited for step()
+        "early_copies": opt._pipeline.early_copies.early,
+        "late_copies": opt._pipeline.early_copies.late,
         "device_state_bytes": dev,
         "device_state_bytes_per_param": dev / max(1, numel),
         **opt._timer.summary(),

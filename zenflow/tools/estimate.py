@@ -284,10 +284,12 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
         f"device-sum budget: {int(device_sum_budget) / GIB:.1f} GiB (activations counted: "
         f"{activation_bytes / GIB:.1f} GiB; give --activation-gib for yours)",
         ("CPU device: copies are synchronous memcpy in the training thread" if cpu else
-         "a step's device->host copy of host-summed rows starts at step() and the compute stream "
-         "waits for it at the end of step() (it overlaps only the device update); the compute "
-         "stream waits for each install (host->device: this rank's rows, then an all-gather on "
-         "the device) once per window"),
+         "a step's device->host copy of host-summed rows starts in backward, each matrix's as its "
+         f"gradient is produced ({BACKWARD_SHARE:.2f} of fwd_bwd is backward), and the compute "
+         "stream waits at the end of step() for what is left of it after the device update (a "
+         "script that rewrites gradients after backward, such as clip_grad_norm_, moves them all "
+         "back to step()); the compute stream waits for each install (host->device: this "
+         "rank's rows, then an all-gather on the device) once per window"),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",
     ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
     sharded = per_rank(mats, vecs, dtype, world, overlap, staging, moments=sharded_moments) \
@@ -322,13 +324,27 @@ def _quality(window: int, moments_share: float) -> dict:
             "source": "benchmarks/finetune_quality.py (a small model's fine-tune)"}
 
 
+# The backward's share of forward+backward (about 2 of 3 flops: the weight and the input
+# gradients). Host-summed rows start their copy in post-accumulate-grad hooks as backward produces
+# them (zenflow/host/early_copies.py), so this much of the copy hides behind it.
+BACKWARD_SHARE = 2 / 3
+
+
+def exposed_d2h(t: dict, fwd_bwd_s: float) -> float:
+    """The part of the host-summed rows' copy that the compute stream waits for at step()'s end:
+    what neither the backward (BACKWARD_SHARE of fwd_bwd) nor the device update hides."""
+    return max(0.0, t["d2h_s"] - BACKWARD_SHARE * fwd_bwd_s
+               - t["device_update_s"] - t["sum_add_s"])
+
+
 def _device_time(t: dict, cpu: bool, fwd_bwd_s: float) -> float:
     """The compute stream's time per step outside window ends: forward and backward, the device
-    update and the sums' add; the copy of host-summed rows runs beside the update and step()'s
-    end waits for it (CPU: the training thread copies)."""
+    update and the sums' add, and what is left of the copy of host-summed rows (started in
+    backward, it runs beside the rest of it and the update; step()'s end waits for it). CPU: the
+    training thread copies (the proxy this model is calibrated on; not modelled with hooks)."""
     if cpu:
         return fwd_bwd_s + t["device_update_s"] + t["d2h_s"]
-    return fwd_bwd_s + max(t["device_update_s"] + t["sum_add_s"], t["d2h_s"])
+    return fwd_bwd_s + t["device_update_s"] + t["sum_add_s"] + exposed_d2h(t, fwd_bwd_s)
 
 
 def _expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
@@ -354,7 +370,10 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "zenflow": ("max(T_dev, accumulate + host_adamw/U) + (install + sums_wait)/U" if overlap
                     else "T_dev + (sums_d2h + host_adamw + install)/U"),
         "T_dev": ("fwd_bwd + device update + d2h (memcpy)" if cpu else
-                  "fwd_bwd + max(device update + device sums' add, d2h of host-summed rows)"),
+                  "fwd_bwd + device update + device sums' add + exposed d2h"),
+        "exposed d2h": (f"max(0, d2h of host-summed rows - {BACKWARD_SHARE:.2f} fwd_bwd "
+                        "(the backward: copies start in its hooks) - device update - "
+                        "device sums' add)"),
         "install": "h2d of this rank's rows + the all-gather on the device (several ranks)",
         "sums_wait": "max(0, sums_d2h - fwd_bwd): the next window's first add waits for the copy",
     }
@@ -380,6 +399,7 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": floor,
         "offload_step_s": offload, "offload_stall_s": offload - fwd_bwd_s,
         "zenflow_T_dev_s": T_dev, "zenflow_step_s": zen,
+        "zenflow_exposed_d2h_s": t["d2h_s"] if cpu else exposed_d2h(t, fwd_bwd_s),
         "zenflow_optimizer_s": zen - fwd_bwd_s,     # time in step(), CPU-proxy: training thread
         "zenflow_stall_s": zen - T_dev, "zenflow_stall_s_per_window": (zen - T_dev) * U,
         # the part spent blocked on the host (what stats()["stall_s_*"] counts; no install)
@@ -474,6 +494,8 @@ def format_report(r: dict) -> str:
                 f"{_s(tm['zenflow_stall_s'])}/step, of it blocked on the host "
                 f"{_s(tm['zenflow_blocked_s'])}   ({tm['speedup_vs_offload']:.2f}x ZeRO-Offload, "
                 f"{tm['zenflow_vs_floor']:.2f}x the AdamW floor)",
+                f"    its host-summed rows' d2h left exposed: {_s(tm['zenflow_exposed_d2h_s'])}"
+                f"/step of {_s(t['d2h_s'])} (the rest runs beside backward and the update)",
                 f"  smallest update_interval hiding the host: "
                 f"{tm['min_update_interval_hiding_host'] or '-'} "
                 f"({tm['min_update_interval_note']})"]
