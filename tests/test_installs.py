@@ -242,3 +242,13 @@ def test_the_windows_are_paced_by_the_measured_install_wait(attach):
     else:
         assert waited >= delay    # at least one matrix's copy
     opt.close()
+
+
+def test_the_engine_attaches_its_model_until_it_is_closed():
+    from tests.engine_toys import config, make_model, train
+    model = make_model()
+    engine, opt, _, _ = zenflow.initialize(model=model, config=config("zenflow"))
+    assert model in opt._installs._attached
+    train(engine, range(3))
+    engine.close()
+    assert model not in opt._installs._attached

@@ -386,10 +386,8 @@ class HostPipeline:
             self.timer.stall(self.runner.wait(flight.seq))
         moving = {j.matrix for j in flight.jobs if j.moments and self.moves(j.matrix)}
         self.transfers.new_install()
-        values = copy_rows_to_params(self, flight.matrices)
-        rates = self._install_rates(sorted(moving))
-        installs = [QueuedInstall(i, all_of(values[i], rates.get(i, DONE)))
-                    for i in flight.matrices]
+        installs = [QueuedInstall(i, ticket) for i, ticket in
+                    copy_rows_to_params(self, flight.matrices, with_rates=moving).items()]
         if lrs is not None:
             for q in installs:
                 if q.matrix in moving and self.num_grads[q.matrix]:
@@ -406,15 +404,6 @@ class HostPipeline:
             self.device_sums.correct({q.matrix: self._weights(q.matrix) for q in corrected},
                                      {q.matrix: q.step for q in corrected},
                                      {q.matrix: q.count for q in corrected})
-
-    def _install_rates(self, indices: list[int]) -> dict[int, Ticket]:
-        """Queue the rates of the "moments" matrices `indices` to the device, one copy each."""
-        tickets = {}
-        for i in indices:
-            dst = self.device_sums.rates[i]
-            tickets[i] = self.transfers.to_device([(dst, self.host.rate(i))])
-            self.timer.moved(h2d=dst.numel() * dst.element_size())
-        return tickets
 
     def _weights(self, i: int) -> torch.Tensor:
         """The [rows, cols] view of parameter i that the device's steps write (this rank's: the
@@ -552,11 +541,13 @@ class HostPipeline:
         self.host.arena.close_fd()
 
 
-def copy_rows_to_params(pipe: HostPipeline, indices: list[int]) -> dict[int, Ticket]:
+def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
+                        with_rates: set[int] = frozenset()) -> dict[int, Ticket]:
     """Queue the install buffer's values of `indices` into their parameters, every rank's rows
     (FSDP2: this rank's shard, which is all it holds), one copy per parameter in the order given
-    (the model's, as a forward reads them); returns each one's Ticket. NCCL's all-gather of the
-    other ranks' rows runs on the current stream, which waits for the copy first."""
+    (the model's, as a forward reads them), with its rates for the "moments" matrices
+    `with_rates`; returns each one's Ticket. NCCL's all-gather of the other ranks' rows runs on
+    the current stream, which waits for the copy first ("moments" never splits rows)."""
     start = time.perf_counter()
     host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
     tickets, nbytes = {}, 0
@@ -574,8 +565,11 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int]) -> dict[int, Tic
             continue
         if partition.splits_rows:  # gloo: every rank's rows, gathered in host memory
             values = partition.gather_rows(values, param.shape[0], what)
-        tickets[i] = transfers.to_device([(param, values)])
-        nbytes += param.numel() * param.element_size()
+        pairs = [(param, values)]
+        if i in with_rates:
+            pairs.append((pipe.device_sums.rates[i], host.rate(i)))
+        tickets[i] = transfers.to_device(pairs)
+        nbytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
     pipe.timer.moved(h2d=nbytes)
     pipe.timer.offload(time.perf_counter() - start)
     return tickets
