@@ -424,7 +424,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                      self._finish_installs)
 
     @_serialized
+    @torch.no_grad()
     def _finish_installs(self, matrices: list[int] | None) -> None:
+        """Finish the pending installs of `matrices` (None: all); from a forward pre-hook too."""
         self._installs.finish(matrices)
 
     def wait_for_install(self) -> None:
