@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zenflow
+from zenflow.host import pipeline
 from zenflow.host.transfers import Ticket
 
 ALL = 10 ** 9   # a device_sum_budget that puts every sum on the CPU "device" ("moments" needs it)
@@ -52,8 +53,10 @@ def _loss(model, step):
 
 
 @pytest.mark.parametrize("credit", ["mean", "moments"])
-def test_attached_training_is_bit_for_bit_the_unattached(credit):
-    """The worker is on, so the copy thread lands installs while the next forward runs."""
+def test_attached_training_is_bit_for_bit_the_unattached(credit, monkeypatch):
+    """The worker is on, so the copy thread lands installs, one matrix per copy, while the next
+    forward runs."""
+    monkeypatch.setattr(pipeline, "INSTALL_BATCH_BYTES", 0)
     a, opt_a, b, opt_b = _pair(credit, worker=True)
     handle = opt_a.attach(a)
     assert opt_a.attach(a) is handle   # once per model
@@ -139,10 +142,12 @@ READERS = {
 
 
 @pytest.mark.parametrize("credit", ["mean", "moments"])
-def test_with_late_copies_every_reader_sees_the_installed_weights(credit):
-    """Copies land only when waited for. The unattached optimizer waits for all of them in
-    step(); the attached one leaves them in flight, and each module's forward, the model's
-    state_dict(), wait_for_install(), the optimizer's state_dict() and synchronize() wait."""
+def test_with_late_copies_every_reader_sees_the_installed_weights(credit, monkeypatch):
+    """Copies land only when waited for, one matrix per copy (as a GPU copies a large model's).
+    The unattached optimizer waits for all of them in step(); the attached one leaves them in
+    flight, and each module's forward (for its own weights only), the model's state_dict(),
+    wait_for_install(), the optimizer's state_dict() and synchronize() wait."""
+    monkeypatch.setattr(pipeline, "INSTALL_BATCH_BYTES", 0)
     a, opt_a, b, opt_b = _pair(credit, worker=False)
     _copies_land_late(opt_a)
     _copies_land_late(opt_b)
@@ -150,6 +155,9 @@ def test_with_late_copies_every_reader_sees_the_installed_weights(credit):
     seen_a, seen_b = [], []
     _record_weights_seen(a, seen_a)
     _record_weights_seen(b, seen_b)
+    later_layer_in_flight = []   # at A's up layer: is the down layer's install still landing?
+    a.up.register_forward_pre_hook(lambda module, args: later_layer_in_flight.append(
+        not torch.equal(a.down.weight, b.down.weight)))
     late_at_forward = late_at_read = 0
     readers = list(READERS.items())
     for step in range(14):
@@ -164,6 +172,7 @@ def test_with_late_copies_every_reader_sees_the_installed_weights(credit):
             read(a, opt_a)
             assert not _differ(a, b), f"{what} at step {step} read weights not yet installed"
     assert late_at_forward >= 2 and late_at_read >= 3, "the copies did not land late"
+    assert sum(later_layer_in_flight) == late_at_forward, "a layer waited for a later one's"
     assert len(seen_a) == len(seen_b)
     for n, (x, y) in enumerate(zip(seen_a, seen_b)):
         assert all(torch.equal(p, q) for p, q in zip(x, y)), f"forward {n} read stale weights"

@@ -541,17 +541,31 @@ class HostPipeline:
         self.host.arena.close_fd()
 
 
+# Installs are queued in batches of consecutive matrices of at least this many bytes: a large
+# matrix is its own batch (its layer waits for it alone), while thousands of small ones (MoE
+# experts) do not cost a queued copy and an event each.
+INSTALL_BATCH_BYTES = 8 << 20
+
+
 def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
                         with_rates: set[int] = frozenset()) -> dict[int, Ticket]:
     """Queue the install buffer's values of `indices` into their parameters, every rank's rows
-    (FSDP2: this rank's shard, which is all it holds), one copy per parameter in the order given
-    (the model's, as a forward reads them), with its rates for the "moments" matrices
-    `with_rates`; returns each one's Ticket. NCCL's all-gather of the other ranks' rows runs on
-    the current stream, which waits for the copy first ("moments" never splits rows)."""
+    (FSDP2: this rank's shard, which is all it holds), in the order given (the model's, as a
+    forward reads them), with its rates for the "moments" matrices `with_rates`; returns each
+    one's Ticket (its batch's). NCCL's all-gather of the other ranks' rows runs on the current
+    stream, which waits for the copy first ("moments" never splits rows)."""
     start = time.perf_counter()
     host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
     tickets, nbytes = {}, 0
+    batch, batch_pairs, batch_bytes = [], [], 0
     what = "installing host-updated rows"
+
+    def queue_batch() -> None:
+        nonlocal batch, batch_pairs, batch_bytes, nbytes
+        ticket = transfers.to_device(batch_pairs)
+        tickets.update((j, ticket) for j in batch)
+        nbytes += batch_bytes
+        batch, batch_pairs, batch_bytes = [], [], 0
     for i in indices:
         param = host_view(local(pipe.params[i]).data)
         values = host.install(i)
@@ -568,8 +582,13 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
         pairs = [(param, values)]
         if i in with_rates:
             pairs.append((pipe.device_sums.rates[i], host.rate(i)))
-        tickets[i] = transfers.to_device(pairs)
-        nbytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        batch.append(i)
+        batch_pairs += pairs
+        batch_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        if batch_bytes >= INSTALL_BATCH_BYTES:
+            queue_batch()
+    if batch:
+        queue_batch()
     pipe.timer.moved(h2d=nbytes)
     pipe.timer.offload(time.perf_counter() - start)
     return tickets
