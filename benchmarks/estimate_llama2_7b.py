@@ -1,7 +1,8 @@
 """`zenflow estimate` on Llama-2-7B, bf16, one H100 and four A100s: the table of
 benchmarks/README.md ("zenflow estimate: Llama-2-7B on GPUs"), from the model of the code as it
 is. No GPU runs here: the figures are a 2-socket server's and the GPUs' datasheet bandwidths
-(`FIGURES`), and forward+backward is given (`FWD_BWD_S`).
+(`FIGURES`), and forward+backward is given (`FWD_BWD_S`). Each configuration twice: the step
+waiting for the whole install, and per-layer installs (the model attached to the optimizer).
 
     python benchmarks/estimate_llama2_7b.py     # writes results/estimate_llama2_7b_gpu.json
 """
@@ -39,25 +40,30 @@ SYSTEMS = {
 def rows() -> list[dict]:
     shapes = llama_shapes(hidden=4096, layers=32, intermediate=11008, vocab=32000, heads=32)
     out = []
-    for config, figures in FIGURES.items():
-        for name, settings in SYSTEMS.items():
-            r = estimate(shapes, torch.bfloat16, gpus=GPUS[config], topk_ratio=0.1,
-                         update_interval="auto", overlap=True, fwd_bwd_s=FWD_BWD_S[config],
-                         measured=figures, source="Llama-2-7B", **settings)
-            t, g, b = r["time"], r["per_gpu"], r["bus"]["zenflow"]
-            out.append({
-                "config": config, "system": name, "U": r["settings"]["update_interval"],
-                "zenflow_step_s": t["zenflow_step_s"], "floor_s": t["adamw_step_s"],
-                "vs_floor": t["zenflow_vs_floor"],
-                "stall_share": t["zenflow_stall_s"] / t["zenflow_step_s"],
-                "bus_per_step_vs_model": (b["d2h_bytes_per_step"] + b["h2d_bytes_per_step"])
-                / b["model_bytes"],
-                "vs_offload": t["speedup_vs_offload"],
-                "device_sum_matrices": g["device_sum_matrices"],
-                "moments_matrices": g["moments_matrices"],
-                "device_sum_gib": g["device_sum_bytes"] / 2**30,
-                "quality_gap_pct": r["quality"]["held_out_loss_gap_pct"],
-                "moments_share": r["quality"]["moments_share"]})
+    # installs: "whole" (the step waits for the whole copy), "per layer" (the model attached)
+    cases = [(config, name, installs) for config in FIGURES for name in SYSTEMS
+             for installs in ("whole", "per layer")]
+    for config, name, installs in cases:
+        r = estimate(shapes, torch.bfloat16, gpus=GPUS[config], topk_ratio=0.1,
+                     update_interval="auto", overlap=True, fwd_bwd_s=FWD_BWD_S[config],
+                     measured=FIGURES[config], source="Llama-2-7B",
+                     attached=installs == "per layer", **SYSTEMS[name])
+        t, g, b = r["time"], r["per_gpu"], r["bus"]["zenflow"]
+        out.append({
+            "config": config, "system": name, "installs": installs,
+            "U": r["settings"]["update_interval"],
+            "zenflow_step_s": t["zenflow_step_s"], "floor_s": t["adamw_step_s"],
+            "vs_floor": t["zenflow_vs_floor"],
+            "stall_share": t["zenflow_stall_s"] / t["zenflow_step_s"],
+            "install_wait_s": r["seconds"]["install_wait_s"],
+            "bus_per_step_vs_model": (b["d2h_bytes_per_step"] + b["h2d_bytes_per_step"])
+            / b["model_bytes"],
+            "vs_offload": t["speedup_vs_offload"],
+            "device_sum_matrices": g["device_sum_matrices"],
+            "moments_matrices": g["moments_matrices"],
+            "device_sum_gib": g["device_sum_bytes"] / 2**30,
+            "quality_gap_pct": r["quality"]["held_out_loss_gap_pct"],
+            "moments_share": r["quality"]["moments_share"]})
     return out
 
 
@@ -68,8 +74,10 @@ def main() -> int:
                                "figures": FIGURES, "fwd_bwd_s": FWD_BWD_S, "rows": table},
                               indent=1))
     for r in table:
-        print(f"{r['config']:7s} {r['system']:58s} U={r['U']:2d} {r['zenflow_step_s']:.3f} s "
-              f"{r['vs_floor']:.2f}x floor, stall {100 * r['stall_share']:.1f}%, bus "
+        print(f"{r['config']:7s} {r['system']:58s} {r['installs']:9s} U={r['U']:2d} "
+              f"{r['zenflow_step_s']:.3f} s "
+              f"{r['vs_floor']:.2f}x floor, install wait {r['install_wait_s']:.3f} s, "
+              f"stall {100 * r['stall_share']:.1f}%, bus "
               f"{r['bus_per_step_vs_model']:.2f}x, {r['vs_offload']:.2f}x offload, sums on the "
               f"device {r['device_sum_matrices']} ({r['moments_matrices']} 'moments', "
               f"{r['device_sum_gib']:.1f} GiB), quality {r['quality_gap_pct']:+.1f}%")

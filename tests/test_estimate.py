@@ -25,7 +25,7 @@ def test_llama2_7b_worked_example_by_hand():
     shapes = llama_shapes(**LLAMA2_7B)
     r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
                  update_interval=4, overlap=True, fwd_bwd_s=1.5, measured=FIGURES,
-                 device_sum_budget=0)
+                 device_sum_budget=0, attached=False)   # the step waits for the whole install
     # Parameters: embedding and head 32000x4096 each; per layer q,k,v,o 4096x4096, gate and up
     # 11008x4096, down 4096x11008, two 4096 norms; a final 4096 norm.
     per_layer = 4 * 4096 * 4096 + 3 * 11008 * 4096
@@ -122,7 +122,7 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     P_mat = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
     r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
                  update_interval="auto", overlap=True, fwd_bwd_s=1.5, measured=FIGURES,
-                 device_sum_budget=10 ** 12, deferred_credit=credit)
+                 device_sum_budget=10 ** 12, deferred_credit=credit, attached=False)
     moments = credit == "moments"
     assert r["per_gpu"]["device_sum_matrices"] == 226
     assert r["per_gpu"]["moments_matrices"] == (226 if moments else 0)
@@ -152,6 +152,25 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     sums_wait = max(0.0, (8 if moments else 4) * P_mat / 25e9 - 1.5)
     zen = max(T_dev, adam / U) + (install + sums_wait) / U
     assert r["time"]["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
+
+
+def test_a_forward_that_waits_per_layer_waits_for_what_it_does_not_hide():
+    from zenflow.tools.estimate import _exposed_install_s
+    assert _exposed_install_s([1, 1, 1], [2, 2, 2]) == 1   # the first layer's copy only
+    assert _exposed_install_s([2, 2, 2], [1, 1, 1]) == 4   # all 6, less the forward before the last
+    assert _exposed_install_s([0, 1], [5, 1]) == 0         # nothing to install before layer 1
+    # Llama-2-7B on one GPU, "mean", sums on the device: the bf16 copy (8e-11 s a parameter)
+    # outruns a third of forward+backward (0.5 s over the matrices, 7.4e-11 s a parameter), so the
+    # forward waits for the whole copy less its time before the head, the last matrix.
+    shapes = llama_shapes(**LLAMA2_7B)
+    P_mat = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
+    settings = dict(gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,
+                    measured=FIGURES, device_sum_budget=10 ** 12, deferred_credit="mean")
+    whole = estimate(shapes, torch.bfloat16, attached=False, **settings)["seconds"]
+    layered = estimate(shapes, torch.bfloat16, **settings)["seconds"]
+    assert whole["install_wait_s"] == pytest.approx(2 * P_mat / 25e9)
+    assert layered["install_wait_s"] == pytest.approx(
+        2 * P_mat / 25e9 - 0.5 * (P_mat - 32000 * 4096) / P_mat)
 
 
 def test_more_gpus_split_the_host_state_but_not_the_device_state():

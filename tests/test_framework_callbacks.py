@@ -70,6 +70,7 @@ def test_hf_trainer_callback_evaluates_and_saves_synchronized_weights(tmp_path):
     trainer, model, opt, recorder = trainer_with_recorder(tmp_path / "with", True)
     try:
         trainer.train()
+        assert model in opt._installs._attached   # each layer waits for its own install
         assert ("evaluate", 5) in recorder.events and ("save", 6) in recorder.events
         assert recorder.stale_at_eval == [] and recorder.stale_at_save == []
         trainer.save_model(str(tmp_path / "final"))
@@ -131,6 +132,7 @@ def test_lightning_callback_validates_and_checkpoints_synchronized_weights(tmp_p
     module, trainer, recorder = lit_fit_recorded(tmp_path, with_callback=True)
     try:
         trainer.save_checkpoint(tmp_path / "final.ckpt")
+        assert module in module.optimizer._installs._attached
         assert recorder.validations == 2 and recorder.stale_at_validation == []
         assert recorder.stale_in_checkpoint == []
         saved = torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]

@@ -135,13 +135,15 @@ def test_a_slow_install_lengthens_the_window():
     assert w.hide_steps(0.35, 0.1, install) == 4 and w.hide_steps(0.45, 0.1, install) == 5
 
 
-def test_the_install_time_is_measured():
+def test_without_a_copy_thread_an_install_copy_counts_as_waited_for():
+    """A CPU "device" without worker cores copies at once: the training thread waits for it."""
     from zenflow.host.transfers import Transfers
     transfers = Transfers(torch.device("cpu"))
-    assert transfers.last_install_seconds == 0.0
+    assert transfers.last_install_wait_seconds == 0.0
     dst, src = torch.zeros(1 << 22), torch.ones(1 << 22)
+    transfers.new_install()
     transfers.to_device([(dst, src)])
-    assert transfers.last_install_seconds > 0.0 and torch.equal(dst, src)
+    assert transfers.last_install_wait_seconds > 0.0 and torch.equal(dst, src)
     transfers.close()
 
 

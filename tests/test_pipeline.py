@@ -162,7 +162,7 @@ def test_the_cpu_copy_thread_lands_copies_in_order_and_fence_waits_for_them():
         for t, s in zip(targets, sources):
             assert torch.equal(t, s)
         bad = transfers.to_host([(torch.zeros(2), torch.zeros(3))])   # shapes do not match
-        with pytest.raises(RuntimeError, match="device-to-host copy failed"):
+        with pytest.raises(RuntimeError, match="copy between host and device failed"):
             bad.wait()
     finally:
         transfers.close()

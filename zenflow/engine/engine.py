@@ -143,6 +143,10 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         self._weight_sync = WeightSync(
             model, self.synchronize, self._agreement,
             defers_updates=getattr(self.optimizer, "overlap_step", False) is True)
+        # Each layer's forward waits only for its own weights' install (ZenFlowAdamW.attach);
+        # weights the optimizer does not hold itself (fp32 masters) have nothing to wait for.
+        self._install_hooks = (self.optimizer.attach(model) if self._masters is None and
+                               isinstance(self.optimizer, core_optimizers()) else None)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -265,6 +269,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if self._agreement is not None:
             self._agreement.leave_period()
         self._weight_sync.remove()
+        if self._install_hooks is not None:
+            self._install_hooks.remove()
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()

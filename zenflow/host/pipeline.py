@@ -10,7 +10,10 @@
     accumulate()        tell the host to add that buffer, times its `coef`, to the window's sums
     end_window(jobs)    copy the device's sums to the host, and tell the host to run AdamW on
                         the window's mean gradient
-    install()           wait for that update and copy the new values to the parameters
+    install()           wait for that update and queue the copy of the new values to the
+                        parameters, one copy per matrix
+    finish(installs)    before a matrix is read: order the device after its copy (and correct
+                        a "moments" matrix's values); zenflow/optim/installs.py decides when
 
 With deferred_credit="moments" (`moments`), the matrices summed on the device also sum their
 squares there, stage() moves their deferred columns a step at the host's rates, and an install
@@ -67,6 +70,18 @@ class InFlight:
     @property
     def matrices(self) -> list[int]:
         return [job.matrix for job in self.jobs]
+
+
+@dataclass
+class QueuedInstall:
+    """One matrix's install, queued: its copy to the device may still be landing. finish() it
+    before anything reads the matrix."""
+    matrix: int
+    ticket: Ticket    # the copy of its values (and of its rates, under "moments")
+    # "moments" at a window end: (learning rate, AdamW's step bound) and the number of gradients
+    # summed since the update was handed off, for the correction; None: no correction.
+    step: tuple[float, float] | None = None
+    count: int = 0
 
 
 @dataclass
@@ -403,11 +418,12 @@ class HostPipeline:
             return seq is not None and self.runner.done(seq)
         return False
 
-    def install(self, lrs: dict[int, tuple[float, float]] | None = None) -> list[int]:
-        """Wait for the in-flight update and copy its new values into the parameters; returns the
-        indices installed (the caller writes its own newer columns over them). With `lrs`
-        (index -> (learning rate, AdamW's step bound); at a window end), the "moments" matrices'
-        values are corrected for the window's gradients summed since the update was handed off."""
+    def install(self, lrs: dict[int, tuple[float, float]] | None = None) -> list[QueuedInstall]:
+        """Wait for the in-flight update and queue the copy of its new values into the
+        parameters; returns one QueuedInstall per matrix (finish() each before it is read; the
+        caller then writes its own newer columns over it). With `lrs` (index -> (learning rate,
+        AdamW's step bound); at a window end), finishing corrects the "moments" matrices' values
+        for the window's gradients summed since the update was handed off."""
         if self.in_flight is None:
             return []
         flight, self.in_flight = self.in_flight, None
@@ -416,35 +432,45 @@ class HostPipeline:
         self.flush(block=True, until=lambda: flight.seq is not None)
         with self._worker_guard():
             self.timer.stall(self.runner.wait(flight.seq))
-        moving = [j.matrix for j in flight.jobs if j.moments and self.moves(j.matrix)]
-        self._install_reader = all_of(copy_rows_to_params(self, flight.matrices),
-                                      self._install_rates(moving))
+        moving = {j.matrix for j in flight.jobs if j.moments and self.moves(j.matrix)}
+        self.transfers.new_install()
+        installs = [QueuedInstall(i, ticket) for i, ticket in
+                    copy_rows_to_params(self, flight.matrices, with_rates=moving).items()]
         if lrs is not None:
-            pending = [i for i in moving if self.num_grads[i]]
-            self.device_sums.correct({i: self._weights(i) for i in pending}, lrs,
-                                     {i: self.num_grads[i] for i in pending})
-        return flight.matrices
+            for q in installs:
+                if q.matrix in moving and self.num_grads[q.matrix]:
+                    q.step, q.count = lrs[q.matrix], self.num_grads[q.matrix]
+        self._install_reader = all_of(*(q.ticket for q in installs))
+        return installs
 
-    def _install_rates(self, indices: list[int]) -> Ticket:
-        """Queue the rates of the "moments" matrices `indices` to the device."""
-        pairs = [(self.device_sums.rates[i], self.host.rate(i)) for i in indices]
-        self.timer.moved(h2d=sum(dst.numel() * dst.element_size() for dst, _ in pairs))
-        return self.transfers.to_device(pairs) if pairs else DONE
+    def finish(self, installs: list[QueuedInstall]) -> None:
+        """Order the device after the copies of `installs` (on a CPU the training thread waits
+        for them), then correct the installed values of the "moments" matrices."""
+        self.transfers.order_after([q.ticket for q in installs])
+        corrected = [q for q in installs if q.step is not None]
+        if corrected:
+            self.device_sums.correct({q.matrix: self._weights(q.matrix) for q in corrected},
+                                     {q.matrix: q.step for q in corrected},
+                                     {q.matrix: q.count for q in corrected})
 
     def _weights(self, i: int) -> torch.Tensor:
         """The [rows, cols] view of parameter i that the device's steps write (this rank's: the
         "moments" matrices are never split by rows across replicas)."""
         return host_view(local(self.params[i]).data)
 
-    def install_masters(self, indices: list[int]) -> list[int]:
-        """Install the host values of `indices` themselves (updates installed with a lookahead
-        lead them), once the host has finished everything sent to it. Returns `indices`."""
+    def install_masters(self, indices: list[int]) -> list[QueuedInstall]:
+        """Queue the install of the host values of `indices` themselves (updates installed with a
+        lookahead lead them), once the host has finished everything sent to it and the last
+        install has been finished."""
         assert self.in_flight is None, "install() the update in flight first"
         self.drain()
         self.timer.stall(self._install_reader.wait())  # its last copy to the device landed
         self.host.copy_masters(indices)
-        self._install_reader = copy_rows_to_params(self, indices)
-        return indices
+        self.transfers.new_install()
+        installs = [QueuedInstall(i, ticket)
+                    for i, ticket in copy_rows_to_params(self, indices).items()]
+        self._install_reader = all_of(*(q.ticket for q in installs))
+        return installs
 
     def fence(self) -> None:
         """End of step(): later device work may not overwrite this step's gradient sources. (On
@@ -564,33 +590,57 @@ class HostPipeline:
         self.host.arena.close_fd()
 
 
-def copy_rows_to_params(pipe: HostPipeline, indices: list[int]) -> Ticket:
+# Installs are queued in batches of consecutive matrices of at least this many bytes: a large
+# matrix is its own batch (its layer waits for it alone), while thousands of small ones (MoE
+# experts) do not cost a queued copy and an event each.
+INSTALL_BATCH_BYTES = 8 << 20
+
+
+def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
+                        with_rates: set[int] = frozenset()) -> dict[int, Ticket]:
     """Queue the install buffer's values of `indices` into their parameters, every rank's rows
-    (FSDP2: this rank's shard, which is all it holds); returns the copies' Ticket."""
+    (FSDP2: this rank's shard, which is all it holds), in the order given (the model's, as a
+    forward reads them), with its rates for the "moments" matrices `with_rates`; returns each
+    one's Ticket (its batch's). NCCL's all-gather of the other ranks' rows runs on the current
+    stream, which waits for the copy first ("moments" never splits rows)."""
     start = time.perf_counter()
     host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
-    pairs, nbytes, gathers = [], 0, []
+    tickets, nbytes = {}, 0
+    batch, batch_pairs, batch_bytes = [], [], 0
     what = "installing host-updated rows"
+
+    def queue_batch() -> None:
+        nonlocal batch, batch_pairs, batch_bytes, nbytes
+        ticket = transfers.to_device(batch_pairs)
+        tickets.update((j, ticket) for j in batch)
+        nbytes += batch_bytes
+        batch, batch_pairs, batch_bytes = [], [], 0
     for i in indices:
         param = host_view(local(pipe.params[i]).data)
         values = host.install(i)
         if partition.splits_rows and partition.on_device:
             # NCCL: this rank's rows to the device, then all ranks gather there.
             own = partition.own_rows_buffer(param.shape[0], param)
-            pairs.append((own[: values.shape[0]], values))
-            gathers.append((param, own))
+            transfers.order_after([transfers.to_device([(own[: values.shape[0]], values)])])
+            partition.gather_rows_into(param, own, what)
+            tickets[i] = DONE
             nbytes += values.numel() * values.element_size()
             continue
         if partition.splits_rows:  # gloo: every rank's rows, gathered in host memory
             values = partition.gather_rows(values, param.shape[0], what)
-        pairs.append((param, values))
-        nbytes += param.numel() * param.element_size()
-    ticket = transfers.to_device(pairs)
-    for param, own in gathers:   # ordered after the copies (to_device's event)
-        partition.gather_rows_into(param, own, what)
+        pairs = [(param, values)]
+        if i in with_rates:
+            pairs.append((pipe.device_sums.rates[i], host.rate(i)))
+        batch.append(i)
+        batch_pairs += pairs
+        batch_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        if batch_bytes >= INSTALL_BATCH_BYTES:
+            queue_batch()
+    if batch:
+        queue_batch()
     pipe.timer.moved(h2d=nbytes)
     pipe.timer.offload(time.perf_counter() - start)
-    return ticket
+    return tickets
 
 
 def _length(value) -> str:

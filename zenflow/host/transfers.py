@@ -13,17 +13,21 @@ instead of waiting:
   hook queues them too (zenflow/host/early_copies.py): in a hook the current stream is the one
   autograd accumulated that gradient on, so the copy still waits for its producer.
 - to_device: the copies run on a second side stream after everything queued so far on the
-  current stream (the destinations are free), and the current stream waits for them with an
-  event: compute queued after step() is ordered after the install, and the Python thread never
-  blocks. The ticket says when the host sources may be overwritten; `last_install_seconds` how
-  long the last install took (on CUDA from timing events, read once they have completed).
+  current stream (the destinations are free). Nothing waits for them at once: `order_after`
+  makes the current stream's later work wait for a ticket (a forward pre-hook does it for the
+  layer about to read its weights: zenflow/optim/installs.py), and the Python thread never
+  blocks. The ticket also says when the host sources may be overwritten.
+  `last_install_wait_seconds` is how long the device waited for the last install: on CUDA
+  from timing events recorded on the current stream around each wait, read once they have
+  completed (never synchronized); on a CPU the seconds the training thread blocked.
 
 The device is always passed explicitly (never the implicit current device), so a rank that
 trains on cuda:3 never opens a context on cuda:0. On a CPU "device" (CPU-only torch, or the
-tests) a copy thread plays the GPU's copy engine for to_host: it runs on the worker's cores
-beside the training thread's device update, its tickets really complete later, and `fence`
-waits for it (the training thread is the CPU's only "stream"). Without worker cores, and for
-to_device, copies are plain and synchronous and their tickets already done.
+tests) a copy thread plays the GPU's copy engine for both directions: it runs on the worker's
+cores beside the training thread, copies in the order queued, its tickets really complete
+later, and `fence` and `order_after` wait for it (the training thread is the CPU's only
+"stream"). Without worker cores copies are plain and synchronous and their tickets already done
+(an install's copy then counts as waited for).
 """
 from __future__ import annotations
 
@@ -102,7 +106,7 @@ class _ThreadTicket(Ticket):
         start = time.perf_counter()
         self.landed.wait()
         if self.error is not None:
-            raise RuntimeError(f"a device-to-host copy failed: {self.error!r}") from self.error
+            raise RuntimeError(f"a copy between host and device failed: {self.error!r}") from self.error
         return time.perf_counter() - start
 
 
@@ -162,8 +166,11 @@ class Transfers:
         self._pinned: list[int] = []
         self._copy_cores = None if self.cuda else copy_cores
         self._copier = None       # the CPU copy thread, started at the first copy
-        self._install_seconds = 0.0
-        self._install_events = None   # (start, end) timing events of a CUDA install in flight
+        # The device's waits for installs: of the install being finished now, and of earlier
+        # ones whose CUDA timing events had not completed when the next install began.
+        self._waits: list = []      # CUDA: (start, end) events on the current stream; CPU: seconds
+        self._unread_waits: list[list] = []
+        self._install_wait_seconds = 0.0
         if self.cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
@@ -214,26 +221,72 @@ class Transfers:
             ticket.wait()
 
     def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
-        """device_dst.copy_(host_src) for each pair; the current stream waits for it, the Python
-        thread does not."""
+        """device_dst.copy_(host_src) for each pair, queued; nothing waits for it until
+        order_after(ticket). Without a copy thread on a CPU the copy runs now, and the time it
+        takes counts as waited for (the training thread is the device)."""
+        if self._copy_cores:
+            if self._copier is None:
+                self._copier = _CopyThread(self._copy_cores)
+            return self._copier.submit(pairs)
         if not self.cuda:
             start = time.perf_counter()
             for dst, src in pairs:
                 dst.copy_(src)
-            self._install_seconds = time.perf_counter() - start
+            self._waits.append(time.perf_counter() - start)
             return DONE
-        current = self._current()
-        self._h2d.wait_stream(current)          # earlier work on the destinations is done
-        began, installed = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        self._h2d.wait_stream(self._current())   # earlier work on the destinations is done
         with torch.cuda.stream(self._h2d):
-            began.record(self._h2d)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
                 dst.record_stream(self._h2d)
-            installed.record(self._h2d)
-        current.wait_event(installed)
-        self._install_events = (began, installed)
+            installed = self._h2d.record_event()
         return Ticket(installed)
+
+    def order_after(self, tickets: list[Ticket]) -> None:
+        """The device's later work waits for `tickets`' copies to the device (an install about to
+        be read). On CUDA the current stream waits, between two timing events that measure the
+        wait; the Python thread does not. On a CPU the training thread blocks until they land."""
+        if self.cuda:
+            events = [e for t in tickets for e in t.events()]
+            if not events:
+                return
+            current = self._current()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record(current)
+            for event in events:
+                current.wait_event(event)
+            end.record(current)
+            self._waits.append((start, end))
+        else:
+            self._waits.append(sum(t.wait() for t in tickets))
+
+    def new_install(self) -> None:
+        """An install is queued: the device's waits from now on count towards it."""
+        if self._waits:
+            self._unread_waits.append(self._waits)
+        self._waits = []
+
+    def _measured(self, waits: list) -> float | None:
+        """The seconds the device spent in `waits`; None while a CUDA wait has not completed."""
+        if not self.cuda:
+            return sum(waits)
+        if not all(end.query() for _, end in waits):
+            return None
+        return sum(start.elapsed_time(end) for start, end in waits) / 1000.0
+
+    @property
+    def last_install_wait_seconds(self) -> float:
+        """How long the device waited for the last install, all its waits counted (read it once
+        the install has been finished, e.g. in the next step()). Never blocks: on CUDA waits not
+        yet completed leave the previous install's figure (0 before the first)."""
+        while self._unread_waits and (seconds := self._measured(self._unread_waits[0])) is not None:
+            self._install_wait_seconds = seconds
+            self._unread_waits.pop(0)
+        if not self._unread_waits and self._waits:
+            seconds = self._measured(self._waits)
+            if seconds is not None:
+                self._install_wait_seconds = seconds
+        return self._install_wait_seconds
 
     def spare_device_bytes(self, headroom: float = 0.1) -> int:
         """Device memory left after the peak so far (the forward and backward included, when
@@ -244,16 +297,6 @@ class Transfers:
         total = torch.cuda.get_device_properties(self.device).total_memory
         peak = torch.cuda.max_memory_reserved(self.device)
         return max(0, int(total * (1.0 - headroom)) - peak)
-
-    @property
-    def last_install_seconds(self) -> float:
-        """How long the last completed to_device batch took (0 before the first). Never waits:
-        on CUDA an install still in flight leaves the previous one's time."""
-        if self._install_events is not None and self._install_events[1].query():
-            began, installed = self._install_events
-            self._install_seconds = began.elapsed_time(installed) / 1000.0
-            self._install_events = None
-        return self._install_seconds
 
     def pin(self, tensors: list[torch.Tensor]) -> None:
         """Page-lock host buffers in place (cudaHostRegister: they live in shared memory, which

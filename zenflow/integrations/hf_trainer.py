@@ -1,6 +1,8 @@
 """A Hugging Face `TrainerCallback` that installs ZenFlow's in-flight host update before the
 Trainer evaluates or saves, and when training ends (so `trainer.save_model()` and a later
-`trainer.evaluate()` see the current weights). Needs transformers."""
+`trainer.evaluate()` see the current weights), and when training begins attaches the model to
+the optimizer (`ZenFlowAdamW.attach`: each layer's forward waits only for its own weights'
+install). Needs transformers."""
 from __future__ import annotations
 
 try:
@@ -9,7 +11,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("ZenFlowTrainerCallback needs transformers, which is not installed: "
                       "pip install 'transformers>=4.41'") from exc
 
-from zenflow.integrations.find import synchronize
+from zenflow.integrations.find import find_optimizers, synchronize
 
 
 class ZenFlowTrainerCallback(TrainerCallback):
@@ -26,6 +28,11 @@ class ZenFlowTrainerCallback(TrainerCallback):
                    or (state.max_steps and state.global_step >= state.max_steps))
         if reading and optimizer is not None:
             synchronize(optimizer)
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if model is not None:
+            for zenflow_optimizer in find_optimizers(optimizer):
+                zenflow_optimizer.attach(model)
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         self._sync_if_reading(state, control, optimizer)

@@ -1,6 +1,8 @@
 """A Lightning `Callback` that installs ZenFlow's in-flight host update before validation, test
-and prediction, at the end of training, and in every checkpoint Lightning writes. Needs lightning
-(or pytorch_lightning)."""
+and prediction, at the end of training, and in every checkpoint Lightning writes, and when
+training starts attaches the LightningModule to the optimizer (`ZenFlowAdamW.attach`: each
+layer's forward waits only for its own weights' install). Needs lightning (or
+pytorch_lightning)."""
 from __future__ import annotations
 
 try:
@@ -24,6 +26,10 @@ class ZenFlowLightningCallback(Callback):
         for optimizer in optimizers:
             optimizer.synchronize()
         return bool(optimizers)
+
+    def on_train_start(self, trainer, pl_module):
+        for optimizer in find_optimizers(list(trainer.optimizers)):
+            optimizer.attach(pl_module)
 
     def on_validation_start(self, trainer, pl_module):
         self._sync(trainer)

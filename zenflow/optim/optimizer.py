@@ -52,6 +52,7 @@ from zenflow.optim import param_checks as _checks
 from zenflow.optim import state as state_format
 from zenflow.optim.clipping import StepScale, gradient_norms, read_flags, step_scale
 from zenflow.optim.device_adam import group_hyperparameters
+from zenflow.optim.installs import ModelHooks, PendingInstalls, owners
 from zenflow.optim.params import (
     HostParam,
     OutsideWrites,
@@ -210,6 +211,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
                                              self._pipeline, self._NAME,
                                              lambda: self._selector.has_chosen)
+        self._installs = PendingInstalls(self._finish)
 
     def _learning_rates(self) -> dict[int, tuple[float, float]] | None:
         """Each host matrix's (learning rate, AdamW's step bound), where "moments" matrices may
@@ -252,6 +254,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
+        self._installs.finish()   # an attached forward may have left some (zenflow/optim/installs.py)
         self._pipeline.check()  # a dead worker fails this step, not only the next window end
         # GradScaler.unscale_ rewrites gradients without bumping their versions; scaler.step()
         # then hands found_inf but no grad_scale (the scale is out of the gradients already).
@@ -346,7 +349,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         host_s = step_s = install_s = 0.0
         if self.settings.worker:   # in process nothing overlaps the step: nothing to pace
             host_s, step_s = self._runner.last_update_seconds, self._step_period.seconds
-            install_s = self._pipeline.transfers.last_install_seconds
+            install_s = self._pipeline.transfers.last_install_wait_seconds
         ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
                                        host_s, step_s, install_s)
         if self._window.needs_rank_agreement and self._partition.active:
@@ -372,7 +375,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._pipeline.moves(m.host_index)) for m in self._host_params])
         if synchronous:
             self._install_in_flight()
-        self._outside_writes.fingerprint()
+        # Installs not finished yet take their fingerprints when they are (_finish).
+        self._outside_writes.fingerprint([m.host_index for m in self._host_params
+                                          if m.host_index not in self._installs])
         self._window.ended(self.counters.window_steps)
         self._agreement.forget()
         self.counters.window_steps = 0
@@ -380,10 +385,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._decided("flush")
 
     def _install_in_flight(self, lrs: dict[int, tuple[float, float]] | None = None) -> None:
-        """Wait for the host update in flight (if any), install it (at a window end, with the
-        learning rates `lrs`, corrected for the gradients since its hand-off), and write the
-        device's own, newer columns back over it."""
-        self._write_selected_over(self._pipeline.install(lrs))
+        """Wait for the host update in flight (if any) and queue its install (at a window end,
+        with the learning rates `lrs`, corrected for the gradients since its hand-off); each
+        matrix is finished before it is read (zenflow/optim/installs.py)."""
+        self._installs.finish()   # one install of a matrix at a time
+        self._installs.add(self._pipeline.install(lrs))
+
+    def _finish(self, installs) -> None:
+        """Once its copy may be read: correct a matrix's installed values ("moments"), write the
+        device's own, newer columns back over them, and fingerprint it."""
+        self._pipeline.finish(installs)
+        matrices = [q.matrix for q in installs]
+        self._write_selected_over(matrices)
+        self._outside_writes.fingerprint(matrices)
 
     def _write_selected_over(self, installed: list[int]) -> None:
         for i in installed:
@@ -400,6 +414,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         if not plan.first:
             self._install_in_flight()  # state can only move once the host is drained
+            self._installs.finish()
         self._selector.select(plan, self.counters.step)
         self._outside_writes.fingerprint()
         self._decided("select" if plan.first else "reselect")
@@ -416,6 +431,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         to wait for, and the weights stay as they are."""
         if self.closed:
             return
+        self._installs.finish()
         self._outside_writes.adopt()
         self._outside_writes.adopt_data_writes()
         self._install_in_flight()
@@ -424,9 +440,43 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             # The installed weights lead the host's values by the lookahead, or the device has
             # stepped them since ("moments"): show the values.
             chosen = self._selector.has_chosen
-            self._write_selected_over(self._pipeline.install_masters(
+            self._installs.finish()
+            self._installs.add(self._pipeline.install_masters(
                 [m.host_index for m in self._host_params if m.host_owns_columns(chosen)]))
+        self._installs.finish()
         self._outside_writes.fingerprint()
+
+    # ------------------------------------------------------------------ installs and the model
+    def attach(self, model: torch.nn.Module) -> ModelHooks:
+        """Let `model`'s forward wait for installs layer by layer (opt-in; once per model).
+
+        Without it, the device waits at the end of the step() that ends a window for the whole
+        copy of the host's update into the parameters before the next forward can start (on one
+        H100 with Llama-2-7B, 12.5 GB over PCIe: about 0.25 s). With it, each module that holds
+        parameters of this optimizer waits, in a forward pre-hook, only for the copy of its own
+        (a tied weight: each of its modules waits), so the copies of later layers overlap the
+        forward of earlier ones; every other reader of the weights still sees the installed
+        values: step(), synchronize(), state_dict(), load_state_dict(), close(), and the
+        model's state_dict() and load_state_dict() finish every install first. Code that reads
+        or writes the weights outside the model's forward (an EMA of the weights, a
+        `layer.weight` read without calling the layer) calls `wait_for_install()` first.
+        zenflow.initialize, ZenFlowLightningCallback and ZenFlowTrainerCallback attach their
+        model. Returns a handle whose `remove()` takes the hooks off; nothing else changes."""
+        matrices = {m.param: m.host_index for m in self._host_params}
+        return self._installs.attach(model, owners(model, matrices, self._partition.rows_are_local),
+                                     self._finish_installs)
+
+    @_serialized
+    @torch.no_grad()
+    def _finish_installs(self, matrices: list[int] | None) -> None:
+        """Finish the pending installs of `matrices` (None: all); from a forward pre-hook too."""
+        self._installs.finish(matrices)
+
+    def wait_for_install(self) -> None:
+        """Make every installed value readable now (an attached model's forward waits for each
+        layer's by itself): later device work waits for the copies in flight, and the Python
+        thread only where the "device" is the CPU. Cheap when nothing is in flight."""
+        self._finish_installs(None)
 
     # ------------------------------------------------------------------ lifecycle
     @_serialized
@@ -438,6 +488,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         collection must not stop the worker the real optimizer still uses. The runner stops
         its worker when the runner itself is collected, and at interpreter exit."""
         if not getattr(self, "_closed", True):
+            self._installs.finish()   # the copies read host memory that close() releases
             self._closed = True
             self._pipeline.close()
 
@@ -467,6 +518,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         state, selection, counters and the partial window. Waits for in-flight host work first
         (without installing it). The skips of the window so far are settled first (one read), so
         that its counts are exact."""
+        self._installs.finish()
         self._settle_skips()
         return state_format.save(self, self._state_parts())
 
@@ -480,6 +532,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         Everything is checked before anything changes: a failed load leaves this optimizer as
         it was. Load the model's weights first, then this (as frameworks do): weights loaded
         afterwards count as changed outside the optimizer and become the master values."""
+        self._installs.finish()
         state_format.load(self, self._state_parts(), state_dict)
         self._unsettled = []       # steps of the window the loaded state replaces
         self._agreement.forget()

@@ -281,12 +281,16 @@ class OutsideWrites:
         self._pointers = {x.param: x.local.data_ptr() for x in held}
         self.fingerprint()
 
-    def fingerprint(self) -> None:
+    def fingerprint(self, matrices: list[int] | None = None) -> None:
         """Remember the host-owned columns as the optimizer last wrote them (after installs,
-        selections and adoptions)."""
+        selections and adoptions), of the host matrices `matrices` (default: all)."""
         chosen = self.columns_chosen()
-        self._sums = {m.param: self._host_sum(m, chosen) for m in self.host_params
-                      if not self.pipeline.moves(m.host_index)}   # see _written_through_data
+        if matrices is None:
+            self._sums = {}
+        watched = (self.host_params if matrices is None
+                   else [self.host_params[i] for i in matrices])
+        self._sums.update({m.param: self._host_sum(m, chosen) for m in watched
+                           if not self.pipeline.moves(m.host_index)})  # see _written_through_data
 
     @staticmethod
     def _host_sum(m: HostParam, chosen: bool) -> torch.Tensor:

@@ -145,7 +145,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              fwd_bwd_s: float | None = None, measured: dict | None = None, target: str = "cuda",
              source: str = "", device_sum_budget: int | str = "auto",
              activation_bytes: int = 0, fsdp: int | None = None,
-             deferred_credit: str = "moments") -> dict:
+             deferred_credit: str = "moments", attached: bool = True) -> dict:
     """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...]. `fsdp`:
     also the bytes per rank of the model sharded that many ways with FSDP2 (`per_rank`), beside
     DDP's on as many GPUs (`gpus` must then be that number).
@@ -153,7 +153,9 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     after its peak, here the weights, gradients, device state, reserve and `activation_bytes`,
     less a tenth of its memory; 0 on a CPU device). `deferred_credit`: the optimizer's; "moments"
     applies to the matrices summed on the device, on one GPU (data-parallel replicas take
-    "mean")."""
+    "mean"). `attached`: the model is attached to the optimizer (`ZenFlowAdamW.attach`, which
+    zenflow.initialize and the framework callbacks do), so each layer's forward waits only for
+    its own install; else the step waits for the whole install."""
     if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1
                              or fsdp != gpus):
         raise ValueError(f"fsdp must be the number of GPUs the model is sharded over (>= 1, "
@@ -261,6 +263,17 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                              1.5 * touched / fig["device_copy_bytes_per_s"]),
          "offload_host_s": off_host_params / C + off_host_params / A,
          "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
+    # What the device waits for per install: the whole copy, or with per-layer installs on one
+    # GPU the part the forward does not hide (NCCL's all-gather waits for each copy at once).
+    t["install_wait_s"] = t["h2d_s"] + t["install_gather_s"]
+    if attached and world == 1 and not cpu and fwd_bwd_s is not None:
+        deferred_of = [i for i, (_, c, k) in enumerate(mats) if k < c]   # mats' index of each
+        copy_s = [0.0] * len(mats)
+        for d, i in enumerate(deferred_of):
+            r, c, _ = mats[i]
+            copy_s[i] = (r * c * item + (rate_item * r * c if d in set(moving) else 0)) / Bh
+        forward_s = [fwd_bwd_s / 3 * r * c / P_mat for r, c, _ in mats]
+        t["install_wait_s"] = _exposed_install_s(copy_s, forward_s) + t["install_gather_s"]
     U = _expected_window(t, fwd_bwd_s, cpu, overlap) if U == "auto" else U
     bus = {"zenflow": {"d2h_bytes_per_step": zen_d2h_step + zen_d2h_window_sums / U,
                        "h2d_bytes_per_step": zen_h2d_window / U,
@@ -288,8 +301,13 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          f"gradient is produced ({BACKWARD_SHARE:.2f} of fwd_bwd is backward), and the compute "
          "stream waits at the end of step() for what is left of it after the device update (a "
          "script that rewrites gradients after backward, such as clip_grad_norm_, moves them all "
-         "back to step()); the compute stream waits for each install (host->device: this "
-         "rank's rows, then an all-gather on the device) once per window"),
+         "back to step()); "
+         + ("installs are copied matrix by matrix from the end of step() and each layer's "
+            "forward waits for its own (the model attached to the optimizer; a matrix's share "
+            "of the forward, a third of forward+backward, is its share of the parameters)"
+            if attached and world == 1 else
+            "the compute stream waits for each whole install (host->device: this rank's rows, "
+            "then an all-gather on the device) once per window")),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",
     ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
     sharded = per_rank(mats, vecs, dtype, world, overlap, staging, moments=sharded_moments) \
@@ -310,6 +328,20 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s},
             "per_gpu": per_gpu, "per_host": per_host, "bus": bus,
             "seconds": t, "time": times, "figures": fig, "assumptions": assumptions}
+
+
+def _exposed_install_s(copy_s: list[float], forward_s: list[float]) -> float:
+    """How long the forward waits for installs copied matrix by matrix in the model's order from
+    the end of step() (copy_s) while each matrix's layer, taking forward_s, waits for its own:
+    the largest lead of the copies up to a matrix over the forward before it. At least the first
+    matrix's copy; at most the whole copy."""
+    waited = copied = forwarded = 0.0
+    for copy, forward in zip(copy_s, forward_s):
+        copied += copy
+        if copy:
+            waited = max(waited, copied - forwarded)
+        forwarded += forward
+    return waited
 
 
 def _quality(window: int, moments_share: float) -> dict:
@@ -358,7 +390,7 @@ def _expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
     if t["accumulate_s"] >= T_dev:
         return bounds[1]
     cover = math.ceil(t["adamw_s"] / (T_dev - t["accumulate_s"]) - 1e-9)
-    install = math.ceil((t["h2d_s"] + t["install_gather_s"]) / (INSTALL_BUDGET * T_dev) - 1e-9)
+    install = math.ceil(t["install_wait_s"] / (INSTALL_BUDGET * T_dev) - 1e-9)
     return max(bounds[0], min(bounds[1], max(1, cover, install)))
 
 
@@ -374,14 +406,16 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "exposed d2h": (f"max(0, d2h of host-summed rows - {BACKWARD_SHARE:.2f} fwd_bwd "
                         "(the backward: copies start in its hooks) - device update - "
                         "device sums' add)"),
-        "install": "h2d of this rank's rows + the all-gather on the device (several ranks)",
+        "install": "what the device waits per install: h2d of this rank's rows + the all-gather "
+                   "on the device (several ranks); with per-layer installs (attach, one GPU) only "
+                   "the part of the h2d the forward does not hide",
         "sums_wait": "max(0, sums_d2h - fwd_bwd): the next window's first add waits for the copy",
     }
     out = {"formulas": formulas}
     if fwd_bwd_s is None:
         return out
     T_dev = _device_time(t, cpu, fwd_bwd_s)
-    install = t["h2d_s"] + t["install_gather_s"]
+    install = t["install_wait_s"]
     if overlap:
         sums_wait = max(0.0, t["sums_d2h_s"] - fwd_bwd_s)
         zen = max(T_dev, t["accumulate_s"] + t["adamw_s"] / U) + (install + sums_wait) / U
@@ -478,7 +512,8 @@ def format_report(r: dict) -> str:
             f"d2h {_s(t['d2h_s'])}/step, h2d {_s(t['h2d_s'])}/window, device update "
             f"{_s(t['device_update_s'])}/step",
             f"  device sums: add {_s(t['sum_add_s'])}/step, d2h {_s(t['sums_d2h_s'])}/window; "
-            f"install all-gather {_s(t['install_gather_s'])}/window",
+            f"install all-gather {_s(t['install_gather_s'])}/window; the device waits "
+            f"{_s(t['install_wait_s'])}/window for installs",
             f"  OffloadAdamW: d2h {_s(t['offload_d2h_s'])}, host {_s(t['offload_host_s'])}, "
             f"h2d {_s(t['offload_h2d_s'])} per step"]
     out += ["", "Step time (model)"]
@@ -555,6 +590,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZenFlow deferred_credit (default: the optimizer's, moments)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ZenFlow overlap_step")
+    p.add_argument("--attach", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model is attached to the optimizer (opt.attach(model); "
+                        "zenflow.initialize and the framework callbacks do it): each layer's "
+                        "forward waits only for its own install")
     p.add_argument("--fwd-bwd-seconds", type=float, default=None,
                    help="forward+backward seconds per step on one GPU (needed for step times)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -619,7 +658,7 @@ def run(args: argparse.Namespace) -> int:
                           measured=measured, target=target, source=source,
                           device_sum_budget=args.device_sum_budget,
                           activation_bytes=int(args.activation_gib * GIB),
-                          deferred_credit=args.deferred_credit)
+                          deferred_credit=args.deferred_credit, attached=args.attach)
     except (ValueError, OSError) as exc:
         print(f"zenflow estimate: error: {exc}", file=sys.stderr)
         return 2
