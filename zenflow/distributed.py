@@ -270,6 +270,8 @@ class Partition:
                 return bool(t[0])
             return result
         work.wait()   # orders the current stream after the collective; the host goes on
+        if t.device.type == "cpu":   # a CPU stand-in for NCCL (the tests): already host memory
+            return lambda: bool(t[0])
         host = torch.empty(1, dtype=torch.int32, pin_memory=True)
         host.copy_(t, non_blocking=True)
         copied = torch.Event(device=self.device)
