@@ -174,7 +174,15 @@ def test_the_state_carries_its_format_version_and_an_unversioned_one_still_loads
     from zenflow.optim.state import FORMAT_VERSION
     model, opt = _trained()
     saved = opt.state_dict()
-    assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 4
+    assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 5
+    # Version 4: no window_spoiled (a skip inside a window was not counted in it then).
+    v4 = {**saved, "zenflow": {**{k: v for k, v in saved["zenflow"].items()
+                                  if k != "window_spoiled"}, "format_version": 4}}
+    again = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                                 worker=False)
+    again.load_state_dict(v4)
+    assert again.counters == opt.counters and again.counters.window_spoiled is False
+    again.close()
     # Version 1: the format before the version was written down.
     old = {**saved, "zenflow": {k: v for k, v in saved["zenflow"].items()
                                 if k != "format_version"}}
@@ -220,7 +228,7 @@ def test_a_version_2_state_still_loads_and_version_3_carries_the_section_in_para
 
 
 @pytest.mark.parametrize("version, message", [
-    (5, "format version 5, newer than this zenflow reads (1 to 4)"),
+    (6, "format version 6, newer than this zenflow reads (1 to 5)"),
     ("2", "'format_version' must be a positive integer, got '2'"),
     (0, "'format_version' must be a positive integer, got 0"),
 ])

@@ -121,7 +121,9 @@ class DeviceSums:
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
         """sum[i] += coef * rows[i] in fp32 (= for the `fresh` ones: the window's first
         gradient), the squares likewise, in a few fused launches per chunk on the device. `coef`
-        is the step's 0-dim factor, 0 on a skipped step, which adds nothing (`kept_grads`)."""
+        is the step's 0-dim factor, 0 on a skipped step, whose gradients may hold inf or NaN:
+        those spoil the sums, and the optimizer drops the window they are in when it ends
+        (docs/semantics.md, "Skipped steps"), so the step pays no pass to keep them out."""
         if not rows:
             return
         self.transfers.fence(self._copied)   # the last window's sums have left these buffers
@@ -129,12 +131,20 @@ class DeviceSums:
             torch._foreach_zero_([self.sums[i] for i in fresh]
                                  + [self.squares[i] for i in fresh if i in self.squares])
         for chunk in _chunks(list(rows), rows):
-            grads = dict(zip(chunk, kept_grads([rows[i] for i in chunk], coef)))
-            add_scaled_([self.sums[i] for i in chunk], list(grads.values()), coef)
+            grads = [rows[i] for i in chunk]
+            add_scaled_([self.sums[i] for i in chunk], grads, coef)
             squared = [i for i in chunk if i in self.squares]
             if squared:   # (coef * g)^2 from an fp32 product, as the reference sums it
-                scaled = torch._foreach_mul([grads[i].float() for i in squared], coef)
+                scaled = torch._foreach_mul([rows[i].float() for i in squared], coef)
                 torch._foreach_addcmul_([self.squares[i] for i in squared], scaled, scaled)
+
+    def clear(self) -> None:
+        """Zero every sum and square (a window with a skipped step: they may hold inf or NaN, and
+        the window counts for nothing)."""
+        self.transfers.fence(self._copied)   # the last window's sums have left these buffers
+        tensors = [*self.sums.values(), *self.squares.values()]
+        if tensors:
+            torch._foreach_zero_(tensors)
 
     def move(self, weights: dict[int, torch.Tensor], rows: dict[int, torch.Tensor],
              coef: torch.Tensor, steps: dict[int, tuple[float, float]]) -> None:

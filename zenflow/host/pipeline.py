@@ -271,7 +271,7 @@ class HostPipeline:
         the device sums of the matrices summed there, and for the others copied, with `coef`, to
         a staging buffer that accumulate() hands to the host. With `lrs` (index -> (learning
         rate, AdamW's step bound)), the "moments" matrices also take their interim step. Every
-        gradient counts in num_grads; drop_grads() takes a skipped step's back out."""
+        gradient counts in num_grads; drop_window() drops a window with a skipped step."""
         start = time.perf_counter()
         if not self._sums_placed:
             self._place_sums()
@@ -356,11 +356,11 @@ class HostPipeline:
         self._enqueue(ticket, Accumulate(slot, self._sum_slot, tuple(added), tuple(fresh)), sent)
         self._staging_slot = (slot + 1) % self.layout.staging_slots
 
-    def drop_grads(self, matrices: list[int]) -> None:
-        """A step that stage() counted for `matrices` was skipped (found at a window end): its
-        sums took nothing from it, and the window's mean does not count it."""
-        for i in matrices:
-            self.num_grads[i] -= 1
+    def drop_window(self) -> None:
+        """The window about to end had a skipped step (docs/semantics.md, "Skipped steps"): its
+        gradients count for nothing, neither in its host update (there is none) nor in an
+        install's "moments" correction; the next window's first gradient overwrites its sums."""
+        self.num_grads = [0] * len(self.params)
 
     def end_window(self, hyperparameters: list[tuple]) -> bool:
         """Hand the window's sums to the host: AdamW on the mean gradient with

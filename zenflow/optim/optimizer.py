@@ -15,11 +15,13 @@ Warm-up steps (`full_warm_up_rounds`) are windows of one step with no column on 
 
 Skips. A step strictly inside a window reads nothing back from the device: its factor and kept
 flag (`StepScale`) go to every kernel (the fused AdamW takes the skip flag as torch.optim takes
-GradScaler's found_inf; the device sums and the host's add 0 times the gradient), and the flag
-travels to the host with the gradients. Whether it was skipped is settled at the window's end in
-one read (`_settle_skips`): a skipped step is a step of the window that added nothing. A window's
-first step (and a warm-up step) reads its flag at once, since selecting columns needs finite
-gradients; a skip found there is undone entirely, as if step() had not been called.
+GradScaler's found_inf; the "moments" interim step moves nothing), and the factor travels to the
+host with the gradients. Whether it was skipped is settled at the window's end in one read
+(`_settle_skips`), and a window with a skipped step is dropped: its deferred gradients count for
+nothing (keeping a non-finite gradient out of the device's sums would cost a pass every step;
+deciding at the window's end costs nothing). A window's first step (and a warm-up step) reads its
+flag at once, since selecting columns needs finite gradients; a skip found there is undone
+entirely, as if step() had not been called.
 With `overlap_step`, a window's host update is installed at the end of the next window, so the
 host works while the device trains; otherwise it is installed before step() returns.
 
@@ -204,9 +206,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
         self._step_period = StepPeriod()
         self._consecutive_skips = 0
-        # Steps of this window whose kept flags are still on the device: (step, scale, the host
-        # matrices it staged), settled at the window's end.
-        self._unsettled: list[tuple[int, StepScale, list[int]]] = []
+        # Steps of this window whose kept flags are still on the device, settled at its end.
+        self._unsettled: list[tuple[int, StepScale]] = []
         self._agreement = DelayedAgreement(self._partition)
         self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
                                              self._pipeline, self._NAME,
@@ -289,7 +290,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                   if m.param in grads and m.host_owns_columns(chosen)}
         self._pipeline.stage(staged, scale.coef, self._learning_rates())
         if not reads_now:
-            self._unsettled.append((count.step, scale, list(staged)))
+            self._unsettled.append((count.step, scale))
         device_update(self._host_params if chosen else [], self._vector_params, grads, scale)
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
@@ -302,6 +303,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if not warming_up:
                 log.debug("step %d: end window: %s", count.step, self._window.reason)
             self._settle_skips()
+            if count.window_spoiled:   # a skipped step inside it: its gradients are dropped
+                self._pipeline.drop_window()
+                count.window_spoiled = False
             self._end_window(synchronous=warming_up or not self.settings.overlap_step)
         self._pipeline.fence()
         count.step += 1
@@ -309,17 +313,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return loss
 
     def _settle_skips(self) -> None:
-        """Read the kept flags of the steps inside this window in one read: count and log the
-        skipped ones (each a step of the window that added nothing), and take their gradients
-        out of the window's counts, so that its mean divides by the kept steps."""
+        """Read the kept flags of the steps inside this window so far in one read: count and log
+        the skipped ones, and mark the window spoiled (saved with the counters, so that a state
+        saved mid-window resumes to the same end: the window is dropped when it ends)."""
         unsettled, self._unsettled = self._unsettled, []
-        for (step, _, staged), (kept, overflow, loss_scale) in zip(
-                unsettled, read_flags([scale for _, scale, _ in unsettled])):
+        flags = read_flags([scale for _, scale in unsettled])
+        if not all(kept for kept, _, _ in flags):
+            # A skipped step's inf/NaN may be in the device's sums, which count for nothing now
+            # (and a saved state must hold finite ones).
+            self._pipeline.device_sums.clear()
+            self.counters.window_spoiled = True
+        for (step, _), (kept, overflow, loss_scale) in zip(unsettled, flags):
             if kept:
                 self._consecutive_skips = 0
-                continue
-            self._pipeline.drop_grads(staged)
-            self._skipped(step, overflow, loss_scale, counted=True)
+            else:
+                self._skipped(step, overflow, loss_scale, counted=True)
 
     def _skipped(self, step: int, amp_overflow: bool, loss_scale: float, counted: bool) -> None:
         """Count and log the skip of step `step`; `counted`: it was a step of its window (one
@@ -327,7 +335,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.counters.skipped_steps += 1
         self._consecutive_skips += 1
         n = self._consecutive_skips
-        what = "added nothing to its window" if counted else "skipped"
+        what = "skipped, and its window's deferred gradients dropped" if counted else "skipped"
         if amp_overflow:
             # Ordinary mixed-precision life: GradScaler found inf/NaN at this scale and lowers it.
             # DeepSpeed logs these at INFO with the new scale; so do we.

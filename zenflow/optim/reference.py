@@ -62,6 +62,7 @@ class ReferenceZenFlow:
         self.last_selection = 0
         self.pending = False
         self.skipped = 0
+        self.spoiled = False   # a skipped step inside the current window: it is dropped
         self.state = []
         for index, p in enumerate(self.params):
             s = {"master": p.detach().float().clone(), "m": torch.zeros(p.shape),
@@ -187,7 +188,9 @@ class ReferenceZenFlow:
             self.skipped += 1
             if self.t < self.warm_up or self.window_steps == 0:
                 return   # a warm-up step or a window's first step: undone entirely
-            grads = [None] * len(grads)   # inside a window: a step of it that adds nothing
+            # inside a window: a step of it that changes nothing, and the window is dropped
+            grads = [None] * len(grads)
+            self.spoiled = True
         elif self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (norm + 1e-6))
         raw = grads
@@ -248,8 +251,16 @@ class ReferenceZenFlow:
             warming_up or self.window_steps >= self.update_interval
             or self._reselects_at(self.t + 1))
         if ends:
-            if self.pending:
-                self._install_host_columns(correct=True)
+            if self.pending:   # a dropped window's gradients correct nothing either
+                self._install_host_columns(correct=not self.spoiled)
+            if self.spoiled:
+                for s in self.state:
+                    if "acc" in s:
+                        s["acc"].zero_()
+                        s["acc_n"] = 0
+                        if "acc_sq" in s:
+                            s["acc_sq"].zero_()
+                self.spoiled = False
             for p, s in zip(self.params, self.state):
                 if p.ndim < 2 or s["acc_n"] == 0:
                     continue

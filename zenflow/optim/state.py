@@ -51,10 +51,11 @@ from zenflow.saved_state import check_like, check_saved_tensors
 @dataclass
 class StepCounters:
     """What the optimizer counts, saved with its state."""
-    step: int = 0            # optimizer steps taken (skipped ones not counted)
+    step: int = 0            # steps taken (a skip inside a window counts: docs/semantics.md)
     window_steps: int = 0    # steps accumulated in the current window
     skipped_steps: int = 0
     num_windows: int = 0
+    window_spoiled: bool = False   # a skipped step inside the current window: it is dropped
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +65,7 @@ class StepCounters:
             setattr(self, f.name, state[f.name])
 
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 
 def _from_v1(saved: dict) -> dict:
@@ -83,8 +84,15 @@ def _from_v3(saved: dict) -> dict:
     return {**saved, "squares_saved": False}
 
 
+def _from_v4(saved: dict) -> dict:
+    # Version 5 counts a window with a skipped step inside, which it drops at its end; older
+    # versions skipped such steps on the spot, so no saved window holds one.
+    return {**saved, "window_spoiled": False}
+
+
 # version v -> the step that turns a "zenflow" section of version v into version v + 1
-_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2, 3: _from_v3}
+_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2, 3: _from_v3,
+                                                  4: _from_v4}
 
 
 def _with_squares(host_piece: dict) -> dict:

@@ -241,14 +241,14 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     t = {"accumulate_s": host_sum_params / C, "adamw_s": zen_host_params / A,
          "d2h_s": zen_d2h_step / Bd, "h2d_s": zen_h2d_window / Bh,
          "sums_d2h_s": zen_d2h_window_sums / Bd,
-         # per step, as device_sums.add writes it: the gradient where the step's factor (a
-         # device tensor, never read) is not 0, else 0, into a temporary of its dtype (a skipped
-         # step's inf/NaN must not reach the sum), added to the sum times the factor (one
-         # addcmul); "moments": the squares (that temporary to fp32, times the factor, one
-         # addcmul of it with itself), and the bounded interim step (device_sums.move: the
-         # temporary again, its product with the rate, scaled and clamped in place, added to
-         # the weight)
-         "sum_add_s": (dev_sum_params * (3 * item + 8) + moment_params * (
+         # per step, as device_sums.add writes it: one addcmul of the gradient times the step's
+         # factor (a device tensor, never read) into the sum (a skipped step's window is dropped
+         # at its end, so no pass keeps its inf/NaN out); "moments": the squares (the gradient
+         # to fp32, times the factor, one addcmul of it with itself), and the bounded interim
+         # step (device_sums.move: the gradient zeroed on a skipped step, as the step writes
+         # the weights, its product with the rate, scaled and clamped in place, added to the
+         # weight)
+         "sum_add_s": (dev_sum_params * (item + 8) + moment_params * (
              (item + 24) + 5 * item + rate_item + 8 * max(item, rate_item))
          ) / fig["device_copy_bytes_per_s"],
          # an all-gather of the other ranks' rows; "moments": the install's bounded correction
