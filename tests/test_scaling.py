@@ -30,7 +30,8 @@ def test_scaling_reports_fsdp2_rows_beside_ddp(tmp_path):
     assert ddp["device_state_bytes_per_rank"][0] == one["device_state_bytes_per_rank"][0]
     # The host side is split by rows either way, the same rows.
     assert fsdp["host_bytes_per_rank"] == ddp["host_bytes_per_rank"]
-    assert sum(fsdp["host_bytes_per_rank"]) == one["host_bytes_per_rank"][0]
+    # (each rank's staging slot also holds its step's 4-byte factor)
+    assert sum(fsdp["host_bytes_per_rank"]) == one["host_bytes_per_rank"][0] + 4
     assert fsdp["d2h_bytes_per_step_per_rank"] == ddp["d2h_bytes_per_step_per_rank"]
     # Installs: FSDP2 writes only its rows; DDP on gloo copies whole matrices to each replica.
     assert sum(fsdp["h2d_bytes_per_window_per_rank"]) == pytest.approx(

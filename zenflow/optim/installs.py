@@ -18,8 +18,8 @@ which user code that reads or writes the weights outside the model's forward cal
 EMA of the weights, a hand-written evaluation that reads `layer.weight` without calling the
 layer).
 
-FSDP2-sharded parameters are read by FSDP's own all-gather before their modules' forward: for
-them the model's root waits, before FSDP's hook.
+FSDP2-sharded parameters are read by FSDP's own all-gather before their modules' forward: their
+installs are finished in the step that queues them, as without attach.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class ModelHooks:
         # The model must not keep a dropped optimizer (and its worker) alive.
         finish = _weakly(finish)
         self._on_remove = on_remove
-        # prepend: before any hook of the model's own (FSDP2's all-gather reads the weights).
+        # prepend: before any hook of the model's own, which may read the weights.
         self._handles = [module.register_forward_pre_hook(
             lambda module, args, indices=indices: finish(indices), prepend=True)
             for module, indices in owned.items()]
@@ -122,11 +122,15 @@ def _weakly(method) -> Callable:
 def owners(model: torch.nn.Module, matrices: dict[torch.Tensor, int],
            sharded: bool) -> dict[torch.nn.Module, list[int]]:
     """Module -> the matrices (host indices, from `matrices`: parameter -> index) it holds
-    directly. A tied weight belongs to each module that holds it. `sharded` (FSDP2): the root
-    owns them all, since FSDP's hooks read the weights before their modules' forward."""
+    directly. A tied weight belongs to each module that holds it. `sharded` (FSDP2): none, so
+    every install is finished in the step that queues it: FSDP's own hooks all-gather the weights
+    before their modules' forward, and the module whose forward is called first need not be the
+    model attached (a LightningModule's training_step calls its layers, not itself)."""
+    if sharded:
+        return {}
     owned: dict[torch.nn.Module, list[int]] = {}
     for module in model.modules():
         held = [matrices[p] for p in module._parameters.values() if p is not None and p in matrices]
         if held:
-            owned.setdefault(model if sharded else module, []).extend(held)
+            owned.setdefault(module, []).extend(held)
     return {module: sorted(set(indices)) for module, indices in owned.items()}
