@@ -357,14 +357,15 @@ def main(argv=None) -> int:
                          "seed) into --out/--name: the systems every file has, their runs, a "
                          "new summary and plot; nothing is trained")
     ap.add_argument("--quick", action="store_true",
-                    help="a tiny run to check the script works (40 pretraining steps, 10 "
-                         "fine-tuning steps, 64 evaluation windows); not a measurement")
+                    help="a tiny run to check the script works (20 pretraining steps, 10 "
+                         "fine-tuning steps of 8 sequences, 64 evaluation windows); not a "
+                         "measurement")
     args = ap.parse_args(argv)
     if args.merge:
         return merge(args.merge, Path(args.out), args.name or "finetune_quality_merged")
     setting = Setting(steps=args.steps)
     if args.quick:
-        setting = Setting(pretrain_steps=40, steps=10, warmup=2, eval_windows=64)
+        setting = Setting(pretrain_steps=20, steps=10, warmup=2, eval_windows=64, batch_size=8)
     for text in args.zenflow:
         kwargs = json.loads(text)
         name = "ZenFlow " + " ".join(f"{k}={v}" for k, v in kwargs.items())
