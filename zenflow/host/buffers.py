@@ -233,13 +233,16 @@ class HostState:
         for matrices, add in ((added, True), (fresh, False)):
             for offset, numel, dtype in self._runs(matrices):
                 total = sums[offset:offset + numel]
-                if not add:
-                    total.zero_()
-                if skipped:
-                    continue
                 grad = self._typed_run(f"staging{staging_slot}", offset, numel, dtype)
-                for start in range(0, numel, _CHUNK):
-                    add_scaled_([total[start:start + _CHUNK]], [grad[start:start + _CHUNK]], coef)
+                for start in range(0, numel, _CHUNK):   # a dtype's fp32 temporary stays in cache
+                    part, g = total[start:start + _CHUNK], grad[start:start + _CHUNK]
+                    if skipped:
+                        if not add:
+                            part.zero_()
+                    elif add:
+                        add_scaled_([part], [g], coef)
+                    else:   # = add_scaled_ into zeros, in one pass instead of two
+                        torch.mul(g.float(), coef, out=part)
 
     def update(self, jobs: list[HostJob], sum_slot: int) -> None:
         """AdamW on each job's matrix with the mean of its gradient sum, then the new values (with

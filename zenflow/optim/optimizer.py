@@ -377,27 +377,31 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Install the previous window's host update, hand this window's sums to the host, and
         with `synchronous` install that too before returning."""
         self._outside_writes.adopt_data_writes()
-        self._install_in_flight(self._learning_rates())
+        installed = self._install_in_flight(self._learning_rates())
         self._pipeline.end_window([host_update_hyperparameters(
             m.group, self._pipeline.num_grads[m.host_index], self.settings, not synchronous,
             self._pipeline.moves(m.host_index)) for m in self._host_params])
         if synchronous:
-            self._install_in_flight()
-        # Installs not finished yet take their fingerprints when they are (_finish).
+            installed += self._install_in_flight()
+        # An install takes its fingerprint when it is finished (_finish): now, or in a forward.
+        done = set(installed)
         self._outside_writes.fingerprint([m.host_index for m in self._host_params
-                                          if m.host_index not in self._installs])
+                                          if m.host_index not in done])
         self._window.ended(self.counters.window_steps)
         self._agreement.forget()
         self.counters.window_steps = 0
         self.counters.num_windows += 1
         self._decided("flush")
 
-    def _install_in_flight(self, lrs: dict[int, tuple[float, float]] | None = None) -> None:
+    def _install_in_flight(self, lrs: dict[int, tuple[float, float]] | None = None) -> list[int]:
         """Wait for the host update in flight (if any) and queue its install (at a window end,
         with the learning rates `lrs`, corrected for the gradients since its hand-off); each
-        matrix is finished before it is read (zenflow/optim/installs.py)."""
+        matrix is finished before it is read (zenflow/optim/installs.py). Returns the matrices
+        it installs."""
         self._installs.finish()   # one install of a matrix at a time
-        self._installs.add(self._pipeline.install(lrs))
+        installs = self._pipeline.install(lrs)
+        self._installs.add(installs)
+        return [q.matrix for q in installs]
 
     def _finish(self, installs) -> None:
         """Once its copy may be read: correct a matrix's installed values ("moments"), write the
