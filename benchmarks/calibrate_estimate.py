@@ -12,6 +12,7 @@ system's step and for ZenFlow's time in step(): the model is trusted where they 
 asks for 15%). Run it on a quiet machine:
 
     .venv/bin/python benchmarks/calibrate_estimate.py [--preset cpu-llama] [--rounds 2]
+    .venv/bin/python benchmarks/calibrate_estimate.py --remodel results/estimate_calibration.json
 """
 from __future__ import annotations
 
@@ -53,17 +54,8 @@ def compare(bench: dict, estimate: dict) -> list[dict]:
             for q, p, m in rows]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="cpu-llama")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "estimate_calibration.json"))
-    args = p.parse_args()
-
-    from zenflow.tools import estimate as model
-    from zenflow.tools.bench.cli import PRESETS, SEED_ZENFLOW_BLOCK
-    from zenflow.tools.estimate_shapes import preset_shapes
-
+def _measure(args) -> tuple[dict, dict]:
+    """selftest's figures and `zenflow bench`'s report, measured now."""
     with tempfile.TemporaryDirectory() as tmp:
         figures_path, bench_path = os.path.join(tmp, "selftest.json"), os.path.join(tmp, "bench.json")
         _run("measuring the host and the device",
@@ -75,7 +67,32 @@ def main() -> int:
         with open(figures_path) as f:
             figures = json.load(f).get("measured", {})
         with open(bench_path) as f:
-            bench = json.load(f)
+            return figures, json.load(f)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="cpu-llama")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "estimate_calibration.json"))
+    p.add_argument("--remodel", metavar="JSON",
+                   help="measure nothing: model again the measurements of an earlier run's "
+                        "result (after a change to the model)")
+    args = p.parse_args()
+
+    from zenflow.tools import estimate as model
+    from zenflow.tools.bench.cli import PRESETS, SEED_ZENFLOW_BLOCK
+    from zenflow.tools.estimate_shapes import preset_shapes
+
+    if args.remodel:
+        with open(args.remodel) as f:
+            earlier = json.load(f)
+        args.preset, figures = earlier["preset"], earlier["figures"]
+        bench = {"machine": earlier["machine"], "systems": {
+            name: {"summary": summary} for name, summary in earlier["bench_summaries"].items()}}
+    else:
+        figures, bench = _measure(args)
+
 
     adamw = bench["systems"]["adamw"]["summary"]
     fwd_bwd = _phase(adamw, "forward") + _phase(adamw, "backward")
@@ -95,6 +112,8 @@ def main() -> int:
         "benchmark": "calibrate_estimate", "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {**bench["machine"], "node": platform.node()},
         "preset": args.preset, "fwd_bwd_s": fwd_bwd, "figures": figures, "rows": rows,
+        "measured_at": (earlier.get("measured_at", earlier["created"]) if args.remodel
+                        else time.strftime("%Y-%m-%d %H:%M:%S")),
         "estimate_seconds": report["seconds"], "estimate_time": report["time"],
         "bench_summaries": {name: bench["systems"][name]["summary"] for name in SYSTEMS},
     }

@@ -261,6 +261,12 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          "device_update_s": ((sum(r * k for r, _, k in mats) + P_vec) / G +
                              P * item / fig["device_norm_bytes_per_s"] +
                              1.5 * touched / fig["device_copy_bytes_per_s"]),
+         # the window end's fingerprints of what the optimizer wrote (OutsideWrites): two
+         # passes over every matrix not under "moments" (OffloadAdamW: every parameter, every
+         # step, its windows being one step)
+         "fingerprint_s": 2 * item * (sum(share(r) * c for r, c, _ in mats) - moment_params)
+         / fig["device_norm_bytes_per_s"],
+         "offload_fingerprint_s": 2 * P * item / fig["device_norm_bytes_per_s"],
          "offload_host_s": off_host_params / C + off_host_params / A,
          "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
     # What the device waits for per install: the whole copy, or with per-layer installs on one
@@ -398,9 +404,12 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
     """Step-time model (per GPU; seconds per step). See the formulas in the returned dict."""
     formulas = {
         "adamw": "fwd_bwd + params / device_adamw",
-        "offload": "fwd_bwd + d2h(all grads) + host accumulate + host AdamW + h2d(all weights)",
-        "zenflow": ("max(T_dev, accumulate + host_adamw/U) + (install + sums_wait)/U" if overlap
-                    else "T_dev + (sums_d2h + host_adamw + install)/U"),
+        "offload": ("fwd_bwd + d2h(all grads) + host accumulate + host AdamW + h2d(all weights) "
+                    "+ fingerprints (two passes over every parameter)"),
+        "zenflow": ("max(T_dev, accumulate + host_adamw/U) + (install + sums_wait + "
+                    "fingerprints)/U" if overlap
+                    else "T_dev + (sums_d2h + host_adamw + install + fingerprints)/U"),
+        "fingerprints": "two passes over the matrices not under 'moments' per window",
         "T_dev": ("fwd_bwd + device update + d2h (memcpy)" if cpu else
                   "fwd_bwd + device update + device sums' add + exposed d2h"),
         "exposed d2h": (f"max(0, d2h of host-summed rows - {BACKWARD_SHARE:.2f} fwd_bwd "
@@ -418,10 +427,12 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
     install = t["install_wait_s"]
     if overlap:
         sums_wait = max(0.0, t["sums_d2h_s"] - fwd_bwd_s)
-        zen = max(T_dev, t["accumulate_s"] + t["adamw_s"] / U) + (install + sums_wait) / U
+        zen = (max(T_dev, t["accumulate_s"] + t["adamw_s"] / U)
+               + (install + sums_wait + t["fingerprint_s"]) / U)
     else:
-        zen = T_dev + (t["sums_d2h_s"] + t["adamw_s"] + install) / U
-    offload = fwd_bwd_s + t["offload_d2h_s"] + t["offload_host_s"] + t["offload_h2d_s"]
+        zen = T_dev + (t["sums_d2h_s"] + t["adamw_s"] + install + t["fingerprint_s"]) / U
+    offload = (fwd_bwd_s + t["offload_d2h_s"] + t["offload_host_s"] + t["offload_h2d_s"]
+               + t["offload_fingerprint_s"])
     min_u, why = None, ""
     if t["accumulate_s"] >= T_dev:
         why = "none: the per-step host accumulation alone takes longer than the device's step"
@@ -435,9 +446,11 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "zenflow_T_dev_s": T_dev, "zenflow_step_s": zen,
         "zenflow_exposed_d2h_s": t["d2h_s"] if cpu else exposed_d2h(t, fwd_bwd_s),
         "zenflow_optimizer_s": zen - fwd_bwd_s,     # time in step(), CPU-proxy: training thread
-        "zenflow_stall_s": zen - T_dev, "zenflow_stall_s_per_window": (zen - T_dev) * U,
+        # beyond the device's own work (its step and the window end's fingerprints)
+        "zenflow_stall_s": zen - T_dev - t["fingerprint_s"] / U,
+        "zenflow_stall_s_per_window": (zen - T_dev) * U - t["fingerprint_s"],
         # the part spent blocked on the host (what stats()["stall_s_*"] counts; no install)
-        "zenflow_blocked_s": max(0.0, zen - T_dev - install / U),
+        "zenflow_blocked_s": max(0.0, zen - T_dev - (install + t["fingerprint_s"]) / U),
         "zenflow_vs_floor": zen / floor,
         "speedup_vs_offload": offload / zen,
         "min_update_interval_hiding_host": min_u, "min_update_interval_note": why})
