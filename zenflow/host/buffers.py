@@ -128,15 +128,6 @@ class HostLayout:
                              *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
 
 
-def kept_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
-    """`grads` where the step's factor `coef` (0-dim, on their device) is not 0, else zeros, in
-    their dtype: one pass each. A skipped step (coef 0) may hold inf or NaN, and 0 times those is
-    NaN; a kept step's gradients are finite, so adding coef times these is exactly adding coef
-    times the gradients, and a skipped step adds exactly nothing."""
-    keep = coef != 0
-    return [torch.where(keep, g, 0.0) for g in grads]
-
-
 def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch.Tensor) -> None:
     """sums += coef * grads in fp32 (grads of any float dtype, coef a 0-dim fp32 tensor): the
     one arithmetic of every window sum, on the device or the host, so that the two agree bit for

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from zenflow.host.buffers import add_scaled_, kept_grads
+from zenflow.host.buffers import add_scaled_
 from zenflow.host.transfers import DONE, Ticket, Transfers
 
 
@@ -79,6 +79,15 @@ def _chunks(indices: list[int], tensors: dict[int, torch.Tensor]):
         size += tensors[i].numel()
     if run:
         yield run
+
+
+def _kept(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
+    """`grads` where the step's factor `coef` (0-dim, on their device) is not 0, else zeros, in
+    their dtype: one pass each. The interim step writes the weights, so a skipped step (coef 0),
+    whose gradients may hold inf or NaN (and 0 times those is NaN), must move them by exactly
+    nothing; a kept step's gradients are finite and pass unchanged."""
+    keep = coef != 0
+    return [torch.where(keep, g, 0.0) for g in grads]
 
 
 def _bounded_step(weights: list[torch.Tensor], steps: list[torch.Tensor], bound: float,
@@ -161,7 +170,7 @@ class DeviceSums:
                 groups.setdefault(steps[i], []).append(i)
         for (lr, bound), indices in groups.items():
             for chunk in _chunks(indices, rows):
-                moves = torch._foreach_mul(kept_grads([rows[i] for i in chunk], coef),
+                moves = torch._foreach_mul(_kept([rows[i] for i in chunk], coef),
                                            [self.rates[i] for i in chunk])
                 torch._foreach_mul_(moves, coef)
                 _bounded_step([weights[i] for i in chunk], moves, bound, lr)
