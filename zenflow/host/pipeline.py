@@ -294,8 +294,7 @@ class HostPipeline:
             self.timer.offload(time.perf_counter() - start)
             return
         waited = 0.0
-        if any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
-               for q in self._queue):
+        if self._accumulate_queued(slot):
             self.flush(block=True)     # the previous accumulate of this slot is still queued
         reader = self._staging_reader[slot]
         if reader is not None:
@@ -329,14 +328,18 @@ class HostPipeline:
         is queued to). Never blocks: a backward hook asks (zenflow/host/early_copies.py)."""
         from zenflow.host.worker import WorkerDied
         slot = self._staging_slot
-        if any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
-               for q in self._queue):
+        if self._accumulate_queued(slot):
             return None
         reader = self._staging_reader[slot]
         try:
             return slot if reader is None or self.runner.done(reader) else None
         except WorkerDied:   # the next step() reports it (check()); a hook only skips its copy
             return None
+
+    def _accumulate_queued(self, slot: int) -> bool:
+        """Whether an accumulate of staging buffer `slot` waits in the queue, not yet sent."""
+        return any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
+                   for q in self._queue)
 
     def accumulate(self) -> None:
         """Have the host add the staged gradients, times their coef, to this window's sums."""
@@ -621,9 +624,11 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
         if partition.splits_rows and partition.on_device:
             # NCCL: this rank's rows to the device, then all ranks gather there.
             own = partition.own_rows_buffer(param.shape[0], param)
-            transfers.order_after([transfers.to_device([(own[: values.shape[0]], values)])])
+            # Its ticket still says when the install buffer may be overwritten: the device
+            # waits for the copy now, the host's next update only once it has been read.
+            tickets[i] = transfers.to_device([(own[: values.shape[0]], values)])
+            transfers.order_after([tickets[i]])
             partition.gather_rows_into(param, own, what)
-            tickets[i] = DONE
             nbytes += values.numel() * values.element_size()
             continue
         if partition.splits_rows:  # gloo: every rank's rows, gathered in host memory
