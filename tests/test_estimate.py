@@ -118,6 +118,15 @@ def test_the_copy_of_host_summed_rows_hides_behind_the_backward():
     assert short["time"]["zenflow_T_dev_s"] == pytest.approx(0.3 + d2h - 0.2, rel=1e-12)
     assert long["time"]["zenflow_exposed_d2h_s"] == 0
     assert "hooks" in short["time"]["formulas"]["exposed d2h"]
+    # Under data parallel the hooks stay off (the gradients are averaged only at step()): the
+    # backward hides nothing, and the device update is all that overlaps the copy.
+    ddp = estimate(llama_shapes(**LLAMA2_7B), torch.bfloat16, gpus=4, gpu_memory_bytes=80 * GIB,
+                   topk_ratio=0.1, update_interval=4, overlap=True, fwd_bwd_s=1.5,
+                   measured=FIGURES, device_sum_budget=0)
+    t = ddp["seconds"]
+    assert t["d2h_hidden_s"] == 0 and t["d2h_s"] > t["device_update_s"]
+    assert ddp["time"]["zenflow_exposed_d2h_s"] == pytest.approx(
+        t["d2h_s"] - t["device_update_s"], rel=1e-12)
 
 
 @pytest.mark.parametrize("credit", ["mean", "moments"])

@@ -269,15 +269,21 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          "offload_fingerprint_s": 2 * P * item / fig["device_norm_bytes_per_s"],
          "offload_host_s": off_host_params / C + off_host_params / A,
          "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
+    # The host-summed rows' copies start in backward hooks in one process only (under data
+    # parallel a hook would see the gradient before it is averaged): there the backward hides
+    # BACKWARD_SHARE of forward+backward's worth of them.
+    t["d2h_hidden_s"] = (BACKWARD_SHARE * fwd_bwd_s if world == 1 and fwd_bwd_s is not None
+                         else 0.0)
     # What the device waits for per install: the whole copy, or with per-layer installs on one
     # GPU the part the forward does not hide (NCCL's all-gather waits for each copy at once).
     t["install_wait_s"] = t["h2d_s"] + t["install_gather_s"]
     if attached and world == 1 and not cpu and fwd_bwd_s is not None:
         deferred_of = [i for i, (_, c, k) in enumerate(mats) if k < c]   # mats' index of each
         copy_s = [0.0] * len(mats)
+        with_rates = set(moving)
         for d, i in enumerate(deferred_of):
             r, c, _ = mats[i]
-            copy_s[i] = (r * c * item + (rate_item * r * c if d in set(moving) else 0)) / Bh
+            copy_s[i] = (r * c * item + (rate_item * r * c if d in with_rates else 0)) / Bh
         forward_s = [fwd_bwd_s / 3 * r * c / P_mat for r, c, _ in mats]
         t["install_wait_s"] = _exposed_install_s(copy_s, forward_s) + t["install_gather_s"]
     U = _expected_window(t, fwd_bwd_s, cpu, overlap) if U == "auto" else U
@@ -303,11 +309,14 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
         f"device-sum budget: {int(device_sum_budget) / GIB:.1f} GiB (activations counted: "
         f"{activation_bytes / GIB:.1f} GiB; give --activation-gib for yours)",
         ("CPU device: copies are synchronous memcpy in the training thread" if cpu else
-         "a step's device->host copy of host-summed rows starts in backward, each matrix's as its "
-         f"gradient is produced ({BACKWARD_SHARE:.2f} of fwd_bwd is backward), and the compute "
-         "stream waits at the end of step() for what is left of it after the device update (a "
-         "script that rewrites gradients after backward, such as clip_grad_norm_, moves them all "
-         "back to step()); "
+         ("a step's device->host copy of host-summed rows starts in backward, each matrix's as "
+          f"its gradient is produced ({BACKWARD_SHARE:.2f} of fwd_bwd is backward), and the "
+          "compute stream waits at the end of step() for what is left of it after the device "
+          "update (a script that rewrites gradients after backward, such as clip_grad_norm_, "
+          "moves them all back to step()); " if world == 1 else
+          "a step's device->host copy of host-summed rows starts at step() (data parallel: the "
+          "gradients are averaged only then) and the compute stream waits for what the device "
+          "update does not hide; ")
          + ("installs are copied matrix by matrix from the end of step() and each layer's "
             "forward waits for its own (the model attached to the optimizer; a matrix's share "
             "of the forward, a third of forward+backward, is its share of the parameters)"
@@ -368,11 +377,10 @@ def _quality(window: int, moments_share: float) -> dict:
 BACKWARD_SHARE = 2 / 3
 
 
-def exposed_d2h(t: dict, fwd_bwd_s: float) -> float:
+def exposed_d2h(t: dict) -> float:
     """The part of the host-summed rows' copy that the compute stream waits for at step()'s end:
-    what neither the backward (BACKWARD_SHARE of fwd_bwd) nor the device update hides."""
-    return max(0.0, t["d2h_s"] - BACKWARD_SHARE * fwd_bwd_s
-               - t["device_update_s"] - t["sum_add_s"])
+    what neither the backward (`d2h_hidden_s`) nor the device update hides."""
+    return max(0.0, t["d2h_s"] - t["d2h_hidden_s"] - t["device_update_s"] - t["sum_add_s"])
 
 
 def _device_time(t: dict, cpu: bool, fwd_bwd_s: float) -> float:
@@ -382,7 +390,7 @@ def _device_time(t: dict, cpu: bool, fwd_bwd_s: float) -> float:
     training thread copies (the proxy this model is calibrated on; not modelled with hooks)."""
     if cpu:
         return fwd_bwd_s + t["device_update_s"] + t["d2h_s"]
-    return fwd_bwd_s + t["device_update_s"] + t["sum_add_s"] + exposed_d2h(t, fwd_bwd_s)
+    return fwd_bwd_s + t["device_update_s"] + t["sum_add_s"] + exposed_d2h(t)
 
 
 def _expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
@@ -413,8 +421,8 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "T_dev": ("fwd_bwd + device update + d2h (memcpy)" if cpu else
                   "fwd_bwd + device update + device sums' add + exposed d2h"),
         "exposed d2h": (f"max(0, d2h of host-summed rows - {BACKWARD_SHARE:.2f} fwd_bwd "
-                        "(the backward: copies start in its hooks) - device update - "
-                        "device sums' add)"),
+                        "(the backward, on one GPU: copies start in its hooks) - device update "
+                        "- device sums' add)"),
         "install": "what the device waits per install: h2d of this rank's rows + the all-gather "
                    "on the device (several ranks); with per-layer installs (attach, one GPU) only "
                    "the part of the h2d the forward does not hide",
@@ -444,7 +452,7 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": floor,
         "offload_step_s": offload, "offload_stall_s": offload - fwd_bwd_s,
         "zenflow_T_dev_s": T_dev, "zenflow_step_s": zen,
-        "zenflow_exposed_d2h_s": t["d2h_s"] if cpu else exposed_d2h(t, fwd_bwd_s),
+        "zenflow_exposed_d2h_s": t["d2h_s"] if cpu else exposed_d2h(t),
         "zenflow_optimizer_s": zen - fwd_bwd_s,     # time in step(), CPU-proxy: training thread
         # beyond the device's own work (its step and the window end's fingerprints)
         "zenflow_stall_s": zen - T_dev - t["fingerprint_s"] / U,
