@@ -261,3 +261,10 @@ def test_the_engine_attaches_its_model_until_it_is_closed():
     train(engine, range(3))
     engine.close()
     assert model not in opt._installs._attached
+
+
+def test_attach_refuses_what_is_not_a_module_by_name():
+    model = torch.nn.Linear(8, 8)
+    with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, worker=False) as opt:
+        with pytest.raises(TypeError, match=r"attach: model must be a torch.nn.Module.*got list"):
+            opt.attach(list(model.parameters()))

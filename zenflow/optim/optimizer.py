@@ -474,6 +474,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         `layer.weight` read without calling the layer) calls `wait_for_install()` first.
         zenflow.initialize, ZenFlowLightningCallback and ZenFlowTrainerCallback attach their
         model. Returns a handle whose `remove()` takes the hooks off; nothing else changes."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{self._NAME}.attach: model must be a torch.nn.Module (the model "
+                            f"whose forward reads this optimizer's parameters), got "
+                            f"{type(model).__name__}")
         matrices = {m.param: m.host_index for m in self._host_params}
         return self._installs.attach(model, owners(model, matrices, self._partition.rows_are_local),
                                      self._finish_installs)
