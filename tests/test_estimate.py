@@ -95,8 +95,18 @@ def test_llama2_7b_worked_example_by_hand():
     assert t["zenflow_stall_s"] == pytest.approx(zen - T_dev - fingerprints / 4, rel=1e-12)
     assert t["zenflow_blocked_s"] == pytest.approx(zen - T_dev - (h2d + fingerprints) / 4,
                                                    rel=1e-9, abs=1e-12)
-    offload = 1.5 + 2 * P / 25e9 + P / 8e9 + P / 4e9 + 2 * P / 25e9 + 2 * 2 * P / 1e12
+    # OffloadAdamW: the gradient norm (one read), both copies, the host's accumulate and AdamW,
+    # and its fingerprints (every step)
+    offload = (1.5 + 2 * P / 1e12 + 2 * P / 25e9 + P / 8e9 + P / 4e9 + 2 * P / 25e9
+               + 2 * 2 * P / 1e12)
     assert t["offload_step_s"] == pytest.approx(offload, rel=1e-12)
+    # A measured fingerprint speed replaces the norm kernel's, which stands in for it unmeasured.
+    slower = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
+                      update_interval=4, overlap=True, fwd_bwd_s=1.5, attached=False,
+                      measured={**FIGURES, "device_fingerprint_bytes_per_s": 5e11},
+                      device_sum_budget=0)["seconds"]
+    assert slower["fingerprint_s"] == pytest.approx(2 * r["seconds"]["fingerprint_s"], rel=1e-12)
+    assert slower["offload_fingerprint_s"] == pytest.approx(2 * 2 * P / 5e11, rel=1e-12)
     assert t["adamw_step_s"] == pytest.approx(1.5 + P / 5e10, rel=1e-12)
     # Smallest U with accumulate + host_adamw / U <= T_dev: ceil(1.685 / (1.547 - 0.842)) = 3.
     assert t["min_update_interval_hiding_host"] == math.ceil(adam / (T_dev - acc))

@@ -26,7 +26,8 @@ def test_selftest_passes_on_cpu_and_its_json_has_every_section(tmp_path, capsys)
     assert bandwidth["pinned D2H / H2D bandwidth"]["detail"] == "n/a on CPU"
     measured = report["measured"]
     for key in ("host_adamw_params_per_s", "host_accumulate_params_per_s",
-                "device_adamw_params_per_s", "memcpy_bytes_per_s", "available_host_bytes"):
+                "device_adamw_params_per_s", "device_fingerprint_bytes_per_s",
+                "memcpy_bytes_per_s", "available_host_bytes"):
         assert measured[key] > 0, key
     worker = {c["name"]: c for c in report["sections"]["worker"]["checks"]}
     assert worker["killed mid-work: clear error within 5 s"]["measured"]["seconds_to_error"] < 5

@@ -589,6 +589,8 @@ def optimizer_stats(opt: ZenFlowAdamW) -> dict:
         # host-summed gradients whose copy started in backward / waited for step()
         "early_copies": opt._pipeline.early_copies.early,
         "late_copies": opt._pipeline.early_copies.late,
+        # what the device waited for the last finished install (attach() hides most of it)
+        "last_install_wait_s": opt._pipeline.transfers.last_install_wait_seconds,
         "device_state_bytes": dev,
         "device_state_bytes_per_param": dev / max(1, numel),
         **opt._timer.summary(),

@@ -59,6 +59,9 @@ ASSUMED = {
     "device_norm_bytes_per_s": (2.0e12, "gradient bytes read per second by the norm kernel "
                                         "on the GPU (HBM)"),
     "device_copy_bytes_per_s": (1.0e12, "bytes copied per second on the GPU (HBM)"),
+    "device_fingerprint_bytes_per_s": (None, "weight bytes read per second by the window end's "
+                                             "fingerprint (per-column integer sums); unmeasured, "
+                                             "the norm kernel's figure"),
     "d2h_bytes_per_s": (25e9, "device->host, page-locked (PCIe Gen4 x16)"),
     "h2d_bytes_per_s": (25e9, "host->device, page-locked (PCIe Gen4 x16)"),
     "memcpy_bytes_per_s": (5e9, "host memcpy (the CPU device's copies)"),
@@ -73,7 +76,9 @@ def _figures(measured: dict | None, target: str) -> tuple[dict, dict]:
                 (key == "h2d_bytes_per_s" and target == "cpu"):
             continue
         got = measured.get(key)
-        if target == "cpu" and got is None and key.startswith("device_"):
+        if key == "device_fingerprint_bytes_per_s" and not got:
+            value = values["device_norm_bytes_per_s"]   # an older selftest's figures
+        elif target == "cpu" and got is None and key.startswith("device_"):
             value = {"device_adamw_params_per_s": 1.0e9, "device_norm_bytes_per_s": 5e9,
                      "device_copy_bytes_per_s": 5e9}[key]
         values[key] = float(got) if got else value
@@ -265,9 +270,11 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          # passes over every matrix not under "moments" (OffloadAdamW: every parameter, every
          # step, its windows being one step)
          "fingerprint_s": 2 * item * (sum(share(r) * c for r, c, _ in mats) - moment_params)
-         / fig["device_norm_bytes_per_s"],
-         "offload_fingerprint_s": 2 * P * item / fig["device_norm_bytes_per_s"],
+         / fig["device_fingerprint_bytes_per_s"],
+         "offload_fingerprint_s": 2 * P * item / fig["device_fingerprint_bytes_per_s"],
+         # OffloadAdamW clips too: one read of every gradient by the norm kernel
          "offload_host_s": off_host_params / C + off_host_params / A,
+         "offload_norm_s": P * item / fig["device_norm_bytes_per_s"],
          "offload_d2h_s": off_d2h / Bd, "offload_h2d_s": P * item / Bh, "adamw_device_s": P / G}
     # The host-summed rows' copies start in backward hooks in one process only (under data
     # parallel a hook would see the gradient before it is averaged): there the backward hides
@@ -412,9 +419,12 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
     """Step-time model (per GPU; seconds per step). See the formulas in the returned dict."""
     formulas = {
         "adamw": "fwd_bwd + params / device_adamw",
-        "offload": ("fwd_bwd + d2h(all grads) + host accumulate + host AdamW + h2d(all weights) "
-                    "+ fingerprints (two passes over every parameter)"),
-        "zenflow": ("max(T_dev, accumulate + host_adamw/U) + (install + sums_wait + "
+        "offload": ("fwd_bwd + gradient norm + d2h(all grads) + host accumulate + host AdamW "
+                    "+ h2d(all weights) + fingerprints (two passes over every parameter)"),
+        "zenflow": ("T_dev + accumulate + host_adamw/U + (install + fingerprints)/U (a CPU "
+                    "device shares the host's memory: the host's streaming slows its step by "
+                    "about its own length, so the two add)" if cpu and overlap else
+                    "max(T_dev, accumulate + host_adamw/U) + (install + sums_wait + "
                     "fingerprints)/U" if overlap
                     else "T_dev + (sums_d2h + host_adamw + install + fingerprints)/U"),
         "fingerprints": "two passes over the matrices not under 'moments' per window",
@@ -433,14 +443,21 @@ def _step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | No
         return out
     T_dev = _device_time(t, cpu, fwd_bwd_s)
     install = t["install_wait_s"]
-    if overlap:
+    if overlap and cpu:
+        # The CPU proxy's "device" and host stream through the same memory, which both saturate:
+        # the worker's work beside a step lengthens it by about its own duration (measured on
+        # cpu-llama: ZenFlow's forward+backward is longer than AdamW's by the host's busy time).
+        # On a GPU the device's memory is its own and the host's work hides behind its step.
+        zen = (T_dev + t["accumulate_s"] + t["adamw_s"] / U
+               + (install + t["fingerprint_s"]) / U)
+    elif overlap:
         sums_wait = max(0.0, t["sums_d2h_s"] - fwd_bwd_s)
         zen = (max(T_dev, t["accumulate_s"] + t["adamw_s"] / U)
                + (install + sums_wait + t["fingerprint_s"]) / U)
     else:
         zen = T_dev + (t["sums_d2h_s"] + t["adamw_s"] + install + t["fingerprint_s"]) / U
-    offload = (fwd_bwd_s + t["offload_d2h_s"] + t["offload_host_s"] + t["offload_h2d_s"]
-               + t["offload_fingerprint_s"])
+    offload = (fwd_bwd_s + t["offload_norm_s"] + t["offload_d2h_s"] + t["offload_host_s"]
+               + t["offload_h2d_s"] + t["offload_fingerprint_s"])
     min_u, why = None, ""
     if t["accumulate_s"] >= T_dev:
         why = "none: the per-step host accumulation alone takes longer than the device's step"

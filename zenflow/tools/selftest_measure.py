@@ -18,6 +18,7 @@ from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.transfers import Transfers, uses_cuda
 from zenflow.host.worker import WorkerHostRunner
 from zenflow.optim.clipping import gradient_norms
+from zenflow.optim.params import column_bit_sums
 
 GIB = 1 << 30
 
@@ -103,17 +104,27 @@ def _timed(device: torch.device, work, repeats: int) -> float:
     return max(statistics.median(times[1:]), 1e-9)
 
 
-def device_throughput(device: torch.device, numel: int, repeats: int = 3) -> dict:
+def device_throughput(device: torch.device, numel: int, repeats: int = 3,
+                      piece: int = 1 << 21) -> dict:
     """Fused AdamW on the device (fp32 state), in parameters per second, and the device's own
-    copy bandwidth (bytes copied per second) and how fast the gradient-norm kernel reads."""
-    t = [torch.zeros(numel, device=device) for _ in range(4)]
-    adamw = _timed(device, lambda i: adamw_([t[0]], [t[1]], [t[2]], [t[3]], i + 1, lr=1e-3,
-                                            beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
-                   repeats)
-    copy = _timed(device, lambda i: t[1].copy_(t[0]), repeats)
-    norm = _timed(device, lambda i: gradient_norms([t[0]]), repeats)
+    copy bandwidth (bytes copied per second), how fast the gradient-norm kernel reads and how
+    fast a window end's fingerprint reads: over tensors of `piece` elements (a layer's matrix at
+    narrow width; on a CPU a kernel over one huge tensor runs at half the speed it has over a
+    model's matrices, whose state stays in cache from one pass to the next)."""
+    cols = 4096
+    piece = max(cols, min(piece, numel) // cols * cols)
+    pieces = max(1, numel // piece)
+    t = [[torch.zeros(piece, device=device) for _ in range(pieces)] for _ in range(4)]
+    numel = piece * pieces
+    adamw = _timed(device, lambda i: adamw_(*t, i + 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                                            weight_decay=0.01), repeats)
+    copy = _timed(device, lambda i: [b.copy_(a) for a, b in zip(t[0], t[1])], repeats)
+    norm = _timed(device, lambda i: gradient_norms(t[0]), repeats)
+    fingerprint = _timed(device, lambda i: [column_bit_sums(x.view(-1, cols)) for x in t[0]],
+                         repeats)
     return {"device_adamw_params_per_s": numel / adamw, "device_copy_bytes_per_s": 4 * numel / copy,
-            "device_norm_bytes_per_s": 4 * numel / norm}
+            "device_norm_bytes_per_s": 4 * numel / norm,
+            "device_fingerprint_bytes_per_s": 4 * numel / fingerprint}
 
 
 def bandwidth(device: torch.device, nbytes: int, repeats: int = 4) -> dict:
@@ -121,12 +132,20 @@ def bandwidth(device: torch.device, nbytes: int, repeats: int = 4) -> dict:
     (registered as the optimizer registers its arena); on a CPU device, the memcpy bandwidth
     that stands in for the bus (copies are synchronous there and run in the training thread)."""
     if not uses_cuda(device):
-        a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            b.copy_(a)
-            times.append(time.perf_counter() - start)
+        # A CPU device's copies run in the training thread, on its torch threads, between its
+        # tensors and the arena: measured so, over more bytes than any cache holds.
+        arena = Arena.create([("buf", torch.float32, nbytes // 4)], "zenflow selftest")
+        try:
+            a, b = torch.ones(nbytes // 4), arena.views["buf"]
+            b.fill_(0.0)   # its pages exist before the timing
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                b.copy_(a)
+                times.append(time.perf_counter() - start)
+            del a, b
+        finally:
+            arena.release()
         return {"pinned": False, "memcpy_bytes_per_s": nbytes / statistics.median(times[1:])}
     arena = Arena.create([("buf", torch.uint8, nbytes)], "zenflow selftest")
     transfers = Transfers(device)
