@@ -33,6 +33,8 @@ GPUS = {"1xH100": 1, "4xA100": 4}
 SYSTEMS = {
     "host sums (device_sum_budget=0)": dict(device_sum_budget=0),
     "sums on the device, deferred_credit 'mean'": dict(deferred_credit="mean"),
+    "bf16 sums on the device, 'mean'": dict(deferred_credit="mean",
+                                            device_sum_dtype="bfloat16"),
     "defaults (sums on the device, 'moments' where they fit)": {},
 }
 

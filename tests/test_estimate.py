@@ -197,6 +197,31 @@ def test_a_forward_that_waits_per_layer_waits_for_what_it_does_not_hide():
         2 * P_mat / 25e9 - 0.5 * (P_mat - 32000 * 4096) / P_mat)
 
 
+def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_cost_the_host_a_widening():
+    shapes = llama_shapes(**LLAMA2_7B)
+    settings = dict(gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,
+                    measured=FIGURES, device_sum_budget=10 ** 12, deferred_credit="mean",
+                    update_interval=4)
+    fp32 = estimate(shapes, torch.bfloat16, **settings)
+    bf16 = estimate(shapes, torch.bfloat16, device_sum_dtype="bfloat16", **settings)
+    summed = fp32["per_gpu"]["device_sum_bytes"] / 4    # every deferred parameter
+    assert bf16["per_gpu"]["device_sum_bytes"] == 2 * summed
+    window = fp32["bus"]["zenflow"]["d2h_bytes_per_window"]
+    assert window == 4 * summed and bf16["bus"]["zenflow"]["d2h_bytes_per_window"] == 2 * summed
+    assert bf16["seconds"]["sums_d2h_s"] == pytest.approx(fp32["seconds"]["sums_d2h_s"] / 2)
+    # the host widens each bf16 sum once per window, at its accumulate rate
+    assert bf16["seconds"]["adamw_s"] == pytest.approx(fp32["seconds"]["adamw_s"] + summed / 8e9)
+    # the device's add reads the bf16 gradient and reads and writes a 2-byte sum, not a 4-byte one
+    assert bf16["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 4) / 1e12)
+    assert fp32["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 8) / 1e12)
+    # a budget that held half the fp32 sums holds all of them in bf16
+    half = estimate(shapes, torch.bfloat16, **{**settings, "device_sum_budget": 2 * summed})
+    all_bf16 = estimate(shapes, torch.bfloat16, device_sum_dtype="bfloat16",
+                        **{**settings, "device_sum_budget": 2 * summed})
+    assert half["per_gpu"]["host_sum_matrices"] > 0
+    assert all_bf16["per_gpu"]["host_sum_matrices"] == 0
+
+
 def test_more_gpus_split_the_host_state_but_not_the_device_state():
     shapes = llama_shapes(**LLAMA2_7B)
     # "mean": "moments" applies to one GPU's matrices, not to data-parallel replicas

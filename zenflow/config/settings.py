@@ -38,6 +38,7 @@ from zenflow.config.rules import (
     Positive,
     SelectInterval,
     SelectStrategy,
+    SumDtype,
     UpdateInterval,
     WeightDecay,
     select_interval_fits_strategy,
@@ -173,6 +174,13 @@ class ZenFlowSettings(_Arguments):
     # is left holds the squares and rates of deferred_credit "moments" (8 bytes, 6 for 16-bit
     # weights), for as many of the summed matrices as fit.
     device_sum_budget: DeviceSumBudget = "auto"
+    # The dtype of the window sums kept on the device. "bfloat16" halves their device memory (2
+    # bytes per summed parameter: the budget holds twice as many) and their bytes over the bus,
+    # at the cost of rounding the running sum to bf16 after each step's add (a relative error of
+    # about 2**-9 per step, where the fp32 sum equals the host's bit for bit); the host widens
+    # it to fp32 in place before its AdamW. Matrices under deferred_credit "moments" keep fp32
+    # sums: their interim steps and install corrections read the sum.
+    device_sum_dtype: SumDtype = "float32"
     # Run the host side in a worker process (False: in the training process, synchronously;
     # for debugging and for machines without a spare core).
     worker: Flag = True

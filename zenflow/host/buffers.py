@@ -54,6 +54,7 @@ class HostJob(NamedTuple):
     weight_decay: float
     lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
     moments: bool = False    # deferred_credit="moments": `step` counts gradients; squares summed
+    widen: bool = False      # the sum arrived narrow (bf16, from the device): widen it first
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,25 @@ def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch
     one arithmetic of every window sum, on the device or the host, so that the two agree bit for
     bit."""
     torch._foreach_addcmul_(sums, grads, [coef] * len(sums))
+
+
+def landing_of(fp32_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where a device sum of `dtype` lands in the host's fp32 sum `fp32_sum` ([rows, cols]): the
+    sum itself, or for a narrow dtype the first bytes of it (widen_ makes them the fp32 sum)."""
+    if dtype == torch.float32:
+        return fp32_sum
+    return fp32_sum.view(-1).view(dtype)[:fp32_sum.numel()].view(fp32_sum.shape)
+
+
+def widen_(fp32_sum: torch.Tensor) -> None:
+    """fp32_sum := the bf16 values landing_of() left in its first half, exactly, in place: a
+    chunk at a time from the end, each read into a temporary before it is written, so no write
+    reaches a narrow value not read yet (chunk [a, b) writes bytes [4a, 4b), and the values
+    still unread lie below byte 2a)."""
+    flat = fp32_sum.view(-1)
+    narrow = flat.view(torch.bfloat16)[:flat.numel()]
+    for start in reversed(range(0, flat.numel(), _CHUNK)):
+        flat[start:start + _CHUNK].copy_(narrow[start:start + _CHUNK].float())
 
 
 def rate_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -243,9 +263,12 @@ class HostState:
         Jobs sharing hyperparameters, step and window length go to the fused kernel together, as
         flat runs where their matrices are adjacent (usually: one run per dtype).
         """
+        for job in jobs:
+            if job.widen:
+                widen_(self.fp32(f"grad_sum{sum_slot}", job.matrix))
         groups: dict[tuple, list[int]] = {}
         for job in jobs:
-            groups.setdefault(tuple(job[1:]), []).append(job.matrix)
+            groups.setdefault(tuple(job[1:-1]), []).append(job.matrix)
         v = self.arena.views
         sums = v[f"grad_sum{sum_slot}"]
         for key, matrices in groups.items():

@@ -1,9 +1,9 @@
 """The window's gradient sums of host-owned rows, kept on the device where memory allows.
 
 A matrix summed here costs the bus and the host nothing per step: each step adds its gradient
-rows, times the step's scale, into an fp32 buffer with one fused launch on the device, and only
-at a window end does the sum cross to the host, once, on the copy stream, while the next steps
-run. Matrices that do not fit the budget are summed on the host as before (their rows cross
+rows, times the step's scale, into an fp32 buffer (bf16 with device_sum_dtype="bfloat16", which
+halves its memory and its bytes over the bus) with one fused launch on the device, and only at a
+window end does the sum cross to the host, once, on the copy stream, while the next steps run. Matrices that do not fit the budget are summed on the host as before (their rows cross
 every step and the worker adds them: zenflow/host/pipeline.py).
 
 The copy of a window's sums reads the buffers the next window adds into: the first add of the
@@ -48,20 +48,21 @@ def choose_device_summed(numels: list[int], budget_bytes: int,
     return chosen
 
 
-def choose_placement(numels: list[int], budget_bytes: int,
-                     moments_bytes: int = 0) -> tuple[list[int], list[int]]:
-    """(summed, moving): the matrices whose fp32 sums fit `budget_bytes`, and of those, with what
-    is left, the ones that also fit `moments_bytes` per element more (the squares and rates of
-    deferred_credit "moments"; 0: none). Every sum first: a matrix summed on the device saves the
-    bus and the host a copy of its gradient every step, which a tight device cannot afford to
-    trade for better windows."""
-    summed = choose_device_summed(numels, budget_bytes)
+def choose_placement(numels: list[int], budget_bytes: int, moments_bytes: int = 0,
+                     sum_bytes: int = 4) -> tuple[list[int], list[int]]:
+    """(summed, moving): the matrices whose sums (`sum_bytes` per element: 4 for fp32, 2 for
+    bf16) fit `budget_bytes`, and of those, with what is left, the ones that also fit
+    `moments_bytes` per element more (the squares and rates of deferred_credit "moments"; 0:
+    none), and an fp32 sum (a "moments" matrix's sum is fp32). Every sum first: a matrix summed
+    on the device saves the bus and the host a copy of its gradient every step, which a tight
+    device cannot afford to trade for better windows."""
+    summed = choose_device_summed(numels, budget_bytes, sum_bytes)
     if not moments_bytes:
         return summed, []
-    spare = budget_bytes - 4 * sum(numels[i] for i in summed)
+    spare = budget_bytes - sum_bytes * sum(numels[i] for i in summed)
     chosen = set(summed)
     moving = choose_device_summed([n if i in chosen else 0 for i, n in enumerate(numels)],
-                                  spare, moments_bytes)
+                                  spare, moments_bytes + 4 - sum_bytes)
     return summed, moving
 
 
@@ -99,11 +100,13 @@ def _bounded_step(weights: list[torch.Tensor], steps: list[torch.Tensor], bound:
 
 
 class DeviceSums:
-    """fp32 sums on the device of this rank's rows of some host-owned matrices."""
+    """Sums on the device of this rank's rows of some host-owned matrices: in `dtype` (fp32, or
+    bf16 to halve their memory and bus bytes), fp32 under "moments"."""
 
-    def __init__(self, transfers: Transfers):
+    def __init__(self, transfers: Transfers, dtype: torch.dtype = torch.float32):
         self.transfers = transfers
-        self.sums: dict[int, torch.Tensor] = {}   # host index -> [rows, cols] fp32 on the device
+        self.dtype = dtype
+        self.sums: dict[int, torch.Tensor] = {}   # host index -> [rows, cols] on the device
         self.squares: dict[int, torch.Tensor] = {}   # "moments": the sums of squares, fp32
         self.rates: dict[int, torch.Tensor] = {}     # "moments": the host's last rates
         self._copied: Ticket = DONE              # the last copy of the sums to the host
@@ -112,7 +115,8 @@ class DeviceSums:
                  device: torch.device) -> None:
         """A zeroed sum for each matrix (index -> (rows, cols, rates' dtype)); with a rates'
         dtype (deferred_credit="moments") also its squares and rates."""
-        self.sums = {i: torch.zeros(shape[:2], dtype=torch.float32, device=device)
+        self.sums = {i: torch.zeros(shape[:2], device=device,
+                                    dtype=self.dtype if shape[2] is None else torch.float32)
                      for i, shape in shapes.items()}
         moving = {i: shape for i, shape in shapes.items() if shape[2] is not None}
         self.squares = {i: torch.zeros(shape[:2], dtype=torch.float32, device=device)
@@ -128,8 +132,8 @@ class DeviceSums:
                    for part in (self.sums, self.squares, self.rates) for t in part.values())
 
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
-        """sum[i] += coef * rows[i] in fp32 (= for the `fresh` ones: the window's first
-        gradient), the squares likewise, in a few fused launches per chunk on the device. `coef`
+        """sum[i] += coef * rows[i] in fp32, rounded to a bf16 sum's dtype (= for the `fresh` ones:
+        the window's first gradient), the squares likewise, in a few fused launches per chunk on the device. `coef`
         is the step's 0-dim factor, 0 on a skipped step, whose gradients may hold inf or NaN:
         those spoil the sums, and the optimizer drops the window they are in when it ends
         (docs/semantics.md, "Skipped steps"), so the step pays no pass to keep them out."""
@@ -191,9 +195,9 @@ class DeviceSums:
 
     def copy_out(self, targets: dict[int, torch.Tensor],
                  square_targets: dict[int, torch.Tensor] | None = None) -> Ticket:
-        """Queue the copy of sum[i] into the host buffer targets[i] for each i (and of the
-        squares into square_targets[i]); returns its Ticket (the host may read the targets once
-        it is done)."""
+        """Queue the copy of sum[i] into the host buffer targets[i] for each i, in the sum's own
+        dtype (buffers.landing_of), and of the squares into square_targets[i]; returns its Ticket
+        (the host may read the targets once it is done)."""
         pairs = [(targets[i], self.sums[i]) for i in targets]
         pairs += [(dst, self.squares[i]) for i, dst in (square_targets or {}).items()]
         if not pairs:

@@ -49,7 +49,14 @@ import torch
 
 from zenflow.distributed import Partition, local
 from zenflow.host import numa
-from zenflow.host.buffers import FP32_KINDS, HostJob, HostLayout, HostState, rate_dtype
+from zenflow.host.buffers import (
+    FP32_KINDS,
+    HostJob,
+    HostLayout,
+    HostState,
+    landing_of,
+    rate_dtype,
+)
 from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
 from zenflow.host.device_sums import DeviceSums, choose_placement, takes_moments
 from zenflow.host.early_copies import EarlyCopies
@@ -108,7 +115,8 @@ class HostPipeline:
                  overlap: bool, worker_cores: list[int] | None, timer: StepTimer,
                  owner: str, available_bytes: int | None = None,
                  device_sum_budget: int | str = 0, moments: bool = False,
-                 lock: threading.RLock | None = None):
+                 lock: threading.RLock | None = None,
+                 device_sum_dtype: torch.dtype = torch.float32):
         """`lock`: the owner's lock around its calls into this pipeline; with it, host-summed
         gradients may start their copy during backward (zenflow/host/early_copies.py)."""
         self.params = params
@@ -135,7 +143,7 @@ class HostPipeline:
 
         self.device = device
         self.device_sum_budget = device_sum_budget
-        self.device_sums = DeviceSums(self.transfers)
+        self.device_sums = DeviceSums(self.transfers, device_sum_dtype)
         self._sums_placed = False   # decided at the first step (the budget may need its peak)
         self._restored: dict = {}   # squares and rates loaded before that: index -> (sq, rate)
         self._pinned_sums: list[str] = []
@@ -237,7 +245,8 @@ class HostPipeline:
         moments_bytes = 0   # "moments": the squares and the widest rates, per element
         if self.moments and matrices:
             moments_bytes = 4 + max(rate_dtype(m.dtype).itemsize for m in matrices)
-        chosen, moving = choose_placement([m.numel for m in matrices], int(budget), moments_bytes)
+        chosen, moving = choose_placement([m.numel for m in matrices], int(budget), moments_bytes,
+                                          self.device_sums.dtype.itemsize)
         self.device_sums.allocate({i: (matrices[i].rows, matrices[i].cols,
                                        rate_dtype(matrices[i].dtype) if i in moving else None)
                                    for i in chosen}, self.device)
@@ -376,7 +385,10 @@ class HostPipeline:
             if n:
                 moments = self.moves(i)
                 self.host_step[i] += n if moments else 1   # "moments" counts gradients
-                jobs.append(HostJob(i, self.host_step[i], n, *hyperparameters[i], moments))
+                # A narrow (bf16) device sum lands in the first half of its fp32 sum's bytes,
+                # and the update widens it there first.
+                widen = i in self.device_sums and self.device_sums.sums[i].dtype != torch.float32
+                jobs.append(HostJob(i, self.host_step[i], n, *hyperparameters[i], moments, widen))
                 self.num_grads[i] = 0
         if not jobs:
             return False
@@ -386,10 +398,12 @@ class HostPipeline:
             flight.seq = seq
         on_device = [j.matrix for j in jobs if j.matrix in self.device_sums]
         squared = [j.matrix for j in jobs if j.moments]
+        landing = {i: landing_of(self.host.fp32(f"grad_sum{self._sum_slot}", i),
+                                 self.device_sums.sums[i].dtype) for i in on_device}
         sums = self.device_sums.copy_out(
-            {i: self.host.fp32(f"grad_sum{self._sum_slot}", i) for i in on_device},
-            {i: self.host.square_sum(self._sum_slot, i) for i in squared})
-        self.timer.moved(d2h=4 * sum(self.layout.matrices[i].numel for i in on_device + squared))
+            landing, {i: self.host.square_sum(self._sum_slot, i) for i in squared})
+        self.timer.moved(d2h=sum(t.numel() * t.element_size() for t in landing.values())
+                         + 4 * sum(self.layout.matrices[i].numel for i in squared))
         # The update reads the sums once they have landed, and overwrites the install buffer
         # once the last install copy has read it.
         self._enqueue(all_of(self._install_reader, sums), Update(self._sum_slot, tuple(jobs)), sent)
@@ -492,7 +506,8 @@ class HostPipeline:
         self.drain()
         per_param = []
         for i in range(len(self.params)):
-            grad_sum = (self.device_sums.sums[i].to("cpu", copy=True) if i in self.device_sums
+            grad_sum = (self.device_sums.sums[i].to("cpu", torch.float32, copy=True)
+                        if i in self.device_sums
                         else self.host.fp32(f"grad_sum{self._sum_slot}", i))
             squares = rate = torch.zeros_like(grad_sum)
             if self.moves(i):
@@ -510,7 +525,7 @@ class HostPipeline:
         in_flight = jobs = None
         if self.in_flight is not None:
             in_flight = self.in_flight.matrices
-            jobs = [list(job) for job in self.in_flight.jobs]
+            jobs = [list(job)[:10] for job in self.in_flight.jobs]   # done: nothing to widen
         return {"params": per_param, "in_flight": in_flight, "in_flight_jobs": jobs}
 
     def check_state_dict(self, state: dict, window_steps: int | None = None) -> None:

@@ -197,6 +197,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                                       self.device, self.settings.overlap_step, worker_cores,
                                       self._timer, self._NAME,
                                       device_sum_budget=self.settings.device_sum_budget,
+                                      device_sum_dtype=getattr(torch,
+                                                               self.settings.device_sum_dtype),
                                       moments=self.settings.deferred_credit == "moments",
                                       lock=self._lock)
         self._closed = False

@@ -150,7 +150,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              fwd_bwd_s: float | None = None, measured: dict | None = None, target: str = "cuda",
              source: str = "", device_sum_budget: int | str = "auto",
              activation_bytes: int = 0, fsdp: int | None = None,
-             deferred_credit: str = "moments", attached: bool = True) -> dict:
+             deferred_credit: str = "moments", attached: bool = True,
+             device_sum_dtype: str = "float32") -> dict:
     """The estimate as a dict (see `format_report`); `shapes` is [(name, shape), ...]. `fsdp`:
     also the bytes per rank of the model sharded that many ways with FSDP2 (`per_rank`), beside
     DDP's on as many GPUs (`gpus` must then be that number).
@@ -160,7 +161,9 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     applies to the matrices summed on the device, on one GPU (data-parallel replicas take
     "mean"). `attached`: the model is attached to the optimizer (`ZenFlowAdamW.attach`, which
     zenflow.initialize and the framework callbacks do), so each layer's forward waits only for
-    its own install; else the step waits for the whole install."""
+    its own install; else the step waits for the whole install. `device_sum_dtype`: the
+    optimizer's ("bfloat16": half the bytes of every device sum not under "moments", which the
+    host widens once per window)."""
     if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1
                              or fsdp != gpus):
         raise ValueError(f"fsdp must be the number of GPUs the model is sharded over (>= 1, "
@@ -214,20 +217,26 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
         spare = left["zenflow"] - activation_bytes - int(0.1 * gpu_memory_bytes)
         device_sum_budget = 0 if cpu else max(0, spare)
     # every sum first; then, with what is left, "moments" (the square, fp32, and the rate)
+    sum_item = 2 if device_sum_dtype == "bfloat16" else 4
     summed, moving = choose_placement([share(r) * c for r, c in deferred], int(device_sum_budget),
-                                      4 + rate_item if moments else 0)
+                                      4 + rate_item if moments else 0, sum_item)
     on_device = set(summed)
     dev_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i in on_device)
     host_sum_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i not in on_device)
     moment_params = sum(share(r) * c for i, (r, c) in enumerate(deferred) if i in set(moving))
-    per_gpu["device_sum_bytes"] = 4 * dev_sum_params + (4 + rate_item) * moment_params
+    plain_params = dev_sum_params - moment_params   # summed in device_sum_dtype ("moments": fp32)
+    narrow_params = plain_params if sum_item < 4 else 0   # the host widens them once per window
+    per_gpu["device_sum_bytes"] = (sum_item * plain_params + 4 * moment_params
+                                   + (4 + rate_item) * moment_params)
+    per_gpu["device_sum_dtype"] = device_sum_dtype
     per_gpu["moments_matrices"] = len(moving)
     per_gpu["device_sum_matrices"] = len(on_device)
     per_gpu["host_sum_matrices"] = len(deferred) - len(on_device)
     # -- bus bytes per GPU: host-summed rows every step in the weights' dtype; device sums once
     # per window in fp32; installs: this rank's rows (NCCL all-gathers the rest on the device)
     zen_d2h_step = host_sum_params * item
-    zen_d2h_window_sums = 4 * dev_sum_params + 4 * moment_params   # "moments": the squares
+    zen_d2h_window_sums = (sum_item * plain_params + 4 * moment_params
+                           + 4 * moment_params)   # "moments": the squares
     install_rows = sum((share(r) if world > 1 else r) * c for r, c in deferred)
     zen_h2d_window = install_rows * item + rate_item * moment_params   # and the rates
     off_d2h = (sum(share(r) * c for r, c, _ in mats) + sum(share(1) * n for n in vecs)) * item
@@ -243,7 +252,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     touched = sum(r * min(c * item, k * 64) for r, c, k in mats if k)
     off_host_params = off_d2h // item
     gather = sum(r * c for r, c in deferred) * item - zen_h2d_window if world > 1 else 0
-    t = {"accumulate_s": host_sum_params / C, "adamw_s": zen_host_params / A,
+    # (the host's window work: AdamW, and widening the bf16 sums, a pass like an accumulate's)
+    t = {"accumulate_s": host_sum_params / C, "adamw_s": zen_host_params / A + narrow_params / C,
          "d2h_s": zen_d2h_step / Bd, "h2d_s": zen_h2d_window / Bh,
          "sums_d2h_s": zen_d2h_window_sums / Bd,
          # per step, as device_sums.add writes it: one addcmul of the gradient times the step's
@@ -253,7 +263,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
          # step (device_sums.move: the gradient zeroed on a skipped step, as the step writes
          # the weights, its product with the rate, scaled and clamped in place, added to the
          # weight)
-         "sum_add_s": (dev_sum_params * (item + 8) + moment_params * (
+         "sum_add_s": (plain_params * (item + 2 * sum_item) + moment_params * (item + 8)
+                       + moment_params * (
              (item + 24) + 5 * item + rate_item + 8 * max(item, rate_item))
          ) / fig["device_copy_bytes_per_s"],
          # an all-gather of the other ranks' rows; "moments": the install's bounded correction
@@ -310,9 +321,12 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
         "'AdamW fp32 master' = mixed precision with fp32 master weights and moments",
         "host throughput is a host-wide resource: each of the GPUs' workers gets 1/GPUs of it",
         "ZenFlow sums each matrix's window gradient on the device where the device-sum budget "
-        "allows (one fused add per step; the fp32 sum crosses once per window, and the next "
-        "window's first add waits for that copy); the other matrices' rows cross every step and "
-        "the worker sums them",
+        f"allows (one fused add per step; the {device_sum_dtype} sum crosses once per window, "
+        "and the next window's first add waits for that copy); the other matrices' rows cross "
+        "every step and the worker sums them"
+        + ("; the host widens a bf16 sum to fp32 once per window, and the quality model does "
+           "not count its rounding (about 2**-9 relative per add; not measured)"
+           if device_sum_dtype == "bfloat16" else ""),
         f"device-sum budget: {int(device_sum_budget) / GIB:.1f} GiB (activations counted: "
         f"{activation_bytes / GIB:.1f} GiB; give --activation-gib for yours)",
         ("CPU device: copies are synchronous memcpy in the training thread" if cpu else
@@ -524,7 +538,8 @@ def format_report(r: dict) -> str:
     out.append(f"  {'fits':<28}" + "".join(f"{'yes' if g['fits'][c] else 'NO':>16}" for c in cols))
     out.append(f"  window sums on the device: {g['device_sum_matrices']} matrices "
                f"({g['moments_matrices']} under 'moments', with squares and rates), "
-               f"{g['device_sum_bytes'] / GIB:.2f} GiB; on the host: {g['host_sum_matrices']}")
+               f"{g['device_sum_bytes'] / GIB:.2f} GiB ({g['device_sum_dtype']} sums); on the "
+               f"host: {g['host_sum_matrices']}")
     out += ["", f"{'Per host (' + str(s['gpus']) + f' {unit}(s))':<32}{'OffloadAdamW':>16}"
             f"{'ZenFlowAdamW':>16}"]
     for name, key in (("host memory (state)", "host_bytes"), ("reserved (page-rounded)",
@@ -626,6 +641,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "auto device-sum budget)")
     p.add_argument("--deferred-credit", choices=("moments", "mean", "window"), default="moments",
                    help="ZenFlow deferred_credit (default: the optimizer's, moments)")
+    p.add_argument("--device-sum-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="ZenFlow device_sum_dtype (default: the optimizer's, float32)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ZenFlow overlap_step")
     p.add_argument("--attach", action=argparse.BooleanOptionalAction, default=True,
@@ -696,7 +713,8 @@ def run(args: argparse.Namespace) -> int:
                           measured=measured, target=target, source=source,
                           device_sum_budget=args.device_sum_budget,
                           activation_bytes=int(args.activation_gib * GIB),
-                          deferred_credit=args.deferred_credit, attached=args.attach)
+                          deferred_credit=args.deferred_credit, attached=args.attach,
+                          device_sum_dtype=args.device_sum_dtype)
     except (ValueError, OSError) as exc:
         print(f"zenflow estimate: error: {exc}", file=sys.stderr)
         return 2
