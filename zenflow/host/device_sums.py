@@ -3,8 +3,9 @@
 A matrix summed here costs the bus and the host nothing per step: each step adds its gradient
 rows, times the step's scale, into an fp32 buffer (bf16 with device_sum_dtype="bfloat16", which
 halves its memory and its bytes over the bus) with one fused launch on the device, and only at a
-window end does the sum cross to the host, once, on the copy stream, while the next steps run. Matrices that do not fit the budget are summed on the host as before (their rows cross
-every step and the worker adds them: zenflow/host/pipeline.py).
+window end does the sum cross to the host, once, on the copy stream, while the next steps run.
+Matrices that do not fit the budget are summed on the host as before (their rows cross every step
+and the worker adds them: zenflow/host/pipeline.py).
 
 The copy of a window's sums reads the buffers the next window adds into: the first add of the
 next window waits for it (on CUDA the compute stream waits on the copy's event, the Python
@@ -132,11 +133,12 @@ class DeviceSums:
                    for part in (self.sums, self.squares, self.rates) for t in part.values())
 
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
-        """sum[i] += coef * rows[i] in fp32, rounded to a bf16 sum's dtype (= for the `fresh` ones:
-        the window's first gradient), the squares likewise, in a few fused launches per chunk on the device. `coef`
-        is the step's 0-dim factor, 0 on a skipped step, whose gradients may hold inf or NaN:
-        those spoil the sums, and the optimizer drops the window they are in when it ends
-        (docs/semantics.md, "Skipped steps"), so the step pays no pass to keep them out."""
+        """sum[i] += coef * rows[i] in fp32, rounded to a bf16 sum's dtype (= for the `fresh`
+        ones: the window's first gradient), the squares likewise, in a few fused launches per
+        chunk on the device. `coef` is the step's 0-dim factor, 0 on a skipped step, whose
+        gradients may hold inf or NaN: those spoil the sums, and the optimizer drops the window
+        they are in when it ends (docs/semantics.md, "Skipped steps"), so the step pays no pass
+        to keep them out."""
         if not rows:
             return
         self.transfers.fence(self._copied)   # the last window's sums have left these buffers
