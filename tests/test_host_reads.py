@@ -62,6 +62,7 @@ VARIANTS = {
     "clipped": dict(max_grad_norm=1.0),
     "grad-scaler": dict(max_grad_norm=1.0),          # step() handed grad_scale and found_inf
     "moments": dict(deferred_credit="moments"),      # the device's interim steps
+    "bf16-sums": dict(max_grad_norm=1.0, deferred_credit="mean", device_sum_dtype="bfloat16"),
 }
 
 
@@ -70,8 +71,8 @@ VARIANTS = {
 @pytest.mark.parametrize("device_sums", [0, 10 ** 9], ids=["host-sums", "device-sums"])
 def test_a_step_inside_a_window_reads_the_device_zero_times(variant, dtype, device_sums,
                                                             device_reads):
-    if variant == "moments" and not device_sums:
-        pytest.skip('"moments" applies only to sums on the device')
+    if variant in ("moments", "bf16-sums") and not device_sums:
+        pytest.skip(f"{variant} applies only to sums on the device")
     model = _model(dtype)
     opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=4,
                                overlap_step=True, device_sum_budget=device_sums, worker=False,

@@ -312,7 +312,7 @@ def transfers(ctx: _Ctx) -> list[Check]:
                   f"{steps} steps ({where})" + ("" if bad is None else
                                                 f"; first difference after step {bad}"),
                   measured={"sync_s": sync_s, "async_s": async_s}),
-            *(no_syncs_inside_a_window(ctx, sums) for sums in ("host", "device"))]
+            *(no_syncs_inside_a_window(ctx, sums) for sums in ("host", "device", "bf16 device"))]
 
 
 def no_syncs_inside_a_window(ctx: _Ctx, sums: str) -> Check:
@@ -325,7 +325,8 @@ def no_syncs_inside_a_window(ctx: _Ctx, sums: str) -> Check:
                                    "count reads instead: tests/test_host_reads.py)")
     params = _params(_values([(512, 256), (256,), (256, 512)], 11), ctx)
     opt = ZenFlowAdamW(params, topk_ratio=0.25, update_interval=4, overlap_step=True,
-                       max_grad_norm=1.0, device_sum_budget=10 ** 9 if sums == "device" else 0)
+                       max_grad_norm=1.0, device_sum_budget=0 if sums == "host" else 10 ** 9,
+                       device_sum_dtype="bfloat16" if sums == "bf16 device" else "float32")
     _use_transfers(opt, ctx.transfers)
     detail = "steps 1 and 2 of a window of 4"
     status = "pass"
