@@ -372,6 +372,16 @@ def test_hf_config_of_llama2_7b(tmp_path, capsys):
     assert "meta device" in report["model"]["source"]
 
 
+@pytest.mark.skipif(not is_installed("transformers"), reason="needs transformers")
+@pytest.mark.parametrize("text, what", [("not json", "not a JSON config.json"),
+                                        ("[1]", "not a Hugging Face config.json")])
+def test_a_broken_hf_config_is_named_with_its_argument(tmp_path, capsys, text, what):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert main(["estimate", "--hf-config", str(path)]) == 2
+    assert f"--hf-config {path}: {what}" in capsys.readouterr().err
+
+
 def test_a_cpu_estimate_says_it_models_a_cpu_device_not_a_gpu(tmp_path, capsys):
     selftest = tmp_path / "selftest.json"
     selftest.write_text(json.dumps({"measured": {"device": "cpu"}}))

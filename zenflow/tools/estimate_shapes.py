@@ -84,9 +84,12 @@ def hf_config(source) -> object:
     if os.path.isdir(source):
         return AutoConfig.from_pretrained(source, local_files_only=True)
     with open(source) as f:
-        d = json.load(f)
-    if "model_type" not in d:
-        raise ValueError(f"{source}: not a Hugging Face config.json (no model_type)")
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-config {source}: not a JSON config.json ({exc})") from None
+    if not isinstance(d, dict) or "model_type" not in d:
+        raise ValueError(f"--hf-config {source}: not a Hugging Face config.json (no model_type)")
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
