@@ -140,13 +140,15 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
     batches: dict[tuple, _Batch] = {}
     for param, grad, cols, group in matrices:
         columns.gather_columns(columns.as_matrix(grad), cols.column_indices, out=cols.grad)
-        cols.grad.mul_(scale.coef)
         batches.setdefault(group_hyperparameters(group), _Batch()).add(
             cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
-    for param, grad, state, group in vectors:
+    if matrices:   # one launch for all, not one per matrix (thousands of them in a MoE)
+        torch._foreach_mul_([cols.grad for _, _, cols, _ in matrices], scale.coef)
+    scaled = (torch._foreach_mul([grad.float() for _, grad, _, _ in vectors], scale.coef)
+              if vectors else [])
+    for (param, grad, state, group), vector_grad in zip(vectors, scaled):
         batches.setdefault(group_hyperparameters(group), _Batch()).add(
-            state.master, grad.float() * scale.coef, state.exp_avg, state.exp_avg_sq,
-            state.count)
+            state.master, vector_grad, state.exp_avg, state.exp_avg_sq, state.count)
 
     for (lr, beta1, beta2, eps, weight_decay), b in batches.items():
         torch._foreach_add_(b.counts, scale.kept)
