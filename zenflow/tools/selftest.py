@@ -55,7 +55,8 @@ def _throughput(ctx) -> list[Check]:
     want = (32 if ctx.cuda else 4) * MIB
     numel = max(MIB, min(want, mem // 64))        # ~24-28 bytes per parameter, with margin
     host = measure.host_throughput(numel, ctx.dtype)
-    # 128 MiB a tensor, which no cache holds (a CPU's device figures otherwise read from its L3)
+    # 128 MiB of layer-sized tensors per operand, which no cache holds (a CPU's device figures
+    # otherwise read from its L3)
     dev = measure.device_throughput(ctx.device, min(32 * MIB, mem // 64))
     cores = host["worker_cores"]
     return [Check("host AdamW on the worker's cores", "pass",

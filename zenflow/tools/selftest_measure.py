@@ -138,15 +138,11 @@ def bandwidth(device: torch.device, nbytes: int, repeats: int = 4) -> dict:
         try:
             a, b = torch.ones(nbytes // 4), arena.views["buf"]
             b.fill_(0.0)   # its pages exist before the timing
-            times = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                b.copy_(a)
-                times.append(time.perf_counter() - start)
+            seconds = _timed(device, lambda i: b.copy_(a), repeats)
             del a, b
         finally:
             arena.release()
-        return {"pinned": False, "memcpy_bytes_per_s": nbytes / statistics.median(times[1:])}
+        return {"pinned": False, "memcpy_bytes_per_s": nbytes / seconds}
     arena = Arena.create([("buf", torch.uint8, nbytes)], "zenflow selftest")
     transfers = Transfers(device)
     try:
