@@ -385,3 +385,25 @@ def test_bf16_plain_adamw_keeps_weights_loaded_outside_the_optimizer(make_engine
     toys.train(engine, range(8, 9))
     for name, value in toys.weights(engine.module).items():
         assert torch.equal(value, loaded[name]), name
+
+
+def test_every_collective_of_the_engine_names_its_device(make_engine, monkeypatch):
+    """The engine's collectives (the first broadcast, gradient averaging, checkpoint agreement)
+    run on the engine's device, passed explicitly: without it a device backend used the current
+    CUDA device, cuda:0 on every rank of a script that never called torch.cuda.set_device."""
+    from zenflow.distributed import Partition
+    asked = []
+    original = Partition.from_group.__func__
+
+    def spy(cls, group, device, rows_are_local=False):
+        asked.append(device)
+        return original(cls, group, device, rows_are_local)
+    monkeypatch.setattr(Partition, "from_group", classmethod(spy))
+    engine, *_ = make_engine(toys.make_model(), toys.config("zenflow"))
+    for step in range(3):
+        x, y = toys.batch(step, 8)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert len(asked) >= 3 and all(d == engine.device for d in asked), asked
+    with pytest.raises(TypeError):
+        Partition.from_group(None)

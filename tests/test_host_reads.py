@@ -7,30 +7,49 @@ once per check, not once per matrix."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
 from zenflow.optim.windows import DelayedAgreement
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+aten = torch.ops.aten
+SYNCING_OPS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzero,
+               aten.masked_select, aten.unique_dim, aten._unique2, aten.repeat_interleave}
 
 
 @pytest.fixture
 def device_reads(monkeypatch):
     """Counts reads of tensor values into Python, and blocking copies from one device to another
     (none can happen on a CPU-only machine, where the device is the host: the count is there for
-    machines with an accelerator)."""
+    machines with an accelerator). Reads made inside an operator count too: a 0-dim tensor passed
+    where an operator takes a number (`torch._foreach_add_(tensors, flag)` picks the Scalar
+    overload) is read by `aten._local_scalar_dense`, which on CUDA waits for the device; so do the
+    operators in `SYNCING_OPS`, whose output size depends on the data."""
     count = [0]
+    in_counted = threading.local()
     for name in READS:
         original = getattr(torch.Tensor, name)
 
         def counted(self, *args, _original=original, **kwargs):
             count[0] += 1
-            return _original(self, *args, **kwargs)
+            in_counted.depth = getattr(in_counted, "depth", 0) + 1
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                in_counted.depth -= 1
         monkeypatch.setattr(torch.Tensor, name, counted)
+
+    class OperatorReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in SYNCING_OPS and not getattr(in_counted, "depth", 0):
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
 
     def crosses(src: torch.Tensor, dst_device, non_blocking: bool) -> bool:
         return dst_device is not None and torch.device(dst_device).type != src.device.type \
@@ -49,7 +68,8 @@ def device_reads(monkeypatch):
         return original_copy(self, src, non_blocking)
     monkeypatch.setattr(torch.Tensor, "to", to)
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    return count
+    with OperatorReads():
+        yield count
 
 
 def _model(dtype):

@@ -160,19 +160,20 @@ class Partition:
     rows_are_local: bool = False
 
     @classmethod
-    def from_group(cls, group=None, device: torch.device | str | None = None,
+    def from_group(cls, group, device: torch.device | str,
                    rows_are_local: bool = False) -> Partition:
-        """`device`: the rank's device (the optimizer's); collectives of a device backend (NCCL)
-        use it (default: the current CUDA device, which init_distributed set from LOCAL_RANK),
-        those of gloo/mpi the CPU. `rows_are_local`: the parameters are FSDP2 row shards."""
+        """`group`: the torch.distributed group (None: the default one). `device`: the rank's
+        device (the optimizer's or the engine's), always given: collectives of a device backend
+        (NCCL) run there, never on the implicit current device (cuda:0 on every rank of a script
+        that did not call torch.cuda.set_device); those of gloo/mpi run on the CPU.
+        `rows_are_local`: the parameters are FSDP2 row shards."""
+        if device is None:
+            raise TypeError("Partition.from_group: device is required (the rank's device)")
         if not (dist.is_available() and dist.is_initialized()):
             return cls(rows_are_local=rows_are_local)
         backend = str(dist.get_backend(group)).lower()
         if backend in HOST_BACKENDS:
             device = _CPU
-        elif device is None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if torch.cuda.is_available() else _CPU)
         return cls(dist.get_rank(group), dist.get_world_size(group), group, backend=backend,
                    device=torch.device(device), rows_are_local=rows_are_local)
 

@@ -46,7 +46,7 @@ def save_fsdp2_checkpoint(engine, save_dir, tag: str, engine_state: dict, meta: 
                           update_latest: bool, excluded: list[str]) -> Path:
     """Every rank calls it (after the engine agreed on the tag)."""
     dcp, helpers = _dcp()
-    partition = Partition.from_group()
+    partition = Partition.from_group(None, engine.device)
     module, optimizer, sync = engine.module, engine.optimizer, engine._weight_sync
 
     def save(staging: Path) -> None:

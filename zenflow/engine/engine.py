@@ -98,7 +98,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         # Every rank starts from rank 0's weights (an unseeded model differs per process), as
         # DeepSpeed's initialize does; buffers too (running statistics). FSDP2's shards differ
         # between ranks by design: fully_shard took each rank's rows of the same whole weights.
-        Partition.from_group().broadcast_(
+        self._ranks().broadcast_(
             [*(p for p in model.parameters() if not is_sharded(p)),
              *(b for b in model.buffers() if b.is_floating_point())],
             "broadcasting rank 0's weights at initialize")
@@ -150,6 +150,11 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
 
     # --- training -----------------------------------------------------------------------------
 
+    def _ranks(self) -> Partition:
+        """The default group's ranks, collectives on this engine's device (never the implicit
+        current CUDA device)."""
+        return Partition.from_group(None, self.device)
+
     def forward(self, *args, **kwargs):
         if self.dtype != torch.float32:
             # Floating-point inputs follow the weights' dtype; integer inputs (token ids) stay.
@@ -173,7 +178,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
     def step(self) -> None:
         """Count a micro-batch; at the accumulation boundary, step the optimizer and schedule."""
         if self.is_gradient_accumulation_boundary():
-            if self._inside_no_sync and Partition.from_group().active:
+            if self._inside_no_sync and self._ranks().active:
                 raise RuntimeError("engine.step() at a gradient accumulation boundary inside "
                                    "no_sync(): the boundary step averages gradients across "
                                    "ranks; leave the no_sync() block before it")
@@ -194,7 +199,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         identical. A model wrapped in DistributedDataParallel has averaged them in backward
         already, and FSDP2 reduce-scattered them (each rank holds the mean of its rows), and
         averaging again would be wrong, so those are left alone."""
-        partition = Partition.from_group()
+        partition = self._ranks()
         if not partition.active or self._fsdp2 or isinstance(
                 self.module, torch.nn.parallel.DistributedDataParallel):
             return
@@ -316,7 +321,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
             # optimizer state for an exact resume. Frozen parameters left out, if asked.
             "pending_weights": pending, "excluded_frozen": excluded,
         }
-        partition = Partition.from_group()
+        partition = self._ranks()
         meta = {"global_steps": self.global_steps, "world_size": partition.world_size,
                 "optimizer_class": type(self.optimizer).__name__, "dtype": str(self.dtype)}
         if self._fsdp2:
@@ -352,7 +357,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
     def _common_tag(self, tag: str) -> str:
         """Rank 0's tag, as DeepSpeed uses: ranks whose tags differ (a tag made from each rank's
         own loss, say) are warned about, ignored or refused as checkpoint.tag_validation says."""
-        partition = Partition.from_group()
+        partition = self._ranks()
         if not partition.active:
             return check_tag(tag)
         tags = partition.gather_objects(tag, "comparing the checkpoint tags")
@@ -387,7 +392,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
             return self._load_fsdp2_checkpoint(load_dir, tag, load_module_strict,
                                                load_optimizer_states, load_lr_scheduler_states,
                                                load_module_only)
-        partition = Partition.from_group()
+        partition = self._ranks()
         mine = f"rank{partition.rank}_states.pt" if partition.active else "optimizer_states.pt"
         path, manifest, objs = read_checkpoint(
             load_dir, tag, ["model_states.pt", "engine_states.pt"], map_location="cpu")
@@ -447,7 +452,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
                                load_module_only: bool) -> tuple[str, dict]:
         """An FSDP2 engine's checkpoint (checkpoint_dcp.py), on any number of ranks: DCP reads
         each rank's rows; a rank the saving run did not have keeps its RNG as it is."""
-        partition = Partition.from_group()
+        partition = self._ranks()
         path, manifest, objs = read_checkpoint(load_dir, tag, ["engine_states.pt"],
                                                map_location="cpu")
         if not manifest["meta"].get("fsdp2"):

@@ -151,7 +151,9 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
             state.master, vector_grad, state.exp_avg, state.exp_avg_sq, state.count)
 
     for (lr, beta1, beta2, eps, weight_decay), b in batches.items():
-        torch._foreach_add_(b.counts, scale.kept)
+        # A list of the flag, not the flag: given one 0-dim tensor, _foreach_add_ picks its
+        # Scalar overload and reads the flag into a number, which waits for the device.
+        torch._foreach_add_(b.counts, [scale.kept] * len(b.counts))
         adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
                beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
