@@ -75,3 +75,12 @@ def block_loss(model, step):
 
 
 MODELS = {"mlp": (make_mlp, mlp_loss), "transformer_block": (make_block, block_loss)}
+
+
+@pytest.fixture
+def autograd_thread():
+    """Every backward of the test runs on a thread of its own, as CUDA's autograd engine runs it
+    (tests/autograd_thread.py). Yields the backward threads' idents."""
+    from autograd_thread import backward_on_another_thread
+    with backward_on_another_thread() as idents:
+        yield idents

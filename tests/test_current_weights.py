@@ -9,6 +9,9 @@ import torch
 
 from zenflow.engine.engine import initialize
 
+# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+pytestmark = pytest.mark.usefixtures("autograd_thread")
+
 # The seed block (update_interval 4, overlap_step on) without reselection, which installs early:
 # after 6 steps the window that ended at step 4 is in flight (it would be installed at step 8).
 STEPS_IN_FLIGHT = 6

@@ -13,6 +13,9 @@ import torch
 
 import zenflow
 
+# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+pytestmark = pytest.mark.usefixtures("autograd_thread")
+
 STEPS = 5
 MATRICES = 3   # the model's weights; its biases are vectors, updated on the device
 

@@ -15,6 +15,9 @@ import zenflow
 from zenflow.host import pipeline
 from zenflow.host.transfers import Ticket
 
+# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+pytestmark = pytest.mark.usefixtures("autograd_thread")
+
 ALL = 10 ** 9   # a device_sum_budget that puts every sum on the CPU "device" ("moments" needs it)
 
 

@@ -44,6 +44,13 @@ class PendingInstalls:
     def __contains__(self, matrix: int) -> bool:
         return matrix in self._pending
 
+    def pending(self, matrices: list[int] | None = None) -> bool:
+        """Whether any install of `matrices` (None: any at all) is pending. Takes no lock: one
+        dict read per matrix, which the training thread's add() and finish() never tear."""
+        if matrices is None:
+            return bool(self._pending)
+        return any(i in self._pending for i in matrices)
+
     def add(self, installs: list[QueuedInstall]) -> None:
         """Installs just queued. Those no attached forward waits for are finished now."""
         assert not any(q.matrix in self._pending for q in installs), "finish() the last first"

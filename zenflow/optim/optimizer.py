@@ -248,13 +248,24 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                         "parameters and load_state_dict(this.state_dict()) into it")
 
     # ------------------------------------------------------------------ the step
-    @_serialized
-    @torch.no_grad()
     def step(self, closure=None):
+        """One optimizer step (module doc). `closure` (re-evaluates the loss: forward and
+        backward) runs first, without the optimizer's lock: on CUDA the backward, its hooks and
+        any forward that activation checkpointing recomputes run on autograd's device thread,
+        and a hook there must never wait for a lock this thread holds while it waits for the
+        backward. Every pending install is finished before the closure, so its forward's
+        pre-hooks find nothing to do."""
         loss = None
         if closure is not None:
+            self.wait_for_install()
             with torch.enable_grad():
                 loss = closure()
+        self._step()
+        return loss
+
+    @_serialized
+    @torch.no_grad()
+    def _step(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
         self._installs.finish()   # an attached forward may have left some (zenflow/optim/installs.py)
@@ -266,7 +277,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._outside_writes.adopt()
         grads = present_gradients(self.param_groups, self.device, self._NAME, self._built)
         if not grads:
-            return loss
+            return
         self._timer.begin()
         self._step_period.tick()
         norms = dict(zip(grads, gradient_norms(list(grads.values()))))
@@ -282,7 +293,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if not kept:
                 self._skipped(count.step, overflow, loss_scale, counted=False)
                 self._timer.end(skipped=True)
-                return loss
+                return
             self._consecutive_skips = 0
         if not warming_up and count.window_steps == 0:
             self._outside_writes.adopt_data_writes()
@@ -312,7 +323,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._pipeline.fence()
         count.step += 1
         self._timer.end()
-        return loss
+        return
 
     def _settle_skips(self) -> None:
         """Read the kept flags of the steps inside this window so far in one read: count and log
@@ -484,10 +495,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return self._installs.attach(model, owners(model, matrices, self._partition.rows_are_local),
                                      self._finish_installs)
 
+    def _finish_installs(self, matrices: list[int] | None) -> None:
+        """Finish the pending installs of `matrices` (None: all); from a forward pre-hook too,
+        which may run on autograd's device thread (a forward recomputed in backward): with
+        nothing of `matrices` pending it returns at once, taking no lock."""
+        if self._installs.pending(matrices):
+            self._finish_pending(matrices)
+
     @_serialized
     @torch.no_grad()
-    def _finish_installs(self, matrices: list[int] | None) -> None:
-        """Finish the pending installs of `matrices` (None: all); from a forward pre-hook too."""
+    def _finish_pending(self, matrices: list[int] | None) -> None:
         self._installs.finish(matrices)
 
     def wait_for_install(self) -> None:
