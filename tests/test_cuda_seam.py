@@ -4,17 +4,28 @@ released only once no copy uses it, and nothing rewrites a buffer a queued copy 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import weakref
 
 import torch
 
 import zenflow
 from zenflow.engine.engine import gradient_buckets
+from zenflow.host import page_locks
+from zenflow.host.page_locks import PageLocks
 from zenflow.host.transfers import Transfers
+
+# What torch.cuda.cudart() binds (torch/csrc/cuda/shared/cudart.cpp, PyTorch 2.4 to 2.13): no
+# cudaGetLastError. A stand-in that answers more hides a call the real runtime cannot answer.
+CUDART_BINDING = {"cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop",
+                  "cudaHostRegister", "cudaHostUnregister", "cudaStreamCreate",
+                  "cudaStreamDestroy", "cudaMemGetInfo"}
 
 
 class FakeRuntime:
-    """cudart as Transfers uses it; `refuse` lists the registrations that fail (1-based)."""
+    """cudart as the seam uses it, and nothing torch's binding lacks; `refuse` lists the
+    registrations that fail (1-based)."""
 
     def __init__(self, calls: list, refuse=()):
         self.calls, self.refuse, self.registered = calls, set(refuse), 0
@@ -24,13 +35,13 @@ class FakeRuntime:
         self.calls.append(("register", ptr))
         return 2 if self.registered in self.refuse else 0   # 2: cudaErrorMemoryAllocation
 
-    def cudaGetLastError(self):
-        self.calls.append(("clear",))
-        return 0
-
     def cudaHostUnregister(self, ptr):
         self.calls.append(("unregister", ptr))
         return 0
+
+
+def test_the_stand_in_runtime_binds_nothing_torchs_lacks():
+    assert {name for name in dir(FakeRuntime) if name.startswith("cuda")} <= CUDART_BINDING
 
 
 class FakeStream:
@@ -45,7 +56,10 @@ def _cuda_transfers(monkeypatch, calls, refuse=()):
     transfers = Transfers(torch.device("cpu"))
     transfers.cuda, transfers.device = True, torch.device("cuda", 3)
     transfers._d2h, transfers._h2d = FakeStream("d2h", calls), FakeStream("h2d", calls)
+    transfers._locks = PageLocks(transfers.device, (transfers._d2h, transfers._h2d))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeRuntime(calls, refuse))
+    monkeypatch.setattr(page_locks, "clear_last_cuda_error",
+                        lambda device: calls.append(("clear", device)))
 
     @contextlib.contextmanager
     def on_device(device):
@@ -61,20 +75,43 @@ def test_a_refused_page_lock_is_cleared_reported_and_left_pageable(monkeypatch, 
     first, second = torch.zeros(256), torch.zeros(256)
     with caplog.at_level(logging.WARNING, logger="zenflow"):
         transfers.pin([first, second])
-    assert calls == [("device", torch.device("cuda", 3)), ("register", first.data_ptr()),
-                     ("clear",), ("register", second.data_ptr())]
-    assert transfers._pinned == [second.data_ptr()]
+    device = torch.device("cuda", 3)
+    assert calls == [("device", device), ("register", first.data_ptr()), ("clear", device),
+                     ("register", second.data_ptr())]
+    assert [t.data_ptr() for t in transfers._locks.buffers] == [second.data_ptr()]
+    assert transfers.pinned_bytes == 256 * 4
     assert "page-locking 1 host buffer(s)" in caplog.text and "error 2" in caplog.text
 
 
 def test_unpinning_waits_for_the_copies_in_flight_first(monkeypatch):
     calls: list = []
     transfers = _cuda_transfers(monkeypatch, calls)
-    transfers._pinned = [1234]
+    buffer = torch.zeros(16)
+    transfers.pin([buffer])
+    calls.clear()
     transfers.unpin()
     assert calls == [("synchronize", "d2h"), ("synchronize", "h2d"),
-                     ("device", torch.device("cuda", 3)), ("unregister", 1234)]
-    assert transfers._pinned == []
+                     ("device", torch.device("cuda", 3)), ("unregister", buffer.data_ptr())]
+    assert transfers.pinned_bytes == 0
+    transfers.unpin()
+    assert len(calls) == 4   # once
+
+
+def test_a_transfer_path_dropped_without_close_unlocks_its_buffers(monkeypatch):
+    """HF Trainer and Lightning never close() an optimizer: its page-locked buffers (about
+    90 GiB at 7B) are unlocked when it is collected, after its copies, and their memory stays
+    mapped until then."""
+    calls: list = []
+    transfers = _cuda_transfers(monkeypatch, calls)
+    buffer = torch.zeros(16)
+    ptr = buffer.data_ptr()
+    transfers.pin([buffer])
+    locks = weakref.ref(transfers._locks)
+    del buffer, transfers
+    gc.collect()
+    assert locks() is None
+    assert calls[-4:] == [("synchronize", "d2h"), ("synchronize", "h2d"),
+                          ("device", torch.device("cuda", 3)), ("unregister", ptr)]
 
 
 class RecordingTicket:
@@ -135,3 +172,46 @@ def test_the_fence_waits_for_every_copy_of_the_step_not_only_one(monkeypatch):
     early, late = FakeEvent(), FakeEvent()
     transfers.fence(all_of(Ticket(early), Ticket(late)))
     assert [c for c in calls if c[0] == "wait"] == [("wait", early), ("wait", late)]
+
+
+def _locked_by_region(monkeypatch, **settings) -> dict[str, int]:
+    """The bytes of each host region handed to page-locking over an optimizer's first steps."""
+    spans: list[torch.Tensor] = []
+    monkeypatch.setattr(Transfers, "pin", lambda self, tensors: spans.extend(tensors))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16),
+                                torch.nn.Linear(16, 8))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=2,
+                               worker=False, **settings)
+    with opt:
+        for _ in range(3):
+            model(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        arena = opt._pipeline.host.arena
+        out: dict[str, int] = {}
+        for t in spans:
+            region = next(r for r in arena.regions
+                          if arena.views[r.name].data_ptr() <= t.data_ptr()
+                          < arena.views[r.name].data_ptr() + r.nbytes)
+            out[region.name] = out.get(region.name, 0) + t.numel() * t.element_size()
+    return out
+
+
+def test_page_locks_cover_only_what_the_placement_copies(monkeypatch):
+    """The install buffer and the steps' factors always; the staging buffers only over the
+    matrices summed on the host, the sum buffers only over those summed on the device."""
+    weights = [64 * 32, 32 * 16, 16 * 8]
+    on_device = _locked_by_region(monkeypatch, device_sum_budget=10 ** 9)
+    assert on_device == {"step_coef": 4, "install_float32": 4 * sum(weights),
+                         "rate_float32": 4 * sum(weights),   # "moments": the rates cross too
+                         "grad_sum0": 4 * sum(weights), "grad_sum1": 4 * sum(weights)}
+    on_host = _locked_by_region(monkeypatch, device_sum_budget=0)
+    assert on_host == {"step_coef": 4, "install_float32": 4 * sum(weights),
+                       "staging0_float32": 4 * sum(weights)}
+    # a budget for the first weight's sum only: the others cross every step
+    split = _locked_by_region(monkeypatch, device_sum_budget=4 * weights[0],
+                              deferred_credit="mean")
+    assert split == {"step_coef": 4, "install_float32": 4 * sum(weights),
+                     "grad_sum0": 4 * weights[0], "grad_sum1": 4 * weights[0],
+                     "staging0_float32": 4 * sum(weights[1:])}

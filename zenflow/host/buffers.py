@@ -123,9 +123,19 @@ class HostLayout:
         return [*(f"staging{s}_{name}" for s in range(self.staging_slots)), f"install_{name}"]
 
     def dma_regions(self) -> list[str]:
-        """The buffers that device copies read or write: the only ones worth page-locking."""
+        """Every buffer that device copies may read or write (which of them are page-locked
+        depends on where the sums are placed: install_regions() and HostState.span())."""
         return ["step_coef", *(name for dtype, _, _ in self.groups
                 for name in [*self._typed_names(dtype),
+                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
+
+    def install_regions(self) -> list[str]:
+        """The buffers that every window's copies read or write whatever the sums' placement
+        (the install's values and rates, and the steps' factors): page-locked from the start.
+        The staging and sum buffers are locked once the sums are placed, where their copies
+        run (zenflow/host/pipeline.py)."""
+        return ["step_coef", *(name for dtype, _, _ in self.groups
+                for name in [f"install_{_dtype_name(dtype)}",
                              *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
 
 
@@ -207,6 +217,21 @@ class HostState:
         """Where the squares of device-summed matrix i's window go when its sum goes to slot
         `sum_slot`: the other slot, which the window did not fill for this matrix."""
         return self.fp32(f"grad_sum{1 - sum_slot}", i)
+
+    def span(self, buffer: str, matrices: list[int]) -> list[torch.Tensor]:
+        """Flat views of `buffer` (an fp32 buffer such as "grad_sum0", or a typed one's prefix
+        such as "staging0") from the first of `matrices` to the end of the last, one per dtype
+        for a typed buffer: the bytes that copies of those matrices touch, each view one
+        page-lock registration."""
+        fp32 = buffer in self.arena.views
+        by_view: dict[str, list[tuple[int, int]]] = {}
+        for i in matrices:
+            m = self.layout.matrices[i]
+            name = buffer if fp32 else f"{buffer}_{_dtype_name(m.dtype)}"
+            start = m.offset if fp32 else m.typed_offset
+            by_view.setdefault(name, []).append((start, start + m.numel))
+        return [self.arena.views[name][min(a for a, _ in runs):max(b for _, b in runs)]
+                for name, runs in by_view.items()]
 
     def _typed(self, buffer: str, i: int) -> torch.Tensor:
         m = self.layout.matrices[i]

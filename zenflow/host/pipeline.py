@@ -136,7 +136,7 @@ class HostPipeline:
         self.host = HostState.allocate(self.layout, owner, available_bytes, numa.nodes_for(
             worker_cores or sorted(os.sched_getaffinity(0))))
         self._load_masters(range(len(params)))
-        self.transfers.pin([self.host.arena.views[n] for n in self.layout.dma_regions()])
+        self.transfers.pin([self.host.arena.views[n] for n in self.layout.install_regions()])
         self._worker_cores = worker_cores
         self.runner = self._start_runner()
         self.torn: list[int] = []   # parameters whose host state a dying worker left half-written
@@ -146,7 +146,6 @@ class HostPipeline:
         self.device_sums = DeviceSums(self.transfers, device_sum_dtype)
         self._sums_placed = False   # decided at the first step (the budget may need its peak)
         self._restored: dict = {}   # squares and rates loaded before that: index -> (sq, rate)
-        self._pinned_sums: list[str] = []
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
         self._start_over()
@@ -259,15 +258,26 @@ class HostPipeline:
                 self.device_sums.rates[i].copy_(rate)
         self._restored = {}
         self.early_copies.stop_watching(chosen)
-        if chosen and self.transfers.cuda:   # the sums are copied into the host's sum buffers
-            self._pinned_sums = [f"grad_sum{s}" for s in range(self.layout.sum_slots)]
-            self.transfers.pin([self.host.arena.views[n] for n in self._pinned_sums])
+        self._lock_copied_spans(chosen)
         self._sums_placed = True
         log.info("window sums of %d of %d matrices on the device (%.2f GiB of a budget of "
                  "%.2f GiB); the rest on the host%s", len(chosen), len(self.layout.matrices),
                  self.device_sums.nbytes() / 2**30, int(budget) / 2**30,
                  "; deferred_credit 'moments' on those, 'mean' on the rest" if self.moments
                  else "")
+
+    def _lock_copied_spans(self, on_device: list[int]) -> None:
+        """Page-lock what the copies of this placement touch, and nothing else: the staging
+        buffers over the matrices summed on the host (their gradients cross every step), and
+        the sum buffers over those summed on the device (their sums, and under "moments" their
+        squares, cross at window ends). Every sum on the device: no staging buffer is locked."""
+        placed = set(on_device)
+        on_host = [i for i in range(len(self.params)) if i not in placed]
+        spans = [view for s in range(self.layout.staging_slots)
+                 for view in self.host.span(f"staging{s}", on_host)]
+        spans += [view for s in range(self.layout.sum_slots)
+                  for view in self.host.span(f"grad_sum{s}", on_device)]
+        self.transfers.pin(spans)
 
     def moves(self, i: int) -> bool:
         """Whether matrix i takes deferred_credit "moments" (its sums are on the device)."""
@@ -597,9 +607,7 @@ class HostPipeline:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
-        return sum(self.host.arena.views[n].numel() * self.host.arena.views[n].element_size()
-                   for n in [*self.layout.dma_regions(), *self._pinned_sums]
-                   ) if self.transfers.cuda else 0
+        return self.transfers.pinned_bytes
 
     def close(self) -> None:
         self.early_copies.close()

@@ -1,4 +1,5 @@
-"""The one place that knows about CUDA streams, events and page-locked memory.
+"""The CUDA seam: the one place that knows about CUDA streams, events and page-locked memory
+(zenflow/host/page_locks.py registers the host buffers for it).
 
 Every copy between the device and the host goes through `Transfers`, which returns a `Ticket`
 instead of waiting:
@@ -39,6 +40,8 @@ import time
 import weakref
 
 import torch
+
+from zenflow.host.page_locks import PageLocks
 
 log = logging.getLogger("zenflow")
 
@@ -163,7 +166,6 @@ class Transfers:
     def __init__(self, device: torch.device, copy_cores: list[int] | None = None):
         self.device = device
         self.cuda = uses_cuda(device)
-        self._pinned: list[int] = []
         self._copy_cores = None if self.cuda else copy_cores
         self._copier = None       # the CPU copy thread, started at the first copy
         # The device's waits for installs: of the install being finished now, and of earlier
@@ -171,9 +173,11 @@ class Transfers:
         self._waits: list = []      # CUDA: (start, end) events on the current stream; CPU: seconds
         self._unread_waits: list[list] = []
         self._install_wait_seconds = 0.0
+        self._locks: PageLocks | None = None
         if self.cuda:
             self._d2h = torch.cuda.Stream(device)
             self._h2d = torch.cuda.Stream(device)
+            self._locks = PageLocks(device, (self._d2h, self._h2d))
 
     @property
     def copies_outlive_step(self) -> bool:
@@ -299,29 +303,16 @@ class Transfers:
         return max(0, int(total * (1.0 - headroom)) - peak)
 
     def pin(self, tensors: list[torch.Tensor]) -> None:
-        """Page-lock host buffers in place (cudaHostRegister: they live in shared memory, which
-        pin_memory=True cannot allocate). Only buffers that copies touch are worth it. A buffer
-        the driver refuses to lock (RLIMIT_MEMLOCK, a container's limit) stays pageable: its
-        copies are synchronous and slower, which a warning says once, and nothing breaks."""
-        if not self.cuda:
-            return
-        cudart = torch.cuda.cudart()
-        refused = []
-        with torch.cuda.device(self.device):   # never the implicit current device
-            for t in tensors:
-                if t.numel() and not t.is_pinned():
-                    nbytes = t.numel() * t.element_size()
-                    code = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
-                    if code == 0:
-                        self._pinned.append(t.data_ptr())
-                    else:
-                        cudart.cudaGetLastError()   # clear it, or the next CUDA call reports it
-                        refused.append((nbytes, code))
-        if refused:
-            log.warning("page-locking %d host buffer(s) of %.2f GiB failed (cudaHostRegister "
-                        "error %d); their copies stay pageable: slower, and synchronous with the "
-                        "Python thread. Raise the locked-memory limit (ulimit -l) to fix it.",
-                        len(refused), sum(n for n, _ in refused) / 2**30, refused[0][1])
+        """Page-lock host buffers in place (zenflow/host/page_locks.py: they live in shared
+        memory, which pin_memory=True cannot allocate). Only buffers that copies touch are worth
+        it. A buffer the driver refuses to lock stays pageable, with a warning: its copies are
+        synchronous and slower, and nothing breaks. Nothing to do on a CPU "device"."""
+        if self._locks is not None:
+            self._locks.lock(tensors)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return 0 if self._locks is None else self._locks.nbytes
 
     def close(self) -> None:
         self._copy_cores = None
@@ -331,12 +322,7 @@ class Transfers:
         self.unpin()
 
     def unpin(self) -> None:
-        """Unlock the page-locked buffers, once no copy in flight reads or writes them."""
-        if self._pinned:
-            self._d2h.synchronize()
-            self._h2d.synchronize()
-            cudart = torch.cuda.cudart()
-            with torch.cuda.device(self.device):
-                for ptr in self._pinned:
-                    cudart.cudaHostUnregister(ptr)
-            self._pinned = []
+        """Unlock the page-locked buffers, once no copy in flight reads or writes them (an
+        optimizer dropped without close() does it when it is collected)."""
+        if self._locks is not None:
+            self._locks.release()

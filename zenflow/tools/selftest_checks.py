@@ -77,7 +77,7 @@ def _use_transfers(opt, factory) -> None:
     if factory is None:
         return
     old, new = opt._pipeline.transfers, factory(opt.device)
-    new._pinned, old._pinned = old._pinned, []
+    new._locks, old._locks = old._locks, new._locks
     opt._pipeline.transfers = opt._pipeline.device_sums.transfers = new
 
 
