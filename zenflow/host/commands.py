@@ -71,6 +71,8 @@ class InlineHostRunner:
         self._seq += 1
         return self._seq
 
+    post = send   # in process, nothing reads messages: sending is posting
+
     def done(self, seq: int) -> bool:
         return True
 

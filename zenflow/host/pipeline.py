@@ -21,15 +21,15 @@ corrects the host's values for the window's gradients the host has not applied
 (zenflow/host/device_sums.py). The others take the "mean" credit.
 
 The training thread does no host arithmetic: the worker (or, with worker=False, the inline
-runner) does the adds and the AdamW. Commands go out in order through a small queue in which
-each command may wait for a copy to finish (a `Ticket`): the worker is told to read a staging
-buffer only once its bytes have landed, and to overwrite the install buffer only once the device
-has read it. Where copies land within the step (the CPU), one staging buffer is enough: the
-worker adds a step's gradients during the next forward and backward. Where they land later (CUDA:
-the step returns with the copy in flight, and the worker hears of it at the next step), two
-staging buffers alternate, so the worker has a whole step to add one before it is reused. One
-install buffer is enough: it is copied long before the next update is due. A slow host shows up
-as stall in stats(), never as a race.
+runner) does the adds and the AdamW. Commands reach it through the worker link
+(zenflow/host/worker_link.py), each once the copies it reads have landed (a `Ticket`): the worker
+is told to read a staging buffer only once its bytes have landed, and to overwrite the install
+buffer only once the device has read it. Where copies land within the step (the CPU), one staging
+buffer is enough: the worker adds a step's gradients during the next forward and backward. Where
+they land later (CUDA: the step returns with the copy in flight, and the link's dispatch thread
+sends the accumulate once it has landed), two staging buffers alternate, so the worker has a
+whole step to add one before it is reused. One install buffer is enough: it is copied long before
+the next update is due. A slow host shows up as stall in stats(), never as a race.
 With overlap, two gradient-sum slots alternate: one window fills one while the host's update of
 the previous window reads the other.
 """
@@ -40,9 +40,6 @@ import math
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,12 +54,12 @@ from zenflow.host.buffers import (
     landing_of,
     rate_dtype,
 )
-from zenflow.host.commands import Accumulate, HostCommand, InlineHostRunner, Update
+from zenflow.host.commands import Accumulate, Update
 from zenflow.host.device_sums import DeviceSums, choose_placement, takes_moments
 from zenflow.host.early_copies import EarlyCopies
-from zenflow.host.signals import sigint_deferred
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
+from zenflow.host.worker_link import Command, WorkerLink
 from zenflow.saved_state import check_count, check_saved_tensors
 
 log = logging.getLogger("zenflow")
@@ -72,7 +69,7 @@ log = logging.getLogger("zenflow")
 class InFlight:
     """A window's host update, from its hand-off until it is installed."""
     jobs: list[HostJob]
-    seq: int | None = None   # the runner's number for it, once sent (0: done by any runner)
+    command: Command | None = None   # its Update on the worker link (None: done already)
 
     @property
     def matrices(self) -> list[int]:
@@ -89,14 +86,6 @@ class QueuedInstall:
     # summed since the update was handed off, for the correction; None: no correction.
     step: tuple[float, float] | None = None
     count: int = 0
-
-
-@dataclass
-class _Queued:
-    """A command waiting for the copy its data needs (`ticket`); `on_sent(seq)` runs once sent."""
-    ticket: Ticket
-    command: HostCommand
-    on_sent: Callable[[int], None] | None = None
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
@@ -137,9 +126,7 @@ class HostPipeline:
             worker_cores or sorted(os.sched_getaffinity(0))))
         self._load_masters(range(len(params)))
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.install_regions()])
-        self._worker_cores = worker_cores
-        self.runner = self._start_runner()
-        self.torn: list[int] = []   # parameters whose host state a dying worker left half-written
+        self.link = WorkerLink(self.host, worker_cores, timer)
 
         self.device = device
         self.device_sum_budget = device_sum_budget
@@ -152,86 +139,28 @@ class HostPipeline:
         self.early_copies = EarlyCopies(self, params, lock)
 
     def _start_over(self) -> None:
-        """No command queued, no buffer being read, no update in flight; every slot at 0."""
+        """No buffer being read, no update in flight; every slot at 0."""
         self._sum_slot = self._staging_slot = 0
-        # seq of the accumulate reading each staging buffer; the copy reading the install buffer
-        self._staging_reader: list[int | None] = [None] * self.layout.staging_slots
+        # the accumulate reading each staging buffer; the copy reading the install buffer
+        self._staging_reader: list[Command | None] = [None] * self.layout.staging_slots
         self._install_reader: Ticket = DONE
-        self._queue: deque[_Queued] = deque()     # not yet sent
         self._staged: tuple[int, list[int], Ticket, float] | None = None
         self._last_copy: Ticket = DONE
         self.in_flight: InFlight | None = None
 
-    # -- the worker -----------------------------------------------------------------------------
-    def _start_runner(self):
-        if self._worker_cores is None:
-            return InlineHostRunner(self.host)
-        from zenflow.host.worker import WorkerHostRunner
-        return WorkerHostRunner(self.host, self._worker_cores)
-
-    @contextmanager
-    def _worker_guard(self):
-        """A worker that died idle is replaced (no state is lost: it all lives in our mapping);
-        one that died mid-command leaves the parameters it was working on torn, and says so."""
-        from zenflow.host.worker import WorkerDied
-        try:
-            yield
-        except WorkerDied as exc:
-            unfinished = self.runner.unfinished()
-            self.runner.close()
-            if not unfinished:
-                log.warning("%s while idle; started a new worker (no host state was lost)", exc)
-                self.runner = self._start_runner()
-                # Everything the old worker was sent is done; its sequence numbers mean nothing
-                # to the new one (0 counts as done by any runner).
-                if self.in_flight is not None and self.in_flight.seq is not None:
-                    self.in_flight.seq = 0
-                self._staging_reader = [None] * self.layout.staging_slots
-                return
-            self.torn = sorted({i for c in unfinished for i in c.matrices()})
-            raise RuntimeError(
-                f"{exc}\nIt stopped in the middle of host work on {len(self.torn)} parameter(s) "
-                f"(host indices {self.torn[:10]}{'...' if len(self.torn) > 10 else ''}), whose "
-                "host state may be half-written. Roll back with load_state_dict() from the last "
-                "checkpoint: that restores every host buffer and starts a new worker.") from exc
-
-    def _need_worker(self) -> None:
-        if self.torn:
-            raise RuntimeError(f"the host state of parameters {self.torn[:10]} was left "
-                               "half-written by a dead worker; load_state_dict() from the last "
-                               "checkpoint to roll back")
-
-    # -- the command queue ----------------------------------------------------------------------
-    def _enqueue(self, ticket: Ticket, command: HostCommand, on_sent=None) -> None:
-        self._queue.append(_Queued(ticket, command, on_sent))
-        self.flush(block=False)
-
-    def flush(self, block: bool, until=None) -> None:
-        """Send queued commands whose copies have finished (all of them, waiting, if block; or
-        with `until`, waiting only as long as until() is false)."""
-        while self._queue and (block or self._queue[0].ticket.done()) and not (until and until()):
-            queued = self._queue[0]
-            self.timer.stall(queued.ticket.wait())
-            with self._worker_guard(), sigint_deferred():  # sent, dequeued and noted at once
-                seq = self.runner.send(queued.command)
-                self._queue.popleft()
-                if queued.on_sent is not None:
-                    queued.on_sent(seq)
+    # -- the worker ---------------------------------------------------------------------------
+    @property
+    def runner(self):
+        return self.link.runner
 
     def drain(self) -> None:
         """Wait until the host has done everything sent to it (before reading host state)."""
-        self._need_worker()
-        self.flush(block=True)
-        with self._worker_guard():
-            self.timer.stall(self.runner.wait())
+        self.link.drain()
 
     def check(self) -> None:
         """Raise if the worker died mid-work (replace it if it died idle); send whatever
         became ready since the last step."""
-        self._need_worker()
-        with self._worker_guard():
-            self.runner.check()
-        self.flush(block=False)
+        self.link.check()
 
     # -- one step -------------------------------------------------------------------------------
     def _place_sums(self) -> None:
@@ -313,12 +242,9 @@ class HostPipeline:
             self.timer.offload(time.perf_counter() - start)
             return
         waited = 0.0
-        if self._accumulate_queued(slot):
-            self.flush(block=True)     # the previous accumulate of this slot is still queued
         reader = self._staging_reader[slot]
-        if reader is not None:
-            with self._worker_guard():
-                waited = self.runner.wait(reader)
+        if reader is not None:   # the previous accumulate of this slot, sent or still queued
+            waited = self.link.wait(reader)
             self.timer.stall(waited)
             self._staging_reader[slot] = None
         ticket, nbytes = self.copy_to_staging(
@@ -345,20 +271,14 @@ class HostPipeline:
     def free_staging_slot(self) -> int | None:
         """The staging slot the next stage() writes, or None while a host command reads it (or
         is queued to). Never blocks: a backward hook asks (zenflow/host/early_copies.py)."""
-        from zenflow.host.worker import WorkerDied
         slot = self._staging_slot
-        if self._accumulate_queued(slot):
-            return None
         reader = self._staging_reader[slot]
+        if reader is None:
+            return slot
         try:
-            return slot if reader is None or self.runner.done(reader) else None
-        except WorkerDied:   # the next step() reports it (check()); a hook only skips its copy
+            return slot if self.link.done(reader) else None
+        except RuntimeError:   # the next step() reports it (check()); a hook only skips its copy
             return None
-
-    def _accumulate_queued(self, slot: int) -> bool:
-        """Whether an accumulate of staging buffer `slot` waits in the queue, not yet sent."""
-        return any(isinstance(q.command, Accumulate) and q.command.staging_slot == slot
-                   for q in self._queue)
 
     def accumulate(self) -> None:
         """Have the host add the staged gradients, times their coef, to this window's sums."""
@@ -372,10 +292,8 @@ class HostPipeline:
         added = [i for i in matrices if self.num_grads[i] > 0]
         for i in matrices:
             self.num_grads[i] += 1
-
-        def sent(seq: int, slot=slot) -> None:
-            self._staging_reader[slot] = seq
-        self._enqueue(ticket, Accumulate(slot, self._sum_slot, tuple(added), tuple(fresh)), sent)
+        self._staging_reader[slot] = self.link.submit(
+            ticket, Accumulate(slot, self._sum_slot, tuple(added), tuple(fresh)))
         self._staging_slot = (slot + 1) % self.layout.staging_slots
 
     def drop_window(self) -> None:
@@ -403,9 +321,6 @@ class HostPipeline:
         if not jobs:
             return False
         flight = InFlight(jobs)
-
-        def sent(seq: int) -> None:
-            flight.seq = seq
         on_device = [j.matrix for j in jobs if j.matrix in self.device_sums]
         squared = [j.matrix for j in jobs if j.moments]
         landing = {i: landing_of(self.host.fp32(f"grad_sum{self._sum_slot}", i),
@@ -416,7 +331,8 @@ class HostPipeline:
                          + 4 * sum(self.layout.matrices[i].numel for i in squared))
         # The update reads the sums once they have landed, and overwrites the install buffer
         # once the last install copy has read it.
-        self._enqueue(all_of(self._install_reader, sums), Update(self._sum_slot, tuple(jobs)), sent)
+        flight.command = self.link.submit(all_of(self._install_reader, sums),
+                                          Update(self._sum_slot, tuple(jobs)))
         self.in_flight = flight
         self._sum_slot = (self._sum_slot + 1) % self.layout.sum_slots
         return True
@@ -437,13 +353,10 @@ class HostPipeline:
 
     def ready(self) -> bool:
         """Whether no host update is in flight (never blocks)."""
-        if self.in_flight is None:
+        if self.in_flight is None or self.in_flight.command is None:
             return True
-        self.flush(block=False)
-        seq = self.in_flight.seq
-        with self._worker_guard():
-            return seq is not None and self.runner.done(seq)
-        return False
+        self.link.send_landed()
+        return self.link.done(self.in_flight.command)
 
     def install(self, lrs: dict[int, tuple[float, float]] | None = None) -> list[QueuedInstall]:
         """Wait for the in-flight update and queue the copy of its new values into the
@@ -456,9 +369,8 @@ class HostPipeline:
         flight, self.in_flight = self.in_flight, None
         # Send the update if it is still queued, but not the commands after it: this step's
         # accumulate may still be waiting for its copy, which install does not need.
-        self.flush(block=True, until=lambda: flight.seq is not None)
-        with self._worker_guard():
-            self.timer.stall(self.runner.wait(flight.seq))
+        if flight.command is not None:
+            self.timer.stall(self.link.wait(flight.command))
         moving = {j.matrix for j in flight.jobs if j.moments and self.moves(j.matrix)}
         self.transfers.new_install()
         installs = [QueuedInstall(i, ticket) for i, ticket in
@@ -505,7 +417,7 @@ class HostPipeline:
         start = time.perf_counter()
         self.transfers.fence(self._last_copy)
         self._last_copy = DONE
-        self.flush(block=False)   # the copy has landed: the worker may start adding it now
+        self.link.send_landed()   # what has landed: the worker may start adding it now
         self.timer.offload(time.perf_counter() - start)
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -572,11 +484,8 @@ class HostPipeline:
         """Restore what state_dict() returned (check_state_dict() it first). After a worker died
         mid-work this is the roll-back: every host buffer is overwritten and a new worker
         starts."""
-        if self.torn:
-            self.runner.close()
-            self.runner = self._start_runner()
-            self.torn = []
-            self._queue.clear()
+        if self.link.torn:
+            self.link.restart()
         self.drain()
         # No copy may still read the buffers rewritten below: the last install (the install
         # buffer) and the last copy of the device sums.
@@ -603,7 +512,7 @@ class HostPipeline:
                     for job in state.get("in_flight_jobs") or []] or [
                 HostJob(i, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) for i in state["in_flight"]]
             self.host.publish(jobs)
-            self.in_flight = InFlight(jobs, seq=0)
+            self.in_flight = InFlight(jobs)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def pinned_bytes(self) -> int:
@@ -611,7 +520,7 @@ class HostPipeline:
 
     def close(self) -> None:
         self.early_copies.close()
-        self.runner.close()
+        self.link.close()
         self.transfers.close()
         self.host.arena.close_fd()
 

@@ -172,15 +172,25 @@ class WorkerHostRunner:
     def send(self, command: HostCommand) -> int:
         """Hand `command` to the worker; returns its sequence number at once."""
         self.check()
+        return self.post(command)
+
+    def post(self, command: HostCommand) -> int:
+        """send() without reading the worker's messages first: the dispatch thread sends this
+        way (zenflow/host/worker_link.py) while the training thread may be reading them. The
+        command is booked before it is written, so a "done" read at once finds it."""
+        if self._error is not None:
+            raise WorkerDied(self._error)
         with _sigint_deferred():   # sent and booked, or neither
             seq = self._seq + 1
+            self._unfinished[seq] = command
+            self._seq = seq
             try:
                 self._conn.send((seq, command))
             except (BrokenPipeError, OSError):
-                seq = None   # never delivered: nothing of it was done
-            else:
-                self._seq = seq
-                self._unfinished[seq] = command
+                # never delivered: nothing of it was done
+                del self._unfinished[seq]
+                self._seq = seq - 1
+                seq = None
         if seq is None:
             self._fail(_describe_exit(self._server.exit_code(self.pid, 2.0)))
         return seq
@@ -227,8 +237,11 @@ class WorkerHostRunner:
         """How long the worker took for the last host update (0 before the first)."""
         return self.updates[-1][1] - self.updates[-1][0] if self.updates else 0.0
 
-    def close(self) -> None:
-        """Stop the worker (asking first, then killing). Idempotent."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker (asking first, then, with `wait`, killing it if it does not exit in
+        time). Idempotent. Without `wait` (a runner collected by the garbage collector, which
+        may run inside the fork server's own lock) it only asks: the worker exits at the close
+        message or at its socket's end of file, and the fork server reaps it."""
         if self._closed:
             return
         self._closed = True
@@ -242,6 +255,9 @@ class WorkerHostRunner:
             self._conn.send(None)
         except (BrokenPipeError, OSError):
             pass
+        if not wait:
+            self._conn.close()
+            return
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         while _alive(self.pid) and time.monotonic() < deadline:
             if self._server.exit_code(self.pid, _POLL_S) is not None:
@@ -256,7 +272,7 @@ class WorkerHostRunner:
 
     def __del__(self):
         try:
-            self.close()
+            self.close(wait=False)
         except Exception:
             pass
 

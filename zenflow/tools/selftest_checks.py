@@ -397,7 +397,7 @@ def worker(ctx: _Ctx) -> list[Check]:
         pid = opt._runner.pid
         os.kill(pid, signal.SIGSTOP)
         _train(params, opt, 1)
-        opt._pipeline.flush(block=True)
+        opt._pipeline.link.send_all()
         os.kill(pid, signal.SIGKILL)
         start, message = time.monotonic(), ""
         try:
