@@ -93,3 +93,18 @@ def test_a_state_saved_with_bf16_sums_holds_them_as_fp32_and_resumes():
 def test_an_unknown_sum_dtype_is_refused_by_name():
     with pytest.raises(ValueError, match="device_sum_dtype"):
         zenflow.ZenFlowAdamW(torch.nn.Linear(4, 4).parameters(), device_sum_dtype="float16")
+
+
+def test_a_bf16_window_sum_adds_the_scaled_gradient_in_fp32_rounded_once():
+    """sum += coef * g is computed in fp32 and rounded once to the sum's dtype: the step's fp32
+    factor (1 / loss scale times the clipping factor) is not rounded to bf16 first, which would
+    scale every step's contribution by up to 2^-9."""
+    from zenflow.host.buffers import add_scaled_
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 32, generator=gen).bfloat16() for _ in range(3)]
+    sums = [torch.randn(64, 32, generator=gen).bfloat16() for _ in range(3)]
+    coef = torch.tensor(0.8437652587890625 + 2 ** -20)   # not a bf16 value
+    expected = [(s.float() + g.float() * coef).bfloat16() for s, g in zip(sums, grads)]
+    add_scaled_(sums, grads, coef)
+    for s, e in zip(sums, expected):
+        assert torch.equal(s, e)

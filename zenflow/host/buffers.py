@@ -140,10 +140,13 @@ class HostLayout:
 
 
 def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch.Tensor) -> None:
-    """sums += coef * grads in fp32 (grads of any float dtype, coef a 0-dim fp32 tensor): the
-    one arithmetic of every window sum, on the device or the host, so that the two agree bit for
-    bit."""
-    torch._foreach_addcmul_(sums, grads, [coef] * len(sums))
+    """sums += coef * grads, computed in fp32 and rounded once to each sum's dtype (grads of any
+    float dtype, coef a 0-dim fp32 tensor): the one arithmetic of every window sum, on the device
+    or the host, so that the two agree bit for bit. The factor goes in as a 1-element tensor,
+    not a 0-dim one: beside bf16 sums and gradients a 0-dim fp32 factor does not take part in
+    type promotion and is rounded to bf16 first (a relative error of up to 2^-9 in every step's
+    contribution); a 1-element one makes the arithmetic fp32."""
+    torch._foreach_addcmul_(sums, grads, [coef.reshape(1)] * len(sums))
 
 
 def landing_of(fp32_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
