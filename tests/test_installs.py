@@ -271,3 +271,52 @@ def test_attach_refuses_what_is_not_a_module_by_name():
     with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, worker=False) as opt:
         with pytest.raises(TypeError, match=r"attach: model must be a torch.nn.Module.*got list"):
             opt.attach(list(model.parameters()))
+
+
+def _train_compiled(compiled: bool, steps: int = 8, compile_at: int = 0):
+    """Weights after `steps` steps, and (compiled) torch.compile's account of one more forward
+    of the trained model, taken with a window's install pending: (graphs, graph breaks)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                               worker=False)
+    opt.attach(model)
+    gen = torch.Generator().manual_seed(1)
+    account = None
+    with opt:
+        for step in range(steps):
+            forward = (torch.compile(model, backend="eager") if compiled and step >= compile_at
+                       else model)
+            forward(torch.randn(4, 16, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if compiled:
+            explained = torch._dynamo.explain(model)(torch.randn(4, 16))
+            account = explained.graph_count, explained.graph_break_count
+        opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()], account
+
+
+def test_a_compiled_attached_model_is_one_graph_and_trains_as_eager():
+    """torch.compile traces the layers' pre-hooks: there they do nothing (a hook that finished
+    installs broke the graph at every layer, so the model ran eagerly between the breaks), and
+    the optimizer finishes a compiled model's installs in the step that queues them. The
+    weights are the eager run's, bit for bit."""
+    torch._dynamo.reset()
+    compiled, account = _train_compiled(True)
+    assert account == (1, 0)
+    eager, _ = _train_compiled(False)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+
+
+def test_a_model_compiled_mid_training_reads_its_pending_installs_first():
+    """Compiled after three steps, with a window's install pending: the first trace finishes it
+    before the compiled forward reads the weights (one graph break, once)."""
+    torch._dynamo.reset()
+    compiled, _ = _train_compiled(True, compile_at=3)
+    eager, _ = _train_compiled(False)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()

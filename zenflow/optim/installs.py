@@ -23,6 +23,7 @@ installs are finished in the step that queues them, as without attach.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -39,7 +40,6 @@ class PendingInstalls:
         self._finish = finish            # the optimizer's: the pipeline's half, then its own
         self._pending: dict[int, QueuedInstall] = {}
         self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hooks
-        self._waited_in_forward: set[int] = set()   # matrices some attached forward finishes
 
     def __contains__(self, matrix: int) -> bool:
         return matrix in self._pending
@@ -52,10 +52,12 @@ class PendingInstalls:
         return any(i in self._pending for i in matrices)
 
     def add(self, installs: list[QueuedInstall]) -> None:
-        """Installs just queued. Those no attached forward waits for are finished now."""
+        """Installs just queued. Those no attached forward waits for are finished now (a
+        compiled model's forward does not wait: zenflow/optim/installs.py's _before_layer)."""
         assert not any(q.matrix in self._pending for q in installs), "finish() the last first"
         self._pending.update((q.matrix, q) for q in installs)
-        self.finish([q.matrix for q in installs if q.matrix not in self._waited_in_forward])
+        waited = set().union(*(h.matrices for h in self._attached.values() if not h.compiled))
+        self.finish([q.matrix for q in installs if q.matrix not in waited])
 
     def finish(self, matrices=None) -> None:
         """Finish the pending installs of `matrices` (default: all) in the order queued."""
@@ -78,12 +80,10 @@ class PendingInstalls:
         if hooks is None:
             hooks = ModelHooks(model, owned, finish_in_forward, self._detached)
             self._attached[model] = hooks
-            self._waited_in_forward |= hooks.matrices
         return hooks
 
     def _detached(self, model: torch.nn.Module) -> None:
         self._attached.pop(model, None)
-        self._waited_in_forward = set().union(*(h.matrices for h in self._attached.values()))
 
 
 class ModelHooks:
@@ -97,14 +97,20 @@ class ModelHooks:
         finish = _weakly(finish)
         self._on_remove = on_remove
         # prepend: before any hook of the model's own, which may read the weights.
+        self._traced = _Traced()
+        before = functools.partial(_before_layer, finish, _eager_caller(), self._traced)
         self._handles = [module.register_forward_pre_hook(
-            lambda module, args, indices=indices: finish(indices), prepend=True)
-            for module, indices in owned.items()]
+            functools.partial(before, indices), prepend=True) for module, indices in owned.items()]
         self._handles.append(model.register_state_dict_pre_hook(lambda *_: finish(None)))
         # A load writes the weights: a copy landing after it would undo it.
         register_load_hook = getattr(model, "register_load_state_dict_pre_hook", None) or \
             model._register_load_state_dict_pre_hook   # torch < 2.5
         self._handles.append(register_load_hook(lambda *_: finish(None)))
+
+    @property
+    def compiled(self) -> bool:
+        """Whether torch.compile has traced the model's forward: its hooks do nothing there."""
+        return self._traced.compiled
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -113,6 +119,39 @@ class ModelHooks:
         model = self._model()
         if model is not None:
             self._on_remove(model)
+
+
+class _Traced:
+    """Whether torch.compile has traced a forward of the model: the hooks share this plain
+    object, whose attribute the compiler reads and writes like any other."""
+    compiled = False
+
+
+def _before_layer(finish, eager, traced: _Traced, indices: list[int], module, args) -> None:
+    """A layer's pre-hook: finish its own matrices' installs. Inside a graph torch.compile traces,
+    a hook that finished installs would break the graph at every layer (226 breaks a forward,
+    and no CUDA graph could be captured), so there it does nothing, and the optimizer finishes
+    the installs of a compiled model in the step that queues them (on a GPU that only orders the
+    device's later work after the copies). The first trace finishes what is pending then,
+    eagerly (one graph break, once): nobody knew before that this model is compiled."""
+    if torch.compiler.is_compiling():
+        if not traced.compiled:
+            traced.compiled = True
+            eager(finish, None)
+        return
+    finish(indices)
+
+
+_EAGER: Callable | None = None
+
+
+def _eager_caller() -> Callable:
+    """`call(f, x)` = f(x), run by torch.compile as it is instead of traced into (a graph break).
+    Made at the first attach(): importing the compiler takes about a second."""
+    global _EAGER
+    if _EAGER is None:
+        _EAGER = torch.compiler.disable(lambda f, x: f(x))
+    return _EAGER
 
 
 def _weakly(method) -> Callable:
