@@ -215,3 +215,41 @@ def test_page_locks_cover_only_what_the_placement_copies(monkeypatch):
     assert split == {"step_coef": 4, "install_float32": 4 * sum(weights),
                      "grad_sum0": 4 * weights[0], "grad_sum1": 4 * weights[0],
                      "staging0_float32": 4 * sum(weights[1:])}
+
+
+def _fake_device_memory(monkeypatch, total, reserved_peak, allocated_peak, allocated_now):
+    gib = 2 ** 30
+    props = type("Props", (), {"total_memory": total * gib})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: reserved_peak * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated_peak * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated_now * gib)
+
+
+def test_auto_budget_leaves_room_for_the_activations_to_double(monkeypatch):
+    """device_sum_budget="auto" is measured at the first step: a later batch twice as long
+    needs twice its activations (18 GiB here: a peak of 48 GiB allocated, 30 at step()), which
+    the sums must not have taken (80 GiB device, 10% headroom, 50 GiB reserved at the peak)."""
+    calls: list = []
+    transfers = _cuda_transfers(monkeypatch, calls)
+    _fake_device_memory(monkeypatch, total=80, reserved_peak=50, allocated_peak=48,
+                        allocated_now=30)
+    assert transfers.spare_device_bytes() == int(80 * 0.9 * 2 ** 30) - 50 * 2 ** 30 - 18 * 2 ** 30
+
+
+def test_auto_placed_sums_warn_once_when_the_device_fills_up(monkeypatch, caplog):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1,
+                               worker=False, device_sum_budget="auto", deferred_credit="mean")
+    peak = [10]
+    monkeypatch.setattr(Transfers, "spare_device_bytes", lambda self: 10 ** 9)
+    monkeypatch.setattr(Transfers, "device_memory", lambda self: (peak[0] * 2 ** 30, 80 * 2 ** 30))
+    with opt, caplog.at_level(logging.WARNING, logger="zenflow"):
+        for step in range(6):
+            peak[0] = 10 if step < 3 else 77   # a longer batch at step 3
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.stats()["device_sum_matrices"] == 2
+    warnings = [r for r in caplog.records if "peak memory has reached" in r.message]
+    assert len(warnings) == 1 and "77.0 of 80.0 GiB" in warnings[0].message

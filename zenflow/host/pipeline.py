@@ -132,6 +132,7 @@ class HostPipeline:
         self.device_sum_budget = device_sum_budget
         self.device_sums = DeviceSums(self.transfers, device_sum_dtype)
         self._sums_placed = False   # decided at the first step (the budget may need its peak)
+        self._memory_warned = False
         self._restored: dict = {}   # squares and rates loaded before that: index -> (sq, rate)
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
@@ -302,12 +303,29 @@ class HostPipeline:
         install's "moments" correction; the next window's first gradient overwrites its sums."""
         self.num_grads = [0] * len(self.params)
 
+    def _watch_device_memory(self) -> None:
+        """With device_sum_budget="auto" the sums were placed for the first step's activations
+        (with room for them to double); a longer batch since may have taken that room. Say so
+        once, at a window end, while there is still a margin: 5% of the device."""
+        if self.device_sum_budget != "auto" or self._memory_warned or not self.device_sums.sums:
+            return
+        peak, total = self.transfers.device_memory()
+        if peak > 0.95 * total:
+            self._memory_warned = True
+            log.warning("the device's peak memory has reached %.1f of %.1f GiB since the window "
+                        "sums were placed (device_sum_budget='auto': %.2f GiB of sums, placed for "
+                        "the first step's activations); a longer batch could now run out of "
+                        "device memory. Set device_sum_budget to fewer bytes (0: every sum on "
+                        "the host) or shorten the longest batch.", peak / 2**30, total / 2**30,
+                        self.device_sums.nbytes() / 2**30)
+
     def end_window(self, hyperparameters: list[tuple]) -> bool:
         """Hand the window's sums to the host: AdamW on the mean gradient with
         `hyperparameters[i]` = (lr, beta1, beta2, eps, weight_decay, lookahead) for every
         parameter that got a gradient. Returns whether any did. The caller installs the previous
         window's update first (install()), per the overlap rule."""
         assert self.in_flight is None, "install() the previous window first"
+        self._watch_device_memory()
         jobs = []
         for i, n in enumerate(self.num_grads):
             if n:

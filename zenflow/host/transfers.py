@@ -292,15 +292,29 @@ class Transfers:
                 self._install_wait_seconds = seconds
         return self._install_wait_seconds
 
-    def spare_device_bytes(self, headroom: float = 0.1) -> int:
-        """Device memory left after the peak so far (the forward and backward included, when
-        called after the first backward), less `headroom` of the device's total. A CPU "device"
-        has none to spare: it is the host."""
+    def spare_device_bytes(self, headroom: float = 0.1, activation_growth: float = 1.0) -> int:
+        """Device memory left for the window sums (device_sum_budget="auto"), called at the first
+        step(), after the first backward: the device's total, less `headroom` of it, less the
+        peak reserved so far, less room for the activations to grow by `activation_growth` times
+        the first step's (a later, longer batch: dynamic padding is HF's default; 1.0: to twice
+        the first). The first step's activations are its peak allocation less what is allocated
+        at step() (weights, gradients, optimizer state). A CPU "device" has none to spare: it is
+        the host."""
         if not self.cuda:
             return 0
         total = torch.cuda.get_device_properties(self.device).total_memory
         peak = torch.cuda.max_memory_reserved(self.device)
-        return max(0, int(total * (1.0 - headroom)) - peak)
+        activations = max(0, torch.cuda.max_memory_allocated(self.device)
+                          - torch.cuda.memory_allocated(self.device))
+        return max(0, int(total * (1.0 - headroom) - peak - activation_growth * activations))
+
+    def device_memory(self) -> tuple[int, int]:
+        """(peak reserved so far, total) of the device's memory, asked of the allocator on the
+        host (no device sync); (0, 0) on a CPU "device"."""
+        if not self.cuda:
+            return 0, 0
+        return (torch.cuda.max_memory_reserved(self.device),
+                torch.cuda.get_device_properties(self.device).total_memory)
 
     def pin(self, tensors: list[torch.Tensor]) -> None:
         """Page-lock host buffers in place (zenflow/host/page_locks.py: they live in shared
