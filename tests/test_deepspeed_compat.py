@@ -286,7 +286,8 @@ def test_data_parallel_no_sync_refuses_a_boundary_step(make_engine, monkeypatch)
     import zenflow.distributed
     engine = make_engine(toys.config("zenflow", batch_size=8, micro=4))
     two_ranks = zenflow.distributed.Partition(rank=0, world_size=2)
-    monkeypatch.setattr(zenflow.engine.engine.Partition, "from_group", classmethod(lambda cls: two_ranks))
+    monkeypatch.setattr(zenflow.engine.engine.Partition, "from_group",
+                        classmethod(lambda cls, group, device: two_ranks))
     x, y = toys.batch(0, 4)
     with engine.no_sync():
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
