@@ -168,6 +168,33 @@ def test_launch_maps_deepspeed_options_onto_torchrun(tmp_path):
             launch_tool.command(parsed(*argv))
 
 
+def test_launcher_flags_never_take_the_script_name(tmp_path):
+    """DeepSpeed's store_true options stay flags: `--bind_cores_to_rank train.py` (DeepSpeedExamples'
+    run_ds.sh) runs train.py; a refused flag is refused by its name, not as a missing script."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys; print('ran', sys.argv[1:])\n")
+
+    def parsed(*argv):
+        parser = cli.argparse.ArgumentParser()
+        launch_tool.add_arguments(parser)
+        return parser.parse_args([*argv])
+
+    cmd, _ = launch_tool.command(parsed("--bind_cores_to_rank", str(script), "--deepspeed"))
+    assert cmd[1:] == ["-m", launch_tool.RUNNER, str(script), "--deepspeed"]
+    for flag in launch_tool.UNSUPPORTED_FLAGS:
+        args = parsed(f"--{flag}", str(script))
+        assert args.user_script == str(script)
+        with pytest.raises(ValueError, match=f"--{flag}: not supported"):
+            launch_tool.command(args)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = subprocess.run([sys.executable, "-m", "zenflow", "launch", "--bind_cores_to_rank",
+                          str(script), "--x"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ran ['--x', '--local_rank=0']" in run.stdout
+    assert f"zenflow launch: {launch_tool.BIND_CORES_NOTE}" in run.stderr
+
+
 @pytest.mark.slow
 def test_evaluation_on_every_rank_sees_the_synchronized_weights(tmp_path):
     steps = 3 * EVAL_EVERY
