@@ -508,8 +508,13 @@ def initialize(model: torch.nn.Module = None, model_parameters: Iterable | None 
                lr_scheduler: Any = None, optimizer: Any = None,
                collate_fn: Callable | None = None, config_params: dict | None = None,
                args: Any = None, dist_init_required: bool | None = None, mpu: Any = None,
-               mesh_param: Any = None):
+               mesh_param: Any = None
+               ) -> tuple[ZenFlowEngine, torch.optim.Optimizer, torch.utils.data.DataLoader | None,
+                          Any]:
     """Like deepspeed.initialize: returns (engine, optimizer, dataloader, lr_scheduler).
+
+    The dataloader is None without `training_data`; the scheduler is the config's (a torch
+    LRScheduler), the one passed as `lr_scheduler` (anything with step(), hence Any), or None.
 
     The config comes from exactly one of `config` (a JSON path or a dict), `config_params`
     (DeepSpeed's older name) or `args.deepspeed_config`. It is validated whole before anything
