@@ -67,15 +67,35 @@ def test_cifar_style_script_runs_unchanged_through_the_launcher(tmp_path, ranks)
     assert len([p for p in ckpt.iterdir() if p.is_dir()]) == 2   # one per epoch, not per rank
 
 
+def tiny_llama(folder: Path) -> Path:
+    """A Llama of a few thousand parameters saved as a Hugging Face model folder (config and
+    weights), which `from_pretrained` loads offline as it would a downloaded Llama-2."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_finetune_llama_style_script_runs_unchanged_through_the_launcher(tmp_path, ranks):
+    """DeepSpeed-ZenFlow's finetune_llama.py imports transformers, whose DeepSpeed check (and
+    accelerate's) asks importlib for `deepspeed`'s spec: the served modules have one."""
+    pytest.importorskip("accelerate")
+    model = tiny_llama(tmp_path / "tiny-llama")
     results, _ = launch(tmp_path, "ds_finetune_llama_style.py", ranks, "--output_dir",
-                        str(tmp_path / "ckpt"))
+                        str(tmp_path / "ckpt"), "--model_name", str(model))
     for res in results:
         assert len(res["losses"]) == 2 * 64 // (8 * ranks)
         assert res["client_state"] == {"global_step": len(res["losses"])}
         assert res["resumed_eval_loss"] == pytest.approx(res["eval_loss"], rel=1e-6)
+        # No `deepspeed` distribution is installed, so both libraries keep their own DeepSpeed
+        # code off and the script's deepspeed.initialize is zenflow's.
+        assert res["deepspeed_checks"] == {"find_spec": "deepspeed", "transformers": False,
+                                           "accelerate": False}
     assert len({res["eval_loss"] for res in results}) == 1
 
 
@@ -98,6 +118,10 @@ def test_served_names_and_refused_ones(tmp_path):
         "assert type(FusedAdam(p, adam_w_mode=False)) is torch.optim.Adam\n"
         "groups = {'params': p, 'name': 'parameters'}\n"
         "assert split_params_into_different_moe_groups_for_optimizer(groups) == [groups]\n"
+        "import importlib.util\n"   # what transformers' and accelerate's DeepSpeed checks call
+        "from zenflow.compat.deepspeed.serve import SERVED\n"
+        "for name in SERVED:\n"
+        "    assert importlib.util.find_spec(name) is not None, name\n"
         "print('args', sys.argv[1:])\n"
         "for name in ('deepspeed.runtime.zero', 'deepspeed.pipe', 'deepspeed.nothing'):\n"
         "    try:\n"
