@@ -1,5 +1,6 @@
 """Code that runs inside the multi-process tests (spawned ranks, gloo on 127.0.0.1)."""
 import os
+import time
 import traceback
 from datetime import timedelta
 
@@ -147,6 +148,22 @@ def _checkpoint_calls(rank, world, out_dir, result):
         engine.close()
         return
     _train_engine(engine, 5, start=4)   # rank 0 never joins this step: it fails, rank 0 is gone
+
+
+def _save_after_a_rank_exits(rank, world, out_dir, result):
+    """DeepSpeed-ZenFlow's finetune_llama.py: every rank trains, then only rank 0 saves, and the
+    other ranks' scripts end. Rank 0's save must learn that they are gone, and say so."""
+    engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(True, world))
+    _train_engine(engine, 2)
+    if rank != 0:
+        return   # the script ends: the process exits without calling save_checkpoint
+    start = time.monotonic()
+    try:
+        engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    except RuntimeError as exc:
+        result["save_error"] = str(exc)
+    result["save_s"] = time.monotonic() - start
+    engine.close()
 
 
 def my_share(t: int, rank: int, world: int):
@@ -308,6 +325,8 @@ def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_di
             _eval_loop(rank, world, steps, result)
         elif mode == "checkpoint_calls":
             _checkpoint_calls(rank, world, out_dir, result)
+        elif mode == "save_after_a_rank_exits":
+            _save_after_a_rank_exits(rank, world, out_dir, result)
         elif mode == "unseeded":
             _unseeded(rank, world, steps, worker, result)
         elif mode == "rank_dies":

@@ -66,6 +66,10 @@ def main(args):
             if dist.get_rank() == 0 and step % 4 == 0:
                 print(f"[Epoch {epoch}] Step {step}, Loss: {loss.item():.4f}, "
                       f"Time: {(time.time() - step_start) * 1000:.0f}ms")
+    if args.save_on_rank_0_only:   # as DeepSpeed-ZenFlow's finetune_llama.py saves
+        if dist.get_rank() == 0:
+            model_engine.save_checkpoint(args.output_dir, client_state={"global_step": global_step})
+        return
     model_engine.save_checkpoint(args.output_dir, client_state={"global_step": global_step})
     resumed_model = AutoModelForCausalLM.from_pretrained(args.model_name)
     resumed, _, _, _ = deepspeed.initialize(args=args, model=resumed_model,
@@ -98,6 +102,7 @@ if __name__ == "__main__":
     parser.add_argument("--num_train_epochs", type=int, default=2)
     parser.add_argument("--output_dir", type=str, required=True)
     parser.add_argument("--out", type=str, required=True)
+    parser.add_argument("--save_on_rank_0_only", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     main(args)

@@ -4,8 +4,10 @@ and the engine under data parallel as DeepSpeed clients drive it: evaluation on 
 the synchronized weights, tags that differ per rank, a save called on rank 0 only."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,8 @@ CONFIG = {
                                       "overlap_step": True}}}
 
 
-def launch(tmp_path, script: str, ranks: int, *script_args: str) -> tuple[list[dict], str]:
+def run_launch(tmp_path, script: str, ranks: int, *script_args: str
+               ) -> subprocess.CompletedProcess:
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps(CONFIG))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -35,10 +38,29 @@ def launch(tmp_path, script: str, ranks: int, *script_args: str) -> tuple[list[d
         CUDA_VISIBLE_DEVICES="")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    run = subprocess.run([sys.executable, "-m", "zenflow", "launch", "--num_gpus", str(ranks),
-                          str(TESTS / script), "--deepspeed", "--deepspeed_config", str(cfg),
-                          "--out", str(tmp_path / "out"), *script_args],
-                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    argv = [sys.executable, "-m", "zenflow", "launch", "--num_gpus", str(ranks),
+            str(TESTS / script), "--deepspeed", "--deepspeed_config", str(cfg),
+            "--out", str(tmp_path / "out"), *script_args]
+    # In a session of its own, so that a hang stops torchrun too, not only the launcher
+    # (subprocess.run's timeout would leave torchrun and the ranks running). The ranks are in
+    # sessions of their own: torchrun stops them when it gets SIGTERM.
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=tmp_path, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+            pytest.fail(f"zenflow launch still running after 240 s: a hang\n{stderr[-5000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def launch(tmp_path, script: str, ranks: int, *script_args: str) -> tuple[list[dict], str]:
+    run = run_launch(tmp_path, script, ranks, *script_args)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     served = [line for line in run.stderr.splitlines() if "zenflow launch: serving" in line]
     assert len(served) == 1, run.stderr[-3000:]   # printed once, by rank 0
@@ -97,6 +119,25 @@ def test_finetune_llama_style_script_runs_unchanged_through_the_launcher(tmp_pat
         assert res["deepspeed_checks"] == {"find_spec": "deepspeed", "transformers": False,
                                            "accelerate": False}
     assert len({res["eval_loss"] for res in results}) == 1
+
+
+@pytest.mark.slow
+def test_finetune_llama_style_save_on_rank_0_only_fails_within_seconds(tmp_path):
+    """finetune_llama.py saves on rank 0 only; rank 1's script then ends. The save cannot be made
+    (rank 1 held half of the host state), and rank 0 says so as soon as rank 1 has exited,
+    not after the 30-minute collective deadline."""
+    pytest.importorskip("accelerate")
+    model = tiny_llama(tmp_path / "tiny-llama")
+    start = time.monotonic()
+    run = run_launch(tmp_path, "ds_finetune_llama_style.py", 2, "--output_dir",
+                     str(tmp_path / "ckpt"), "--model_name", str(model), "--save_on_rank_0_only")
+    assert run.returncode != 0
+    assert ("save_checkpoint is collective: every rank must call it (each rank writes its share "
+            "of the optimizer state, and installing the in-flight update is collective), but "
+            "rank(s) 1 ended without calling it (the process exited)") in run.stderr, \
+        run.stderr[-5000:]
+    assert time.monotonic() - start < 200   # the deadline is 1800 s
+    assert not (tmp_path / "ckpt" / "latest").exists()
 
 
 def test_served_names_and_refused_ones(tmp_path):
@@ -257,3 +298,16 @@ def test_checkpoint_tags_and_a_save_on_rank_0_only(tmp_path):
                                               "call it")
     assert "rank(s) 1 went on training without calling it" in zero["lone_save_error"]
     assert not (tmp_path / "ckpt" / "rank0_only").exists()
+
+
+@pytest.mark.slow
+def test_a_save_on_rank_0_learns_within_seconds_that_the_other_ranks_exited(tmp_path):
+    """finetune_llama.py saves on rank 0 only and the other ranks' scripts end: rank 0 must not
+    wait out the collective deadline (30 minutes) to say that the save cannot be made."""
+    zero, one = run_ranks(tmp_path, "save_after_a_rank_exits", timeout=90)
+    assert one is not None and "error" not in one, one and one.get("error")
+    assert zero is not None and "error" not in zero, zero and zero.get("error")
+    assert zero["save_error"].startswith("save_checkpoint is collective: every rank must call it")
+    assert "rank(s) 1 ended without calling it (the process exited)" in zero["save_error"]
+    assert zero["save_s"] < 30, zero["save_s"]   # rank 1's exit itself takes a second or two
+    assert not (tmp_path / "ckpt" / "latest").exists()

@@ -344,10 +344,12 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         hang): the ranks meet in the store first (rank_agreement.py)."""
         if self._agreement is None:
             return
-        missing, went_on = self._agreement.missing_from(method, comm.DEFAULT_TIMEOUT)
+        missing, why = self._agreement.missing_from(method, comm.DEFAULT_TIMEOUT)
         if missing:
-            how = ("went on training without calling it" if went_on else
-                   f"did not call it within {comm.DEFAULT_TIMEOUT.total_seconds():g} s")
+            how = {"left": "went on training without calling it",
+                   "exited": "ended without calling it (the process exited)",
+                   "late": f"did not call it within {comm.DEFAULT_TIMEOUT.total_seconds():g} s",
+                   }[why]
             raise RuntimeError(
                 f"{method} is collective: every rank must call it (each rank writes its share of "
                 f"the optimizer state, and installing the in-flight update is collective), but "

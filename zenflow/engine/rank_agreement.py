@@ -11,7 +11,10 @@ small keys, no collective) and find out who is there:
 - a read of the model (`all_read`) installs the update only when every rank reads: the first
   rank to see all arrivals decides "sync", the first to see one leave (or to wait past a short
   deadline) decides "skip", and every rank follows the one decision (compare-and-set);
-- a save (`missing_from`) names the ranks that did not come.
+- a save (`missing_from`) names the ranks that did not come;
+- a rank whose process ends (its script returned or raised without calling a save that another
+  rank waits in) says so at exit, so the ranks waiting for it learn within a poll, not at the
+  30-minute deadline. A rank that is killed makes torchrun end the others.
 
 Periods are counted by this object (one per optimizer step), not by the engine's step counter,
 which a checkpoint load rewinds; each engine gets its own key prefix, in creation order, which
@@ -19,6 +22,7 @@ is the same on every rank.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import time
 from datetime import timedelta
@@ -37,6 +41,14 @@ class StepAgreement:
         self.period = 0
         self._left: set[int] = set()      # periods this rank has marked as left
         self._events: dict[int, dict[str, int]] = {}  # period -> kind -> points reached
+        atexit.register(self._mark_exited)
+
+    def _mark_exited(self) -> None:
+        """At this process's exit: it will reach no meeting point again."""
+        try:
+            self._store.set(f"exited/{self.rank}", "1")
+        except Exception:  # the store's host is gone too: nobody is left to wait
+            pass
 
     @classmethod
     def for_default_group(cls) -> StepAgreement | None:
@@ -80,12 +92,14 @@ class StepAgreement:
         self._store.set(f"{key}/{self.rank}", "1")
         return key
 
-    def _absent(self, key: str) -> tuple[list[int], list[int]]:
-        """(ranks not arrived at `key`, those of them that left this period)."""
+    def _absent(self, key: str) -> tuple[list[int], list[int], list[int]]:
+        """(ranks not arrived at `key`, those of them that left this period, those of them whose
+        process has ended)."""
         others = [r for r in range(self.world_size) if r != self.rank]
         missing = [r for r in others if not self._store.check([f"{key}/{r}"])]
         left = [r for r in missing if self._store.check([f"{self.period}/left/{r}"])]
-        return missing, left
+        exited = [r for r in missing if self._store.check([f"exited/{r}"])]
+        return missing, left, exited
 
     def all_read(self, deadline_s: float) -> bool:
         """Whether every rank reads the model at this point (then each installs the update)."""
@@ -93,26 +107,29 @@ class StepAgreement:
         decision_key = f"{key}/decision"
         deadline = time.monotonic() + deadline_s
         while not self._store.check([decision_key]):
-            missing, left = self._absent(key)
+            missing, left, exited = self._absent(key)
             if not missing:
                 self._store.compare_set(decision_key, "", "sync")
-            elif left or time.monotonic() > deadline:
+            elif left or exited or time.monotonic() > deadline:
                 self._store.compare_set(decision_key, "", "skip")
             else:
                 time.sleep(POLL_S)
         return self._store.get(decision_key) == b"sync"
 
-    def missing_from(self, kind: str, deadline: timedelta) -> tuple[list[int], bool]:
-        """Wait until every rank reaches this `kind` of point. Returns ([], False) when all did,
-        else (the ranks missing, whether they went on training)."""
+    def missing_from(self, kind: str, deadline: timedelta) -> tuple[list[int], str]:
+        """Wait until every rank reaches this `kind` of point. Returns ([], "") when all did,
+        else (the ranks missing, why: "left" when one went on training, "exited" when one's
+        process ended, "late" when `deadline` passed)."""
         key = self._arrive(kind)
         end = time.monotonic() + deadline.total_seconds()
         while True:
-            missing, left = self._absent(key)
+            missing, left, exited = self._absent(key)
             if not missing:
-                return [], False
+                return [], ""
             if left:
-                return missing, True
+                return missing, "left"
+            if exited:
+                return missing, "exited"
             if time.monotonic() > end:
-                return missing, False
+                return missing, "late"
             time.sleep(POLL_S)
