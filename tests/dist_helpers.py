@@ -150,6 +150,44 @@ def _checkpoint_calls(rank, world, out_dir, result):
     _train_engine(engine, 5, start=4)   # rank 0 never joins this step: it fails, rank 0 is gone
 
 
+def _eval_alone_while_others_wait(rank, world, out_dir, result):
+    """Evaluation on rank 0 only while the other ranks wait in a barrier of the served
+    deepspeed.comm (DeepSpeed's `if rank == 0: evaluate()` then `dist.barrier()`), or in
+    save_checkpoint; then the way to evaluate current weights on one rank: engine.eval() on every
+    rank first."""
+    import logging
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("zenflow.engine").addHandler(handler)
+    engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(True, world))
+    x, _ = my_share(0, rank, world)
+
+    def evaluate_alone(name: str) -> None:
+        if rank == 0:
+            start = time.monotonic()
+            with torch.no_grad():
+                engine(x)
+            result[name] = time.monotonic() - start
+
+    _train_engine(engine, 3)
+    evaluate_alone("beside_a_barrier_s")
+    zenflow.comm.barrier()
+    _train_engine(engine, 5, start=3)
+    evaluate_alone("beside_a_save_s")
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    _train_engine(engine, 7, start=5)
+    engine.eval()                      # every rank: installs the update in flight
+    result["synchronized"] = _raw(engine.module)
+    evaluate_alone("after_eval_on_every_rank_s")
+    engine.train()
+    zenflow.comm.barrier()
+    _train_engine(engine, 8, start=7)
+    result["after"] = _raw(engine.module)
+    result["warnings"] = warnings
+    engine.close()
+
+
 def _save_after_a_rank_exits(rank, world, out_dir, result):
     """DeepSpeed-ZenFlow's finetune_llama.py: every rank trains, then only rank 0 saves, and the
     other ranks' scripts end. Rank 0's save must learn that they are gone, and say so."""
@@ -325,6 +363,8 @@ def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_di
             _eval_loop(rank, world, steps, result)
         elif mode == "checkpoint_calls":
             _checkpoint_calls(rank, world, out_dir, result)
+        elif mode == "eval_alone_while_others_wait":
+            _eval_alone_while_others_wait(rank, world, out_dir, result)
         elif mode == "save_after_a_rank_exits":
             _save_after_a_rank_exits(rank, world, out_dir, result)
         elif mode == "unseeded":

@@ -15,6 +15,7 @@ import torch
 from dist_helpers import EVAL_EVERY, single_process_eval_run
 from test_distributed import assert_ok, assert_same, run_ranks
 
+from zenflow.engine.weight_sync import READ_DEADLINE_S
 from zenflow.tools import cli
 from zenflow.tools import launch as launch_tool
 
@@ -280,6 +281,24 @@ def test_evaluation_on_every_rank_sees_the_synchronized_weights(tmp_path):
     assert any("data parallel: a forward pass in eval mode or under no_grad on rank 0" in w
                for w in ranks[0]["warnings"]), ranks[0]["warnings"]
     assert not ranks[1]["warnings"]
+
+
+@pytest.mark.slow
+def test_evaluation_on_rank_0_alone_does_not_wait_for_ranks_that_wait_elsewhere(tmp_path):
+    """Rank 0 evaluating alone while the others wait in a barrier or a save reads at once (it
+    used to wait out the 10 s deadline each time); the warning says how to evaluate current
+    weights on one rank, and doing so (engine.eval() on every rank) waits for nothing either."""
+    zero, one = run_ranks(tmp_path, "eval_alone_while_others_wait", timeout=120)
+    assert_ok([zero, one])
+    for name in ("beside_a_barrier_s", "beside_a_save_s", "after_eval_on_every_rank_s"):
+        assert zero[name] < READ_DEADLINE_S / 2, (name, zero[name])
+    assert_same(zero["synchronized"], one["synchronized"], exact=True)
+    assert_same(zero["after"], one["after"], exact=True)   # the ranks stayed in step
+    assert (tmp_path / "ckpt" / "latest").exists()
+    warned = [w for w in zero["warnings"] if w.startswith("data parallel: ")]
+    assert len(warned) == 1 and ("To evaluate current weights on one rank, call engine.eval() "
+                                 "(or engine.synchronize()) on every rank first") in warned[0]
+    assert not one["warnings"]
 
 
 @pytest.mark.slow

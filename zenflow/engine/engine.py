@@ -140,6 +140,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         log.info("engine: %s", resolved_settings(config))
         # Under data parallel, where ranks meet before a read or a save (rank_agreement.py).
         self._agreement = StepAgreement.for_default_group()
+        if self._agreement is not None:   # a rank waiting in a served barrier says so
+            comm.barrier_watchers.append(self._agreement.waiting_in)
         self._weight_sync = WeightSync(
             model, self.synchronize, self._agreement,
             defers_updates=getattr(self.optimizer, "overlap_step", False) is True)
@@ -273,6 +275,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         self._closed = True
         if self._agreement is not None:
             self._agreement.leave_period()
+            if self._agreement.waiting_in in comm.barrier_watchers:
+                comm.barrier_watchers.remove(self._agreement.waiting_in)
         self._weight_sync.remove()
         if self._install_hooks is not None:
             self._install_hooks.remove()
@@ -348,6 +352,7 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         if missing:
             how = {"left": "went on training without calling it",
                    "exited": "ended without calling it (the process exited)",
+                   "waiting": "wait in another collective call (a barrier, or another save)",
                    "late": f"did not call it within {comm.DEFAULT_TIMEOUT.total_seconds():g} s",
                    }[why]
             raise RuntimeError(
