@@ -153,7 +153,7 @@ def barrier(group=None, async_op: bool = False, device_ids=None):
     global barriers_passed
     if not _require_group_if_launched("barrier"):
         return None
-    if group is not None or async_op:
+    if group is not None or async_op:   # not every rank's, or no wait here: not counted
         return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
     with ExitStack() as waiting:
         for watcher in list(barrier_watchers):
