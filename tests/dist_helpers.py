@@ -1,5 +1,6 @@
 """Code that runs inside the multi-process tests (spawned ranks, gloo on 127.0.0.1)."""
 import os
+import time
 import traceback
 from datetime import timedelta
 
@@ -147,6 +148,60 @@ def _checkpoint_calls(rank, world, out_dir, result):
         engine.close()
         return
     _train_engine(engine, 5, start=4)   # rank 0 never joins this step: it fails, rank 0 is gone
+
+
+def _eval_alone_while_others_wait(rank, world, out_dir, result):
+    """Evaluation on rank 0 only while the other ranks wait in a barrier of the served
+    deepspeed.comm (DeepSpeed's `if rank == 0: evaluate()` then `dist.barrier()`), or in
+    save_checkpoint; then the way to evaluate current weights on one rank: engine.eval() on every
+    rank first."""
+    import logging
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("zenflow.engine").addHandler(handler)
+    engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(True, world))
+    x, _ = my_share(0, rank, world)
+
+    def evaluate_alone(name: str) -> None:
+        if rank == 0:
+            start = time.monotonic()
+            with torch.no_grad():
+                engine(x)
+            result[name] = time.monotonic() - start
+
+    _train_engine(engine, 3)
+    evaluate_alone("beside_a_barrier_s")
+    zenflow.comm.barrier()
+    _train_engine(engine, 5, start=3)
+    evaluate_alone("beside_a_save_s")
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    _train_engine(engine, 7, start=5)
+    engine.eval()                      # every rank: installs the update in flight
+    result["synchronized"] = _raw(engine.module)
+    evaluate_alone("after_eval_on_every_rank_s")
+    engine.train()
+    zenflow.comm.barrier()
+    _train_engine(engine, 8, start=7)
+    result["after"] = _raw(engine.module)
+    result["warnings"] = warnings
+    engine.close()
+
+
+def _save_after_a_rank_exits(rank, world, out_dir, result):
+    """DeepSpeed-ZenFlow's finetune_llama.py: every rank trains, then only rank 0 saves, and the
+    other ranks' scripts end. Rank 0's save must learn that they are gone, and say so."""
+    engine, *_ = zenflow.initialize(model=make_mlp(), config=engine_config(True, world))
+    _train_engine(engine, 2)
+    if rank != 0:
+        return   # the script ends: the process exits without calling save_checkpoint
+    start = time.monotonic()
+    try:
+        engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    except RuntimeError as exc:
+        result["save_error"] = str(exc)
+    result["save_s"] = time.monotonic() - start
+    engine.close()
 
 
 def my_share(t: int, rank: int, world: int):
@@ -308,6 +363,10 @@ def rank_main(rank: int, world: int, port: int, mode: str, overlap: bool, out_di
             _eval_loop(rank, world, steps, result)
         elif mode == "checkpoint_calls":
             _checkpoint_calls(rank, world, out_dir, result)
+        elif mode == "eval_alone_while_others_wait":
+            _eval_alone_while_others_wait(rank, world, out_dir, result)
+        elif mode == "save_after_a_rank_exits":
+            _save_after_a_rank_exits(rank, world, out_dir, result)
         elif mode == "unseeded":
             _unseeded(rank, world, steps, worker, result)
         elif mode == "rank_dies":

@@ -1,43 +1,32 @@
 """A training script written the way DeepSpeedExamples' ZenFlow `finetune_llama.py` writes one,
-unchanged (`import deepspeed`, `from deepspeed import comm as dist`, a DistributedSampler, a
-model whose output has `.loss`), with a tiny causal LM instead of Llama and a checkpoint saved and
-resumed. Run by tests/test_deepspeed_launch.py through `zenflow launch`. Writes O/rank<r>.json."""
+unchanged (`import deepspeed`, `from deepspeed import comm as dist`, transformers'
+`AutoModelForCausalLM.from_pretrained`, a DistributedSampler, the model's `.loss`), with a tiny
+Llama that the test writes to a local folder instead of Llama-2, and a checkpoint saved and
+resumed. Importing transformers runs its and accelerate's `is_deepspeed_available()` on the served
+`deepspeed`; the script records what they answer. Run by tests/test_deepspeed_launch.py through
+`zenflow launch`. Writes O/rank<r>.json."""
 import argparse
+import importlib.util
 import json
 import os
 import random
 import time
-from types import SimpleNamespace
 
 import deepspeed
 import numpy as np
 import torch
+from accelerate.utils import is_deepspeed_available as accelerate_sees_deepspeed
 from deepspeed import comm as dist
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+from transformers import AutoModelForCausalLM
+from transformers.integrations import is_deepspeed_available as transformers_sees_deepspeed
 
 
 def set_seed(seed):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-class TinyCausalLM(torch.nn.Module):
-    def __init__(self, vocab=32, dim=16):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * dim, dim))
-        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, input_ids, labels=None):
-        logits = self.lm_head(self.mlp(self.embed(input_ids)))
-        loss = None
-        if labels is not None:
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                     labels[:, 1:].reshape(-1))
-        return SimpleNamespace(loss=loss, logits=logits)
 
 
 class TextDataset(Dataset):
@@ -55,7 +44,7 @@ class TextDataset(Dataset):
 def main(args):
     set_seed(args.seed)
     deepspeed.init_distributed()
-    model = TinyCausalLM()
+    model = AutoModelForCausalLM.from_pretrained(args.model_name)
     dataset = TextDataset()
     sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(),
                                  rank=dist.get_rank(), shuffle=False)
@@ -77,8 +66,12 @@ def main(args):
             if dist.get_rank() == 0 and step % 4 == 0:
                 print(f"[Epoch {epoch}] Step {step}, Loss: {loss.item():.4f}, "
                       f"Time: {(time.time() - step_start) * 1000:.0f}ms")
+    if args.save_on_rank_0_only:   # as DeepSpeed-ZenFlow's finetune_llama.py saves
+        if dist.get_rank() == 0:
+            model_engine.save_checkpoint(args.output_dir, client_state={"global_step": global_step})
+        return
     model_engine.save_checkpoint(args.output_dir, client_state={"global_step": global_step})
-    resumed_model = TinyCausalLM()
+    resumed_model = AutoModelForCausalLM.from_pretrained(args.model_name)
     resumed, _, _, _ = deepspeed.initialize(args=args, model=resumed_model,
                                             model_parameters=resumed_model.parameters())
     path, client_state = resumed.load_checkpoint(args.output_dir)
@@ -88,7 +81,11 @@ def main(args):
     with torch.no_grad():
         result = {"rank": dist.get_rank(), "losses": losses, "client_state": client_state,
                   "eval_loss": model_engine(**batch).loss.item(),
-                  "resumed_eval_loss": resumed(**batch).loss.item()}
+                  "resumed_eval_loss": resumed(**batch).loss.item(),
+                  "deepspeed_checks": {
+                      "find_spec": importlib.util.find_spec("deepspeed").name,
+                      "transformers": transformers_sees_deepspeed(),
+                      "accelerate": accelerate_sees_deepspeed()}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
@@ -99,11 +96,13 @@ def main(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
+    parser.add_argument("--model_name", type=str, required=True)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--num_train_epochs", type=int, default=2)
     parser.add_argument("--output_dir", type=str, required=True)
     parser.add_argument("--out", type=str, required=True)
+    parser.add_argument("--save_on_rank_0_only", action="store_true")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     main(args)

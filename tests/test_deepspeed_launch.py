@@ -4,8 +4,10 @@ and the engine under data parallel as DeepSpeed clients drive it: evaluation on 
 the synchronized weights, tags that differ per rank, a save called on rank 0 only."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from dist_helpers import EVAL_EVERY, single_process_eval_run
 from test_distributed import assert_ok, assert_same, run_ranks
 
+from zenflow.engine.weight_sync import READ_DEADLINE_S
 from zenflow.tools import cli
 from zenflow.tools import launch as launch_tool
 
@@ -27,7 +30,8 @@ CONFIG = {
                                       "overlap_step": True}}}
 
 
-def launch(tmp_path, script: str, ranks: int, *script_args: str) -> tuple[list[dict], str]:
+def run_launch(tmp_path, script: str, ranks: int, *script_args: str
+               ) -> subprocess.CompletedProcess:
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps(CONFIG))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -35,10 +39,29 @@ def launch(tmp_path, script: str, ranks: int, *script_args: str) -> tuple[list[d
         CUDA_VISIBLE_DEVICES="")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    run = subprocess.run([sys.executable, "-m", "zenflow", "launch", "--num_gpus", str(ranks),
-                          str(TESTS / script), "--deepspeed", "--deepspeed_config", str(cfg),
-                          "--out", str(tmp_path / "out"), *script_args],
-                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    argv = [sys.executable, "-m", "zenflow", "launch", "--num_gpus", str(ranks),
+            str(TESTS / script), "--deepspeed", "--deepspeed_config", str(cfg),
+            "--out", str(tmp_path / "out"), *script_args]
+    # In a session of its own, so that a hang stops torchrun too, not only the launcher
+    # (subprocess.run's timeout would leave torchrun and the ranks running). The ranks are in
+    # sessions of their own: torchrun stops them when it gets SIGTERM.
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=tmp_path, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+            pytest.fail(f"zenflow launch still running after 240 s: a hang\n{stderr[-5000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def launch(tmp_path, script: str, ranks: int, *script_args: str) -> tuple[list[dict], str]:
+    run = run_launch(tmp_path, script, ranks, *script_args)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     served = [line for line in run.stderr.splitlines() if "zenflow launch: serving" in line]
     assert len(served) == 1, run.stderr[-3000:]   # printed once, by rank 0
@@ -67,16 +90,55 @@ def test_cifar_style_script_runs_unchanged_through_the_launcher(tmp_path, ranks)
     assert len([p for p in ckpt.iterdir() if p.is_dir()]) == 2   # one per epoch, not per rank
 
 
+def tiny_llama(folder: Path) -> Path:
+    """A Llama of a few thousand parameters saved as a Hugging Face model folder (config and
+    weights), which `from_pretrained` loads offline as it would a downloaded Llama-2."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=16)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_finetune_llama_style_script_runs_unchanged_through_the_launcher(tmp_path, ranks):
+    """DeepSpeed-ZenFlow's finetune_llama.py imports transformers, whose DeepSpeed check (and
+    accelerate's) asks importlib for `deepspeed`'s spec: the served modules have one."""
+    pytest.importorskip("accelerate")
+    model = tiny_llama(tmp_path / "tiny-llama")
     results, _ = launch(tmp_path, "ds_finetune_llama_style.py", ranks, "--output_dir",
-                        str(tmp_path / "ckpt"))
+                        str(tmp_path / "ckpt"), "--model_name", str(model))
     for res in results:
         assert len(res["losses"]) == 2 * 64 // (8 * ranks)
         assert res["client_state"] == {"global_step": len(res["losses"])}
         assert res["resumed_eval_loss"] == pytest.approx(res["eval_loss"], rel=1e-6)
+        # No `deepspeed` distribution is installed, so both libraries keep their own DeepSpeed
+        # code off and the script's deepspeed.initialize is zenflow's.
+        assert res["deepspeed_checks"] == {"find_spec": "deepspeed", "transformers": False,
+                                           "accelerate": False}
     assert len({res["eval_loss"] for res in results}) == 1
+
+
+@pytest.mark.slow
+def test_finetune_llama_style_save_on_rank_0_only_fails_within_seconds(tmp_path):
+    """finetune_llama.py saves on rank 0 only; rank 1's script then ends. The save cannot be made
+    (rank 1 held half of the host state), and rank 0 says so as soon as rank 1 has exited,
+    not after the 30-minute collective deadline."""
+    pytest.importorskip("accelerate")
+    model = tiny_llama(tmp_path / "tiny-llama")
+    start = time.monotonic()
+    run = run_launch(tmp_path, "ds_finetune_llama_style.py", 2, "--output_dir",
+                     str(tmp_path / "ckpt"), "--model_name", str(model), "--save_on_rank_0_only")
+    assert run.returncode != 0
+    assert ("save_checkpoint is collective: every rank must call it (each rank writes its share "
+            "of the optimizer state, and installing the in-flight update is collective), but "
+            "rank(s) 1 ended without calling it (the process exited)") in run.stderr, \
+        run.stderr[-5000:]
+    assert time.monotonic() - start < 200   # the deadline is 1800 s
+    assert not (tmp_path / "ckpt" / "latest").exists()
 
 
 def test_served_names_and_refused_ones(tmp_path):
@@ -98,6 +160,10 @@ def test_served_names_and_refused_ones(tmp_path):
         "assert type(FusedAdam(p, adam_w_mode=False)) is torch.optim.Adam\n"
         "groups = {'params': p, 'name': 'parameters'}\n"
         "assert split_params_into_different_moe_groups_for_optimizer(groups) == [groups]\n"
+        "import importlib.util\n"   # what transformers' and accelerate's DeepSpeed checks call
+        "from zenflow.compat.deepspeed.serve import SERVED\n"
+        "for name in SERVED:\n"
+        "    assert importlib.util.find_spec(name) is not None, name\n"
         "print('args', sys.argv[1:])\n"
         "for name in ('deepspeed.runtime.zero', 'deepspeed.pipe', 'deepspeed.nothing'):\n"
         "    try:\n"
@@ -168,6 +234,33 @@ def test_launch_maps_deepspeed_options_onto_torchrun(tmp_path):
             launch_tool.command(parsed(*argv))
 
 
+def test_launcher_flags_never_take_the_script_name(tmp_path):
+    """DeepSpeed's store_true options stay flags: `--bind_cores_to_rank train.py` (DeepSpeedExamples'
+    run_ds.sh) runs train.py; a refused flag is refused by its name, not as a missing script."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys; print('ran', sys.argv[1:])\n")
+
+    def parsed(*argv):
+        parser = cli.argparse.ArgumentParser()
+        launch_tool.add_arguments(parser)
+        return parser.parse_args([*argv])
+
+    cmd, _ = launch_tool.command(parsed("--bind_cores_to_rank", str(script), "--deepspeed"))
+    assert cmd[1:] == ["-m", launch_tool.RUNNER, str(script), "--deepspeed"]
+    for flag in launch_tool.UNSUPPORTED_FLAGS:
+        args = parsed(f"--{flag}", str(script))
+        assert args.user_script == str(script)
+        with pytest.raises(ValueError, match=f"--{flag}: not supported"):
+            launch_tool.command(args)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    run = subprocess.run([sys.executable, "-m", "zenflow", "launch", "--bind_cores_to_rank",
+                          str(script), "--x"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ran ['--x', '--local_rank=0']" in run.stdout
+    assert f"zenflow launch: {launch_tool.BIND_CORES_NOTE}" in run.stderr
+
+
 @pytest.mark.slow
 def test_evaluation_on_every_rank_sees_the_synchronized_weights(tmp_path):
     steps = 3 * EVAL_EVERY
@@ -191,6 +284,24 @@ def test_evaluation_on_every_rank_sees_the_synchronized_weights(tmp_path):
 
 
 @pytest.mark.slow
+def test_evaluation_on_rank_0_alone_does_not_wait_for_ranks_that_wait_elsewhere(tmp_path):
+    """Rank 0 evaluating alone while the others wait in a barrier or a save reads at once (it
+    used to wait out the 10 s deadline each time); the warning says how to evaluate current
+    weights on one rank, and doing so (engine.eval() on every rank) waits for nothing either."""
+    zero, one = run_ranks(tmp_path, "eval_alone_while_others_wait", timeout=120)
+    assert_ok([zero, one])
+    for name in ("beside_a_barrier_s", "beside_a_save_s", "after_eval_on_every_rank_s"):
+        assert zero[name] < READ_DEADLINE_S / 2, (name, zero[name])
+    assert_same(zero["synchronized"], one["synchronized"], exact=True)
+    assert_same(zero["after"], one["after"], exact=True)   # the ranks stayed in step
+    assert (tmp_path / "ckpt" / "latest").exists()
+    warned = [w for w in zero["warnings"] if w.startswith("data parallel: ")]
+    assert len(warned) == 1 and ("To evaluate current weights on one rank, call engine.eval() "
+                                 "(or engine.synchronize()) on every rank first") in warned[0]
+    assert not one["warnings"]
+
+
+@pytest.mark.slow
 def test_checkpoint_tags_and_a_save_on_rank_0_only(tmp_path):
     ranks = run_ranks(tmp_path, "checkpoint_calls", overlap=True, timeout=120)
     zero, one = ranks
@@ -206,3 +317,16 @@ def test_checkpoint_tags_and_a_save_on_rank_0_only(tmp_path):
                                               "call it")
     assert "rank(s) 1 went on training without calling it" in zero["lone_save_error"]
     assert not (tmp_path / "ckpt" / "rank0_only").exists()
+
+
+@pytest.mark.slow
+def test_a_save_on_rank_0_learns_within_seconds_that_the_other_ranks_exited(tmp_path):
+    """finetune_llama.py saves on rank 0 only and the other ranks' scripts end: rank 0 must not
+    wait out the collective deadline (30 minutes) to say that the save cannot be made."""
+    zero, one = run_ranks(tmp_path, "save_after_a_rank_exits", timeout=90)
+    assert one is not None and "error" not in one, one and one.get("error")
+    assert zero is not None and "error" not in zero, zero and zero.get("error")
+    assert zero["save_error"].startswith("save_checkpoint is collective: every rank must call it")
+    assert "rank(s) 1 ended without calling it (the process exited)" in zero["save_error"]
+    assert zero["save_s"] < 30, zero["save_s"]   # rank 1's exit itself takes a second or two
+    assert not (tmp_path / "ckpt" / "latest").exists()

@@ -229,10 +229,13 @@ def literal(cell: str):
 
 def test_knobs_table_defaults_are_the_code_defaults(tmp_path, capsys):
     import zenflow
+    from zenflow.config.settings import IGNORED_TORCH_FLAGS, UNSUPPORTED_TORCH_FLAGS
     from zenflow.tools.cli import main
     table = knobs_table()
     signature = inspect.signature(zenflow.ZenFlowAdamW.__init__).parameters
-    knobs = {n for n, p in signature.items() if p.kind is p.KEYWORD_ONLY} - {"process_group"}
+    torch_flags = {*IGNORED_TORCH_FLAGS, *UNSUPPORTED_TORCH_FLAGS}   # said below the table
+    knobs = ({n for n, p in signature.items() if p.kind is p.KEYWORD_ONLY}
+             - {"process_group"} - torch_flags)
     assert set(table) == knobs | {"lr", "weight_decay"}, "the table and the constructor differ"
     for name, (constructor, _) in table.items():
         assert literal(constructor) == signature[name].default, f"ZenFlowAdamW default of {name}"

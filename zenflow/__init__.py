@@ -34,9 +34,13 @@ _PUBLIC = {
     "serve_deepspeed_imports": "zenflow.compat.deepspeed.serve",
     "find_optimizer": "zenflow.integrations.find",
     "find_optimizers": "zenflow.integrations.find",
+    # the framework callbacks (`zenflow.integrations.ZenFlowLightningCallback()`, as the README
+    # writes it); the subpackage imports no framework until a callback is used
+    "integrations": "zenflow.integrations",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
+    from zenflow import integrations
     from zenflow.compat.deepspeed import comm
     from zenflow.compat.deepspeed.accelerator import get_accelerator
     from zenflow.compat.deepspeed.args import add_config_arguments
@@ -65,4 +69,4 @@ def __dir__() -> list[str]:
 
 __all__ = ["ZenFlowAdamW", "OffloadAdamW", "ZenFlowSettings", "initialize", "ZenFlowEngine",
            "init_distributed", "add_config_arguments", "comm", "get_accelerator", "find_optimizer",
-           "find_optimizers", "serve_deepspeed_imports", "__version__"]
+           "find_optimizers", "serve_deepspeed_imports", "integrations", "__version__"]

@@ -13,11 +13,17 @@ defaults), which torch keeps per group and reads at each step.
 
 To add an option: declare it below with its rule type and default, and say in a comment what
 it does; add the keyword to `ZenFlowAdamW.__init__` with the default `DEFAULTS.<name>` and pass
-it on to `from_arguments` (tests/test_settings.py checks that the two agree); read it in the
-optimizer as `self.settings.<name>`. If DeepSpeed's JSON block should accept it too, add the key
-to `ZenFlowSection` in config_schema.py. Torch-free, like the config.
+it on to `from_arguments` (tests/test_settings.py checks that the constructor lists exactly these
+fields, with their defaults and types); read it in the optimizer as `self.settings.<name>`. If
+DeepSpeed's JSON block should accept it too, add the key to `ZenFlowSection` in
+zenflow/config/schema.py. Torch-free, like the config.
+
+`check_torch_adamw_flags` and `unknown_keyword_error` are the constructors' answers to arguments
+that are not knobs: torch.optim.AdamW's flags, and names that are not arguments at all.
 """
 from __future__ import annotations
+
+import difflib
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -190,3 +196,51 @@ class ZenFlowSettings(_Arguments):
 
 DEFAULTS = ZenFlowSettings()
 ADAMW_DEFAULTS = AdamWHyperparameters()
+
+
+# torch.optim.AdamW's flags that the constructors accept so that a torch user's call runs as
+# written. Those that choose an implementation change nothing here: the device update always
+# runs torch's fused AdamW kernel where the device has one (foreach ops elsewhere), and the host
+# runs its own.
+IGNORED_TORCH_FLAGS = ("foreach", "fused")
+# Those that change the arithmetic are honoured where False (torch's default) and refused
+# otherwise, with the reason.
+UNSUPPORTED_TORCH_FLAGS = {
+    "amsgrad": "neither the host's AdamW nor the device's keeps the running maximum of the second "
+               "moment (it would be one more fp32 state per parameter on each side)",
+    "maximize": "every update descends the gradient; to maximize an objective, minimize its "
+                "negative",
+    "capturable": "step() hands work to a host worker and reads its results, which a CUDA graph "
+                  "cannot capture",
+    "differentiable": "the host's update runs outside autograd (in a worker process by default)",
+}
+
+
+def check_torch_adamw_flags(owner: str, **flags) -> None:
+    """Refuse torch.optim.AdamW flags `owner` cannot honour (see UNSUPPORTED_TORCH_FLAGS); check
+    that the ignored ones are what torch accepts (True, False or None)."""
+    for name, value in flags.items():
+        if name in IGNORED_TORCH_FLAGS:
+            if value not in (None, True, False):
+                raise TypeError(f"{owner}: {name} must be True, False or None (as in "
+                                f"torch.optim.AdamW; it changes nothing here), got {value!r:.100}")
+        elif value is not False:
+            if value is not True:
+                raise TypeError(f"{owner}: {name} must be False (torch.optim.AdamW's default; "
+                                f"True is not supported here), got {value!r:.100}")
+            raise ValueError(f"{owner}: {name}=True is not supported: "
+                             f"{UNSUPPORTED_TORCH_FLAGS[name]}; pass {name}=False or leave it out")
+
+
+def unknown_keyword_error(owner: str, name: str, value, arguments: list[str]) -> TypeError:
+    """The error for a keyword `owner` does not take: the closest of its `arguments`, or, for a
+    ZenFlow knob that this optimizer has fixed (OffloadAdamW's), why it is not one."""
+    if name in ZenFlowSettings.model_fields:
+        return TypeError(f"{owner}: {name}={value!r:.100} is not one of its arguments: {owner} "
+                         f"fixes that ZenFlow knob (ZenFlowAdamW takes it); its arguments: "
+                         f"{', '.join(arguments)}")
+    close = difflib.get_close_matches(name, arguments, n=1)
+    hint = (f"did you mean {close[0]}?" if close else
+            f"its arguments: {', '.join(arguments)}")
+    return TypeError(f"{owner}: {name}={value!r:.100} is not one of its arguments; {hint} "
+                     "(docs/knobs.md lists every knob)")

@@ -140,6 +140,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         log.info("engine: %s", resolved_settings(config))
         # Under data parallel, where ranks meet before a read or a save (rank_agreement.py).
         self._agreement = StepAgreement.for_default_group()
+        if self._agreement is not None:   # a rank waiting in a served barrier says so
+            comm.barrier_watchers.append(self._agreement.waiting_in)
         self._weight_sync = WeightSync(
             model, self.synchronize, self._agreement,
             defers_updates=getattr(self.optimizer, "overlap_step", False) is True)
@@ -273,6 +275,8 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         self._closed = True
         if self._agreement is not None:
             self._agreement.leave_period()
+            if self._agreement.waiting_in in comm.barrier_watchers:
+                comm.barrier_watchers.remove(self._agreement.waiting_in)
         self._weight_sync.remove()
         if self._install_hooks is not None:
             self._install_hooks.remove()
@@ -344,10 +348,13 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         hang): the ranks meet in the store first (rank_agreement.py)."""
         if self._agreement is None:
             return
-        missing, went_on = self._agreement.missing_from(method, comm.DEFAULT_TIMEOUT)
+        missing, why = self._agreement.missing_from(method, comm.DEFAULT_TIMEOUT)
         if missing:
-            how = ("went on training without calling it" if went_on else
-                   f"did not call it within {comm.DEFAULT_TIMEOUT.total_seconds():g} s")
+            how = {"left": "went on training without calling it",
+                   "exited": "ended without calling it (the process exited)",
+                   "waiting": "wait in another collective call (a barrier, or another save)",
+                   "late": f"did not call it within {comm.DEFAULT_TIMEOUT.total_seconds():g} s",
+                   }[why]
             raise RuntimeError(
                 f"{method} is collective: every rank must call it (each rank writes its share of "
                 f"the optimizer state, and installing the in-flight update is collective), but "
@@ -508,8 +515,13 @@ def initialize(model: torch.nn.Module = None, model_parameters: Iterable | None 
                lr_scheduler: Any = None, optimizer: Any = None,
                collate_fn: Callable | None = None, config_params: dict | None = None,
                args: Any = None, dist_init_required: bool | None = None, mpu: Any = None,
-               mesh_param: Any = None):
+               mesh_param: Any = None
+               ) -> tuple[ZenFlowEngine, torch.optim.Optimizer, torch.utils.data.DataLoader | None,
+                          Any]:
     """Like deepspeed.initialize: returns (engine, optimizer, dataloader, lr_scheduler).
+
+    The dataloader is None without `training_data`; the scheduler is the config's (a torch
+    LRScheduler), the one passed as `lr_scheduler` (anything with step(), hence Any), or None.
 
     The config comes from exactly one of `config` (a JSON path or a dict), `config_params`
     (DeepSpeed's older name) or `args.deepspeed_config`. It is validated whole before anything

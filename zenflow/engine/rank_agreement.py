@@ -11,7 +11,13 @@ small keys, no collective) and find out who is there:
 - a read of the model (`all_read`) installs the update only when every rank reads: the first
   rank to see all arrivals decides "sync", the first to see one leave (or to wait past a short
   deadline) decides "skip", and every rank follows the one decision (compare-and-set);
-- a save (`missing_from`) names the ranks that did not come.
+- a save (`missing_from`) names the ranks that did not come;
+- a rank whose process ends (its script returned or raised without calling a save that another
+  rank waits in) says so at exit, so the ranks waiting for it learn within a poll, not at the
+  30-minute deadline. A rank that is killed makes torchrun end the others;
+- a rank waiting in a point the others have not reached (a save's meeting, or a barrier of the
+  served `deepspeed.comm`: `waiting_in`) says where, so a rank that reads the model meanwhile
+  (evaluation on rank 0 only, then a barrier) knows it will not come and reads at once.
 
 Periods are counted by this object (one per optimizer step), not by the engine's step counter,
 which a checkpoint load rewinds; each engine gets its own key prefix, in creation order, which
@@ -19,13 +25,19 @@ is the same on every rank.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from zenflow.compat.deepspeed import comm
+
 POLL_S = 0.002
+# The meeting points `missing_from` waits in: the engine's collective methods.
+MEETINGS = ("save_checkpoint", "save_16bit_model")
 _engines = itertools.count()
 
 
@@ -37,6 +49,14 @@ class StepAgreement:
         self.period = 0
         self._left: set[int] = set()      # periods this rank has marked as left
         self._events: dict[int, dict[str, int]] = {}  # period -> kind -> points reached
+        atexit.register(self._mark_exited)
+
+    def _mark_exited(self) -> None:
+        """At this process's exit: it will reach no meeting point again."""
+        try:
+            self._store.set(f"exited/{self.rank}", "1")
+        except Exception:  # the store's host is gone too: nobody is left to wait
+            pass
 
     @classmethod
     def for_default_group(cls) -> StepAgreement | None:
@@ -80,12 +100,42 @@ class StepAgreement:
         self._store.set(f"{key}/{self.rank}", "1")
         return key
 
-    def _absent(self, key: str) -> tuple[list[int], list[int]]:
-        """(ranks not arrived at `key`, those of them that left this period)."""
+    @contextlib.contextmanager
+    def waiting_in(self, point: str):
+        """Say, while this rank waits in `point` for the others, that it waits there: a meeting
+        of this period ("<period>/<kind><i>", as `_arrive` names it) or a barrier of the served
+        comm ("barrier<n>"). Every rank reaches these points in the same order, so another rank
+        can tell whether the point is one it has not reached yet (`_waits_for_me`)."""
+        key = f"waiting/{self.rank}/{point}"
+        self._store.set(key, "1")
+        try:
+            yield
+        finally:
+            self._store.delete_key(key)
+
+    def _waits_for_me(self, rank: int) -> bool:
+        """Whether `rank` waits in a point this rank has not reached: the barrier after those
+        this rank has passed, or the next meeting of some kind in this period. It cannot come to
+        read before this rank gets there. (A mark of a point this rank has passed too belongs to
+        a rank on its way out of it, which may still come.)"""
+        reached = self._events.get(self.period, {})
+        points = [f"barrier{comm.barriers_passed + 1}",
+                  *(f"{self.period}/{kind}{reached.get(kind, 0)}" for kind in MEETINGS)]
+        return any(self._store.check([f"waiting/{rank}/{point}"]) for point in points)
+
+    def _absent(self, key: str) -> tuple[list[int], str]:
+        """(the ranks not arrived at `key`, why one of them will not come: "left" (it trains
+        on), "exited" (its process ended), "waiting" (in a point this rank has not reached), or
+        "" when none has said)."""
         others = [r for r in range(self.world_size) if r != self.rank]
         missing = [r for r in others if not self._store.check([f"{key}/{r}"])]
-        left = [r for r in missing if self._store.check([f"{self.period}/left/{r}"])]
-        return missing, left
+        signs = (("left", lambda r: self._store.check([f"{self.period}/left/{r}"])),
+                 ("exited", lambda r: self._store.check([f"exited/{r}"])),
+                 ("waiting", self._waits_for_me))
+        for why, says in signs:
+            if any(says(r) for r in missing):
+                return missing, why
+        return missing, ""
 
     def all_read(self, deadline_s: float) -> bool:
         """Whether every rank reads the model at this point (then each installs the update)."""
@@ -93,26 +143,28 @@ class StepAgreement:
         decision_key = f"{key}/decision"
         deadline = time.monotonic() + deadline_s
         while not self._store.check([decision_key]):
-            missing, left = self._absent(key)
+            missing, why = self._absent(key)
             if not missing:
                 self._store.compare_set(decision_key, "", "sync")
-            elif left or time.monotonic() > deadline:
+            elif why or time.monotonic() > deadline:
                 self._store.compare_set(decision_key, "", "skip")
             else:
                 time.sleep(POLL_S)
         return self._store.get(decision_key) == b"sync"
 
-    def missing_from(self, kind: str, deadline: timedelta) -> tuple[list[int], bool]:
-        """Wait until every rank reaches this `kind` of point. Returns ([], False) when all did,
-        else (the ranks missing, whether they went on training)."""
+    def missing_from(self, kind: str, deadline: timedelta) -> tuple[list[int], str]:
+        """Wait until every rank reaches this `kind` of point (one of MEETINGS). Returns ([], "")
+        when all did, else (the ranks missing, why: "left" when one went on training, "exited"
+        when one's process ended, "waiting" when one waits in another point, "late" when
+        `deadline` passed)."""
+        assert kind in MEETINGS, kind
         key = self._arrive(kind)
         end = time.monotonic() + deadline.total_seconds()
-        while True:
-            missing, left = self._absent(key)
-            if not missing:
-                return [], False
-            if left:
-                return missing, True
-            if time.monotonic() > end:
-                return missing, False
-            time.sleep(POLL_S)
+        with self.waiting_in(key):
+            while True:
+                missing, why = self._absent(key)
+                if not missing or why:
+                    return missing, why
+                if time.monotonic() > end:
+                    return missing, "late"
+                time.sleep(POLL_S)

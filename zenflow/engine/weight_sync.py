@@ -10,7 +10,11 @@ mode or without autograd, and `state_dict()`. Under data parallel installing is 
 DeepSpeed clients read on every rank together (`model.eval(); evaluate(); model.train()`) or on
 one rank only; so the ranks first agree (zenflow/engine/rank_agreement.py, no collective, never a
 wait past a short deadline) and install only when every rank reads. A read on some ranks only
-keeps the training weights and says so once.
+keeps the training weights and says so once, with what to do: `engine.eval()` (or
+`engine.synchronize()`) on every rank installs the update, and a rank-0-only evaluation after it
+reads current weights without meeting anyone. A reading rank waits for the others only while it
+cannot tell where they are: one that trains on (its backward), waits in a barrier of the served
+`deepspeed.comm` or in a save, or has exited is not waited for.
 
 `synchronized_state` gives a checkpoint both things it needs without changing the run that
 saves it: the synchronized weights (for anyone loading the model) and the weights training runs
@@ -29,8 +33,9 @@ from zenflow.engine.rank_agreement import StepAgreement
 log = logging.getLogger("zenflow.engine")
 
 
-# How long a reading rank waits for the others before it reads without them (ranks that go on
-# training are noticed at once; this bounds waiting on a rank stuck elsewhere, e.g. a barrier).
+# How long a reading rank waits for the others before it reads without them (ranks that train
+# on, wait in a served barrier or a save, or have exited are noticed at once; this bounds waiting
+# on a rank stuck where nothing says so, e.g. in torch.distributed.barrier() itself).
 READ_DEADLINE_S = 10.0
 
 
@@ -71,14 +76,16 @@ class WeightSync:
         elif not self._warned:
             self._warned = True
             log.warning("data parallel: %s on rank %d while other ranks did not read the model "
-                        "(they went on training, or did not come within %g s): the weights read "
-                        "lack the host update still in flight. It is installed when every rank "
-                        "reads together, e.g. model.eval() on every rank", why, agreement.rank,
-                        READ_DEADLINE_S)
+                        "(they trained on, waited elsewhere or exited, or did not come within "
+                        "%g s): the weights read lack the host update still in flight "
+                        "(installing it is collective). To evaluate current weights on one rank, "
+                        "call engine.eval() (or engine.synchronize()) on every rank first, then "
+                        "evaluate on that rank", why, agreement.rank, READ_DEADLINE_S)
 
     def _before_forward(self, module, args):
         # Evaluation is a forward pass in eval mode or without autograd (DeepSpeed's CIFAR
-        # example tests in train mode under torch.no_grad()). Training forwards are untouched.
+        # example tests in train mode under torch.no_grad()). Training forwards are untouched
+        # (a save can follow one in the same step: only backward() says the rank trains on).
         if not module.training or not torch.is_grad_enabled():
             self.read("a forward pass in eval mode or under no_grad")
 

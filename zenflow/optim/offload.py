@@ -22,10 +22,14 @@ class OffloadAdamW(ZenFlowAdamW):
     def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
                  betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
                  eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
-                 *, max_grad_norm: float | None = DEFAULTS.max_grad_norm, worker: bool = False,
-                 process_group=None):
-        super().__init__(params, lr, betas, eps, weight_decay, topk_ratio=0.0,
+                 amsgrad: bool = False, *, max_grad_norm: float | None = DEFAULTS.max_grad_norm,
+                 worker: bool = False, process_group=None,
+                 # torch.optim.AdamW's flags, as ZenFlowAdamW takes them.
+                 maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, topk_ratio=0.0,
                          select_strategy="step", select_interval=1, update_interval=1,
                          overlap_step=False, max_grad_norm=max_grad_norm, worker=worker,
                          device_sum_budget=0, deferred_credit="mean",
-                         process_group=process_group)
+                         process_group=process_group, maximize=maximize, foreach=foreach,
+                         capturable=capturable, differentiable=differentiable, fused=fused)

@@ -36,16 +36,21 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import operator
 import os
 import threading
-import types
-import typing
+from typing import Literal
 
 import torch
 
 from zenflow.adamw import step_bound
-from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
+from zenflow.config.settings import (
+    ADAMW_DEFAULTS,
+    DEFAULTS,
+    AdamWHyperparameters,
+    ZenFlowSettings,
+    check_torch_adamw_flags,
+    unknown_keyword_error,
+)
 from zenflow.distributed import Partition, environment_without_group, row_sharding_group
 from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.pipeline import HostPipeline
@@ -105,9 +110,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             Parameters that do not require grad are kept in the groups and skipped, as
             torch.optim does; they cost no host memory.
         lr, betas, eps, weight_decay: as in torch.optim.AdamW; read from param_groups at each use.
-        **knobs: ZenFlow's knobs by name, the fields of `zenflow.ZenFlowSettings` (which says
-            what each does and holds the defaults; docs/knobs.md lists them); the optimizer
-            keeps them, validated, as `self.settings`. The signature below lists them too.
+        topk_ratio ... worker: ZenFlow's knobs, keyword-only: the fields of
+            `zenflow.ZenFlowSettings` (which says what each does; docs/knobs.md lists them), with
+            its defaults (tests/test_settings.py checks both lists agree). The optimizer keeps
+            them, validated, as `self.settings`; repr() shows them.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: torch.optim.AdamW's flags,
+            so that a torch user's call runs as written. `foreach` and `fused` change nothing:
+            the device update always runs torch's fused AdamW kernel where the device has one.
+            The others are honoured at False, their default, and refused otherwise with the
+            reason (zenflow.config.settings.UNSUPPORTED_TORCH_FLAGS).
         process_group: the torch.distributed group to partition the host state across (default:
             the default group when torch.distributed is initialized). Gradients must already be
             averaged across ranks (DDP or zenflow.initialize do it); the optimizer never reduces
@@ -123,13 +134,58 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     # do for fp16 gradients: the unscale folds into the clipping factor the step applies anyway.
     _step_supports_amp_scaling = True
 
+    def __new__(cls, *args, **kwargs):
+        """Refuse a keyword the constructor does not take before Python does, naming the closest
+        one (Python's TypeError says only "unexpected keyword argument"). Type checkers read
+        __init__'s signature, so they catch the same typo statically."""
+        arguments = [name for name in inspect.signature(cls.__init__).parameters
+                     if name != "self"]
+        for name, value in kwargs.items():
+            if name not in arguments:
+                raise unknown_keyword_error(cls._NAME, name, value, arguments)
+        return super().__new__(cls)
+
     def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
                  betas: tuple[float, float] = ADAMW_DEFAULTS.betas,
                  eps: float = ADAMW_DEFAULTS.eps, weight_decay: float = ADAMW_DEFAULTS.weight_decay,
-                 *, process_group=None, **knobs):
+                 amsgrad: bool = False, *,
+                 # ZenFlow's knobs: ZenFlowSettings' fields, its defaults and its types.
+                 topk_ratio: float = DEFAULTS.topk_ratio,
+                 select_strategy: str = DEFAULTS.select_strategy,
+                 select_interval: int | Literal["auto"] = DEFAULTS.select_interval,
+                 update_interval: int | Literal["auto"] = DEFAULTS.update_interval,
+                 full_warm_up_rounds: int = DEFAULTS.full_warm_up_rounds,
+                 overlap_step: bool = DEFAULTS.overlap_step,
+                 max_grad_norm: float | None = DEFAULTS.max_grad_norm,
+                 importance: str = DEFAULTS.importance,
+                 deferred_credit: str = DEFAULTS.deferred_credit,
+                 install_lookahead: float = DEFAULTS.install_lookahead,
+                 steps_per_epoch: int | None = DEFAULTS.steps_per_epoch,
+                 pt_reserved_cores_perc: float = DEFAULTS.pt_reserved_cores_perc,
+                 reselect_threshold: float = DEFAULTS.reselect_threshold,
+                 auto_ratio: float | None = DEFAULTS.auto_ratio,
+                 auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,
+                 device_sum_budget: int | Literal["auto"] = DEFAULTS.device_sum_budget,
+                 device_sum_dtype: str = DEFAULTS.device_sum_dtype,
+                 worker: bool = DEFAULTS.worker,
+                 process_group=None,
+                 # torch.optim.AdamW's flags (see the docstring).
+                 maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None):
         self._closed = True          # until the worker exists, close() has nothing to do
         self._lock = threading.RLock()
-        self.settings = ZenFlowSettings.from_arguments(self._NAME, **knobs)
+        check_torch_adamw_flags(self._NAME, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                                capturable=capturable, differentiable=differentiable, fused=fused)
+        self.settings = ZenFlowSettings.from_arguments(
+            self._NAME, topk_ratio=topk_ratio, select_strategy=select_strategy,
+            select_interval=select_interval, update_interval=update_interval,
+            full_warm_up_rounds=full_warm_up_rounds, overlap_step=overlap_step,
+            max_grad_norm=max_grad_norm, importance=importance, deferred_credit=deferred_credit,
+            install_lookahead=install_lookahead, steps_per_epoch=steps_per_epoch,
+            pt_reserved_cores_perc=pt_reserved_cores_perc,
+            reselect_threshold=reselect_threshold, auto_ratio=auto_ratio,
+            auto_update_bounds=auto_update_bounds, device_sum_budget=device_sum_budget,
+            device_sum_dtype=device_sum_dtype, worker=worker)
         schedule = SelectionSchedule.for_settings(self.settings, self._NAME)
         self._window = window_for(self.settings)
         environment_without_group(self._NAME, process_group)
@@ -158,6 +214,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "same weights. Seed the model identically on every rank, wrap it in "
                 "DistributedDataParallel (which broadcasts rank 0's weights) or broadcast them "
                 "before building the optimizer; zenflow.initialize does it for you")
+
+    def __repr__(self) -> str:
+        """torch's listing of the param groups, with ZenFlow's settings first."""
+        groups = super().__repr__()          # "ZenFlowAdamW (\nParameter Group 0\n ..."
+        header, _, rest = groups.partition("\n")
+        settings = "".join(f"    {name}: {value!r}\n"
+                           for name, value in self.settings.model_dump().items())
+        return f"{header}\nZenFlow settings\n{settings}{rest}"
 
     def __getattr__(self, name: str):
         """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
@@ -615,27 +679,3 @@ def optimizer_stats(opt: ZenFlowAdamW) -> dict:
         **opt._timer.summary(),
     }
 
-
-def _without_rules(annotation):
-    """`annotation` with the settings' validation rules (Annotated metadata) taken off."""
-    if typing.get_origin(annotation) is typing.Annotated:
-        return _without_rules(typing.get_args(annotation)[0])
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return functools.reduce(operator.or_, map(_without_rules, typing.get_args(annotation)))
-    return annotation
-
-
-def _signature(init, settings_fields: dict, defaults) -> inspect.Signature:
-    """`init`'s signature with `**knobs` spelled out from the settings' fields, for help(),
-    inspect and IDEs: the one list of knobs is ZenFlowSettings."""
-    signature = inspect.signature(init)
-    params = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    knobs = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
-                               default=getattr(defaults, name),
-                               annotation=_without_rules(field.annotation))
-             for name, field in settings_fields.items()]
-    return signature.replace(parameters=[*params[:-1], *knobs, params[-1]])  # process_group last
-
-
-ZenFlowAdamW.__init__.__signature__ = _signature(  # type: ignore[attr-defined]
-    ZenFlowAdamW.__init__, ZenFlowSettings.model_fields, DEFAULTS)

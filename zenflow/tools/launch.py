@@ -18,9 +18,16 @@ import subprocess
 import sys
 
 RUNNER = "zenflow.compat.deepspeed.run_script"
-# DeepSpeed launcher options that select hosts or resources zenflow does not manage.
-UNSUPPORTED = ("hostfile", "include", "exclude", "launcher", "force_multi", "autotuning",
-               "elastic_training", "bind_cores_to_rank")
+# DeepSpeed launcher options that select hosts or resources zenflow does not manage: those that
+# take a value, and the flags (DeepSpeed's store_true options, which must not take the script's
+# name as their value).
+UNSUPPORTED_WITH_VALUE = ("hostfile", "include", "exclude", "launcher", "autotuning")
+UNSUPPORTED_FLAGS = ("force_multi", "elastic_training")
+UNSUPPORTED = UNSUPPORTED_WITH_VALUE + UNSUPPORTED_FLAGS
+# Why --bind_cores_to_rank (in DeepSpeedExamples' run_ds.sh scripts) is accepted and changes nothing.
+BIND_CORES_NOTE = ("--bind_cores_to_rank changes nothing here: each rank's host worker already "
+                   "runs on that rank's own share of this node's cores (zenflow/host/cores.py); "
+                   "the training processes are not pinned")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "several nodes: 29500 when not set)")
     parser.add_argument("--no_local_rank", action="store_true",
                         help="do not append --local_rank=<r> to the script's arguments")
-    for name in UNSUPPORTED:   # accepted by DeepSpeed's launcher; refused here by name
-        parser.add_argument(f"--{name}", default=None, nargs="?", const=True,
+    # Accepted by DeepSpeed's launcher; refused here by name.
+    for name in UNSUPPORTED_WITH_VALUE:
+        parser.add_argument(f"--{name}", default=None, help=argparse.SUPPRESS)
+    for name in UNSUPPORTED_FLAGS:
+        parser.add_argument(f"--{name}", action="store_const", const=True, default=None,
                             help=argparse.SUPPRESS)
+    parser.add_argument("--bind_cores_to_rank", action="store_true",
+                        help="accepted for DeepSpeed's scripts; " + BIND_CORES_NOTE)
     parser.add_argument("user_script", help="the training script")
     parser.add_argument("user_args", nargs=argparse.REMAINDER,
                         help="the script's own arguments (--deepspeed --deepspeed_config ...)")
@@ -91,5 +103,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"zenflow launch: error: {exc}", file=sys.stderr)
         return 2
+    if args.bind_cores_to_rank:
+        print(f"zenflow launch: {BIND_CORES_NOTE}", file=sys.stderr, flush=True)
     print(f"zenflow launch: {' '.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.run(cmd, env=env).returncode

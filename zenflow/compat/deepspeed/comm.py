@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 
 import torch
@@ -137,10 +139,28 @@ def get_global_rank(group=None, group_rank: int = 0) -> int:
     return _dist.get_global_rank(group, group_rank) if group is not None else group_rank
 
 
+# Barriers of the default group made through this module so far, the one in progress included
+# once it returns: the same count on every rank, since every rank makes the same barriers.
+barriers_passed = 0
+# Who is told that this rank waits in a barrier: functions taking the barrier's name
+# ("barrier<n>", n counting from 1) and returning a context manager held while it waits. The
+# engine registers one (zenflow/engine/rank_agreement.py): a rank that reads the model while the
+# others wait here knows they will not come to read, and reads at once.
+barrier_watchers: list[Callable[[str], AbstractContextManager]] = []
+
+
 def barrier(group=None, async_op: bool = False, device_ids=None):
-    if _require_group_if_launched("barrier"):
+    global barriers_passed
+    if not _require_group_if_launched("barrier"):
+        return None
+    if group is not None or async_op:   # not every rank's, or no wait here: not counted
         return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
-    return None
+    with ExitStack() as waiting:
+        for watcher in list(barrier_watchers):
+            waiting.enter_context(watcher(f"barrier{barriers_passed + 1}"))
+        result = _dist.barrier(device_ids=device_ids)
+    barriers_passed += 1
+    return result
 
 
 def all_reduce(tensor, op=None, group=None, async_op: bool = False):

@@ -60,6 +60,16 @@ REFUSED = {
     "deepspeed.checkpointing": "activation checkpointing: use torch.utils.checkpoint",
 }
 
+def _spec(name: str, is_package: bool) -> importlib.machinery.ModuleSpec:
+    """The module spec of a served module. `importlib.util.find_spec(name)` returns it and raises
+    ValueError for a module in sys.modules without one; transformers' and accelerate's
+    `is_deepspeed_available()` call it at import. No loader: the module is in sys.modules
+    already. There is no `deepspeed` distribution metadata either, so those checks answer False
+    and the libraries keep their own DeepSpeed code paths off: the script drives zenflow's engine
+    itself."""
+    return importlib.machinery.ModuleSpec(name, None, is_package=is_package)
+
+
 def _zenflow(name: str):
     return getattr(importlib.import_module("zenflow"), name)
 
@@ -136,10 +146,12 @@ def _submodules() -> dict[str, types.ModuleType]:
     def module(name: str, **attrs) -> types.ModuleType:
         mod = types.ModuleType(name, f"zenflow's {name}: {SERVED[name]}")
         mod.__dict__.update(attrs)
+        mod.__spec__ = _spec(name, is_package="__path__" in attrs)
         return mod
 
     package = _DeepSpeedModule("deepspeed", "zenflow serving DeepSpeed's import names")
     package.__path__ = []   # a package, so that `import deepspeed.x` looks for submodules
+    package.__spec__ = _spec("deepspeed", is_package=True)
     mods = {
         "deepspeed": package,
         "deepspeed.comm": comm,
