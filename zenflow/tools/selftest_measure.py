@@ -59,8 +59,9 @@ def memory() -> dict:
 
 
 def worker_cores() -> list[int]:
-    """The cores a single-rank optimizer's worker gets (pt_reserved_cores_perc=0.5)."""
-    return split_cores(0.5, local_rank_share(sorted(os.sched_getaffinity(0))))[1]
+    """The cores a single-rank optimizer's worker gets with the default placement
+    (pt_reserved_cores_perc unset: every core but two)."""
+    return split_cores(None, local_rank_share(sorted(os.sched_getaffinity(0))))[1]
 
 
 def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
