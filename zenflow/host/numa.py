@@ -67,6 +67,13 @@ def nodes_for(cpus: list[int], node_dir: str = NODE_DIR) -> list[int]:
     return sorted(n for n, members in nodes.items() if members & set(cpus))
 
 
+def cores_by_node(cpus: list[int], nodes: list[int], node_dir: str = NODE_DIR
+                  ) -> list[list[int]]:
+    """Of `cpus`, those on each of `nodes`, in that order (a node sysfs does not list: none)."""
+    members = node_cpus(node_dir)
+    return [sorted(set(cpus) & members.get(node, set())) for node in nodes]
+
+
 def _syscall(which: int, *args) -> int:
     """Run system call number `which`; returns 0 or the errno."""
     libc = ctypes.CDLL(None, use_errno=True)
