@@ -36,8 +36,9 @@ def test_seed_block_parses_to_zenflow_with_deepspeed_defaults():
     kw = optimizer_kwargs(cfg)
     assert kw["topk_ratio"] == 0.05 and kw["update_interval"] == 4 and kw["overlap_step"] is True
     assert kw["select_strategy"] == "auto" and kw["select_interval"] == "auto"
-    # keys the seed leaves out take DeepSpeed 0.19's defaults
-    assert kw["auto_ratio"] == 0.99 and kw["pt_reserved_cores_perc"] == 0.5
+    # keys the seed leaves out take DeepSpeed 0.19's defaults, except the core split (None: the
+    # worker gets every core but two, docs/deepspeed.md)
+    assert kw["auto_ratio"] == 0.99 and kw["pt_reserved_cores_perc"] is None
     assert kw["steps_per_epoch"] is None and cfg.zenflow.offload is False
     assert "offload" not in kw  # accepted, logged as having no effect, not passed on
     assert kw["max_grad_norm"] is None  # no gradient_clipping in the config
@@ -48,9 +49,9 @@ def test_empty_zenflow_block_has_deepspeed_defaults():
     assert z.model_dump() == {
         "topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto",
         "update_interval": "auto", "overlap_step": False, "offload": False, "auto_ratio": 0.99,
-        "full_warm_up_rounds": 0, "pt_reserved_cores_perc": 0.5, "steps_per_epoch": None,
+        "full_warm_up_rounds": 0, "steps_per_epoch": None,
         # ours, not DeepSpeed's: the constructor's defaults
-        "deferred_credit": "moments", "install_lookahead": 1.0}
+        "deferred_credit": "moments", "install_lookahead": 1.0, "pt_reserved_cores_perc": None}
     cfg = parse_config(with_(zero_optimization={"stage": 2, "zenflow": {}}), world_size=1)
     assert cfg.optimizer_kind == "zenflow"
 

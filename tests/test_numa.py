@@ -86,3 +86,39 @@ def test_cores_are_ordered_socket_by_socket(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert cores.local_rank_share(list(range(8))) == [1, 3, 5, 7]
+
+
+def test_shares_are_equal_and_cut_where_pages_and_vectors_allow():
+    assert numa.share_bounds(10 * 4096, 2) == [0, 5 * 4096, 10 * 4096]
+    assert numa.share_bounds(3 * 4096 + 5, 2) == [0, 4096, 3 * 4096 + 5]   # cut rounded down
+    assert numa.share_bounds(100, 2) == [0, 0, 100]     # too small to share: all on the last
+    assert numa.share_bounds(100, 1) == [0, 100]
+    with pytest.raises(ValueError, match="parts must be >= 1, got 0"):
+        numa.share_bounds(100, 0)
+
+
+def test_each_buffer_is_shared_out_over_the_nodes():
+    # fp32 buffer of 8192 elements at 0, a bf16 one of the same length at 32768, and a tiny one
+    regions = [(0, 8192, 4), (32768, 8192, 2), (49152, 2, 4)]
+    assert numa.spans(regions, 53248, [0, 1]) == [
+        (0, 16384, 0), (16384, 16384, 1),     # each fp32 half on its node
+        (32768, 8192, 0),                     # the bf16 halves of the same elements too,
+        (40960, 12288, 1)]                    # and one too small to cut, on the last node
+
+
+def test_a_two_node_arena_binds_each_share_to_its_node(monkeypatch):
+    calls = []
+
+    def mbind(number, address, length, mode, mask, maxnode, flags):
+        calls.append((length.value, mode, [n for n in range(64) if mask[0] >> n & 1]))
+        return 0
+    monkeypatch.setattr(numa, "_syscall", mbind)
+    monkeypatch.setitem(numa._SYSCALLS, numa.platform.machine(), (237, 239))
+    arena = Arena.create([("master", torch.float32, 8192), ("install", torch.bfloat16, 8192)],
+                         nodes=[0, 1])
+    try:
+        assert calls == [(16384, numa.MPOL_PREFERRED, [0]), (16384, numa.MPOL_PREFERRED, [1]),
+                         (8192, numa.MPOL_PREFERRED, [0]), (8192, numa.MPOL_PREFERRED, [1])]
+        assert arena.nodes == [0, 1]
+    finally:
+        arena.release()

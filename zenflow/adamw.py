@@ -17,12 +17,13 @@ FP32_STATE = ("master", *MOMENTS)   # with the fp32 master value
 def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
            exp_avg_sqs: list[torch.Tensor], step: int | list[torch.Tensor], *, lr: float,
            beta1: float, beta2: float, eps: float, weight_decay: float,
-           grad_divisor: float = 1.0, skip: torch.Tensor | None = None) -> None:
+           grad_divisor: float | torch.Tensor = 1.0, skip: torch.Tensor | None = None) -> None:
     """One AdamW update of same-device fp32 tensors (`step`: the 1-based count after this update,
     shared, or each tensor's count as a 0-dim fp32 tensor on the device).
 
     `grad_divisor` divides every gradient first (the host passes the window length to turn a
-    gradient sum into its mean without a separate pass). With `skip` (a 0-dim fp32 device flag,
+    gradient sum into its mean without a separate pass); a caller that updates many chunks may
+    pass it, and the counts, as 0-dim fp32 tensors made once. With `skip` (a 0-dim fp32 device flag,
     1.0 to skip) the update changes nothing when the flag is set, decided on the device, as
     torch.optim's fused AdamW does with GradScaler's found_inf. Gradients may be overwritten.
     """
@@ -35,7 +36,9 @@ def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
     else:
         steps = step
     divisor = None
-    if grad_divisor != 1.0:
+    if isinstance(grad_divisor, torch.Tensor):
+        divisor = grad_divisor
+    elif grad_divisor != 1.0:
         divisor = torch.full((), float(grad_divisor), dtype=torch.float32, device=device)
     if _has_fused(device):
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1,
@@ -49,7 +52,7 @@ def adamw_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list
     for group_step, indices in _by_count(steps).items():
         _adamw_foreach([params[i] for i in indices], [grads[i] for i in indices],
                        [exp_avgs[i] for i in indices], [exp_avg_sqs[i] for i in indices],
-                       group_step, lr, beta1, beta2, eps, weight_decay, grad_divisor)
+                       group_step, lr, beta1, beta2, eps, weight_decay, float(grad_divisor))
 
 
 def _by_count(steps: list[torch.Tensor]) -> dict[int, list[int]]:
@@ -87,17 +90,31 @@ def adamw_moments_(params: list[torch.Tensor], grad_sums: list[torch.Tensor],
     n times the group's) with the bias corrections at `step`, the count after the window's
     gradients. Same-device fp32 tensors, updated in place in cache-sized chunks; the sums are
     left as they were."""
+    for x, s, q, m, v in zip(params, grad_sums, square_sums, exp_avgs, exp_avg_sqs):
+        for part in _chunks(x.numel()):
+            adamw_moments_chunk_(x.view(-1)[part], s.view(-1)[part], q.view(-1)[part],
+                                 m.view(-1)[part], v.view(-1)[part], step, num_grads, lr=lr,
+                                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+def adamw_moments_chunk_(x: torch.Tensor, s: torch.Tensor, q: torch.Tensor, m: torch.Tensor,
+                         v: torch.Tensor, step: int, num_grads: int, *, lr: float, beta1: float,
+                         beta2: float, eps: float, weight_decay: float,
+                         scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """adamw_moments_ on one chunk of flat fp32 tensors (small enough for the cache: it makes
+    several passes). Returns the update's denominator, sqrt(v / (1 - beta2^step)) + eps, in
+    `scratch` when given (its first x.numel() elements): its reciprocal is the value's AdamW rate
+    (adam_rate), so a caller that wants the rate too need not compute it again."""
     n = float(num_grads)
     decay1, decay2 = beta1 ** num_grads, beta2 ** num_grads
     bias1 = 1.0 - beta1 ** step
     bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    for x, s, q, m, v in zip(params, grad_sums, square_sums, exp_avgs, exp_avg_sqs):
-        for part in _chunks(x.numel()):
-            xs, ms, vs = x.view(-1)[part], m.view(-1)[part], v.view(-1)[part]
-            ms.mul_(decay1).add_(s.view(-1)[part], alpha=(1.0 - decay1) / n)
-            vs.mul_(decay2).add_(q.view(-1)[part], alpha=(1.0 - decay2) / n)
-            denom = vs.sqrt().div_(bias2_sqrt).add_(eps)
-            xs.mul_(1.0 - lr * weight_decay).addcdiv_(ms, denom, value=-lr / bias1)
+    m.mul_(decay1).add_(s, alpha=(1.0 - decay1) / n)
+    v.mul_(decay2).add_(q, alpha=(1.0 - decay2) / n)
+    denom = torch.sqrt(v, out=scratch[:v.numel()]) if scratch is not None else v.sqrt()
+    denom.div_(bias2_sqrt).add_(eps)
+    x.mul_(1.0 - lr * weight_decay).addcdiv_(m, denom, value=-lr / bias1)
+    return denom
 
 
 def step_bound(beta1: float, beta2: float) -> float:
@@ -125,13 +142,18 @@ def _chunks(numel: int):
 
 def adamw_lookahead(out: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, step: int, *, lr: float, beta1: float,
-                    beta2: float, eps: float, weight_decay: float, fraction: float) -> None:
+                    beta2: float, eps: float, weight_decay: float, fraction: float,
+                    scratch: torch.Tensor | None = None) -> None:
     """out = param moved `fraction` of the way along the AdamW step its moments point to now
     (the next step's direction with no new gradient), in out's dtype. param and moments are fp32
-    and unchanged; `step` is the count the moments were last updated with."""
+    and unchanged; `step` is the count the moments were last updated with. `scratch`: an fp32
+    tensor of at least out.numel() elements for the temporary (else one is allocated)."""
     bias1 = 1.0 - beta1 ** step
     bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
-    direction = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(eps)
+    flat = exp_avg_sq.reshape(-1)
+    direction = (torch.sqrt(flat, out=scratch[:flat.numel()]).view(exp_avg_sq.shape)
+                 if scratch is not None else exp_avg_sq.sqrt())
+    direction.div_(bias2_sqrt).add_(eps)
     torch.div(exp_avg, direction, out=direction).div_(bias1)
     direction.add_(param, alpha=weight_decay)
     out.copy_(direction.mul_(-fraction * lr).add_(param))

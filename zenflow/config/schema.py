@@ -91,7 +91,9 @@ class ZenFlowSection(_Section):
     # [0, 1] as DeepSpeed's Field(ge=0.0, le=1.0); null (ours) means no importance threshold.
     auto_ratio: Fraction | None = 0.99          # DeepSpeed's default
     full_warm_up_rounds: NonNegInt = DEFAULTS.full_warm_up_rounds
-    pt_reserved_cores_perc: Fraction = DEFAULTS.pt_reserved_cores_perc
+    # Set, it means what DeepSpeed's means (that share of the cores for the training process);
+    # left out, the worker takes every core but two (ours, not DeepSpeed's 0.5: settings.py).
+    pt_reserved_cores_perc: Fraction | None = DEFAULTS.pt_reserved_cores_perc
     # DeepSpeed fills it in from the dataloader ("should not be set by users"); so does
     # initialize (from training_data), unless the config sets it.
     steps_per_epoch: PosInt | None = DEFAULTS.steps_per_epoch

@@ -158,8 +158,13 @@ class ZenFlowSettings(_Arguments):
     install_lookahead: Lookahead = 1.0
     # Steps per epoch, for select_strategy="epoch" (the engine takes it from its dataloader).
     steps_per_epoch: PosInt | None = None
-    # Share of the cores left to the training process; the host worker gets the rest.
-    pt_reserved_cores_perc: Fraction = 0.5
+    # Share of this rank's cores left to the training process, DeepSpeed's way (0..1: it keeps
+    # ceil(perc * cores)); the host worker gets the rest. None (the default): the training
+    # process keeps 2 physical cores (its Python thread and autograd's device thread) and the
+    # worker takes every other core of the rank's share, on every socket, where the host
+    # AdamW's memory bandwidth is (zenflow/host/cores.py). DeepSpeed's default, 0.5, gives the
+    # worker one socket of a two-socket server: its windows are then about twice as long.
+    pt_reserved_cores_perc: Fraction | None = None
     # Retained-importance fraction under which select_interval="auto" reselects. One step's
     # gradient is noisy: a few steps after a fresh selection the selected columns hold 0.66-0.81
     # of the best columns' importance when nothing has drifted (measured: MiniLM fine-tuned on

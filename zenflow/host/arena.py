@@ -155,12 +155,14 @@ def anonymous_file(name: str) -> int:
     return fd
 
 
-def _memory_file(nbytes: int, nodes: list[int] | None = None) -> int:
+def _memory_file(nbytes: int, nodes: list[int] | None = None,
+                 regions: list[Region] | None = None) -> int:
     fd = anonymous_file("zenflow-host-state")
     try:
         os.ftruncate(fd, nbytes)
         if nodes:   # before the pages exist: they are allocated by the policy then
-            place_host_memory(fd, nbytes, nodes)
+            place_host_memory(fd, nbytes, nodes, [(r.offset, r.numel, _itemsize(r.dtype))
+                                                  for r in regions or []])
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
@@ -180,6 +182,9 @@ class Arena:
     fd: int | None = None
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     _map: mmap.mmap | None = None
+    # The NUMA nodes its buffers were shared out over, in share order (numa.share_bounds);
+    # [] when Linux placed it. A worker attaching it is told them.
+    nodes: list[int] = field(default_factory=list)
 
     @classmethod
     def create(cls, regions: list[tuple[str, torch.dtype, int]], owner: str = "ZenFlowAdamW",
@@ -188,9 +193,9 @@ class Arena:
         (zenflow/host/numa.py; None or [] leaves it to Linux)."""
         placed, size = plan(regions)
         check_fits(size, owner, available)
-        fd = _memory_file(max(size, _ALIGN), nodes)
+        fd = _memory_file(max(size, _ALIGN), nodes, placed)
         try:
-            return cls._mapped(placed, size, fd)
+            return cls._mapped(placed, size, fd, list(nodes or []))
         except OSError as exc:
             os.close(fd)
             if exc.errno != errno.ENOMEM:
@@ -201,12 +206,15 @@ class Arena:
                 "it, or train on more ranks (data parallel splits the host state)") from None
 
     @classmethod
-    def attach(cls, regions: list[Region], size: int, fd: int) -> Arena:
-        """The same arena in another process, from the file descriptor it was handed."""
-        return cls._mapped(regions, size, fd)
+    def attach(cls, regions: list[Region], size: int, fd: int,
+               nodes: list[int] | None = None) -> Arena:
+        """The same arena in another process, from the file descriptor it was handed (and the
+        nodes it was placed on)."""
+        return cls._mapped(regions, size, fd, list(nodes or []))
 
     @classmethod
-    def _mapped(cls, regions: list[Region], size: int, fd: int) -> Arena:
+    def _mapped(cls, regions: list[Region], size: int, fd: int,
+                nodes: list[int] | None = None) -> Arena:
         # Fault every page in now (in each process that maps it): otherwise the first touches
         # of a few GB, page by page, land in the first window's host update and in the first
         # steps' copies (measured: 1.1 s instead of 0.1 s for 92M parameters' first update).
@@ -214,7 +222,7 @@ class Arena:
         memory = mmap.mmap(fd, max(size, _ALIGN), flags=flags)
         data = torch.frombuffer(memory, dtype=torch.uint8)
         views = {r.name: data[r.offset:r.offset + r.nbytes].view(r.dtype) for r in regions}
-        arena = cls(regions, size, fd, views, memory)
+        arena = cls(regions, size, fd, views, memory, list(nodes or []))
         # An optimizer dropped without close() must not leak its descriptor.
         arena._close = weakref.finalize(arena, os.close, fd)
         return arena

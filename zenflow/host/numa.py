@@ -1,14 +1,18 @@
 """Which NUMA nodes hold the host state on a multi-socket server.
 
-The host worker reads and writes the whole host state every window (its AdamW touches about 20
-bytes per parameter). Pages on the other socket come over the socket interconnect, at a fraction
-of local bandwidth, and by default Linux puts a shared page on the node of the thread that first
-touches it: the training process, which creates the memory. So the memory goes where the
-worker's cores are: preferred on their node when they sit on one, interleaved page by page over
-their nodes when they span several (each socket's threads then find their share local, and both
-memory controllers work). On a machine with one node there is nothing to choose and nothing is
-done; where the kernel refuses (no mbind, a container's seccomp profile) the pages go where
-Linux puts them and a debug line says why.
+The host worker reads and writes the whole host state every window (its AdamW touches about 30
+bytes per parameter), so its speed is the memory bandwidth its cores reach. Pages on the other
+socket come over the socket interconnect, at a fraction of local bandwidth, and by default Linux
+puts a shared page on the node of the thread that first touches it: the training process, which
+creates the memory. So the memory goes where the worker's cores are: preferred on their node
+when they sit on one; when they span several, every buffer is cut into one equal share per node
+(`share_bounds`: the same cut for every buffer of the same length) and each share is preferred
+on its node, and the worker runs each share's arithmetic on that node's cores
+(zenflow/host/teams.py), so every socket works on local memory with its own memory controller.
+Equal shares, because the sockets' memory bandwidths are equal and the update is bound by them;
+a node whose cores finish first helps the others. On a machine with one node there is nothing to
+choose and nothing is done; where the kernel refuses (no mbind, a container's seccomp profile)
+the pages go where Linux puts them and a debug line says why.
 """
 from __future__ import annotations
 
@@ -63,6 +67,13 @@ def nodes_for(cpus: list[int], node_dir: str = NODE_DIR) -> list[int]:
     return sorted(n for n, members in nodes.items() if members & set(cpus))
 
 
+def cores_by_node(cpus: list[int], nodes: list[int], node_dir: str = NODE_DIR
+                  ) -> list[list[int]]:
+    """Of `cpus`, those on each of `nodes`, in that order (a node sysfs does not list: none)."""
+    members = node_cpus(node_dir)
+    return [sorted(set(cpus) & members.get(node, set())) for node in nodes]
+
+
 def _syscall(which: int, *args) -> int:
     """Run system call number `which`; returns 0 or the errno."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -77,20 +88,77 @@ def _nodemask(nodes: list[int]):
     return mask, len(mask) * bits
 
 
-def place_file(fd: int, nbytes: int, nodes: list[int]) -> str | None:
+# Shares are cut at multiples of this many elements: a whole page (4 KiB) for any element size,
+# and a multiple of every SIMD width, so a kernel over a share vectorizes it as it would the
+# whole buffer (torch's fused AdamW rounds differently in its scalar tail: a cut anywhere else
+# would change results).
+SHARE_ALIGN = 4096
+PAGE = 4096
+
+
+def share_bounds(numel: int, parts: int) -> list[int]:
+    """Element bounds [0, b1, ..., numel] cutting `numel` elements into `parts` equal shares,
+    each cut at a multiple of SHARE_ALIGN (so shares may be empty when numel is small)."""
+    if parts < 1:
+        raise ValueError(f"share_bounds: parts must be >= 1, got {parts}")
+    cuts = [min(numel, numel * i // parts // SHARE_ALIGN * SHARE_ALIGN) for i in range(1, parts)]
+    return [0, *cuts, numel]
+
+
+def spans(regions: list[tuple[int, int, int]], size: int, nodes: list[int]
+          ) -> list[tuple[int, int, int]]:
+    """(first byte, bytes, node) covering a file of `size` bytes whose buffers are `regions`
+    (byte offset, element count, element size; page-aligned, ascending): each buffer cut into
+    share_bounds' shares, share i on nodes[i]. The page padding after a buffer goes with its
+    last share; bytes before the first buffer with nodes[0]."""
+    out: list[tuple[int, int, int]] = []
+
+    def add(start: int, end: int, node: int) -> None:
+        if end <= start:
+            return
+        if out and out[-1][2] == node and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], end - out[-1][0], node)
+        else:
+            out.append((start, end - start, node))
+    position = 0
+    for offset, numel, itemsize in sorted(regions):
+        add(position, offset, out[-1][2] if out else nodes[0])
+        bounds = share_bounds(numel, len(nodes))
+        for i, node in enumerate(nodes):
+            add(offset + bounds[i] * itemsize, offset + bounds[i + 1] * itemsize, node)
+        position = max(position, offset + numel * itemsize)
+    add(position, size, out[-1][2] if out else nodes[0])
+    return out
+
+
+def place_file(fd: int, nbytes: int, nodes: list[int],
+               regions: list[tuple[int, int, int]] | None = None) -> str | None:
     """Give the shared memory file `fd` (a memfd: the policy is the file's, whoever faults its
-    pages) the policy for `nodes`, before any of its pages exists. Returns None, or why not."""
+    pages) the policy for `nodes`, before any of its pages exists: preferred on a single node;
+    over several, each of `regions`' buffers (byte offset, elements, element size) cut into
+    equal shares, one preferred on each node (spans()), or without `regions` interleaved page
+    by page. Returns None, or why not."""
     numbers = _SYSCALLS.get(platform.machine())
     if not nodes or numbers is None or nbytes == 0:
         return None if not nodes or nbytes == 0 else f"no mbind number for {platform.machine()}"
+    if len(nodes) == 1:
+        plan = [(0, nbytes, MPOL_PREFERRED, nodes)]
+    elif regions is None:
+        plan = [(0, nbytes, MPOL_INTERLEAVE, nodes)]
+    else:
+        plan = [(start, length, MPOL_PREFERRED, [node])
+                for start, length, node in spans(regions, nbytes, nodes)]
     memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     window = (ctypes.c_char * nbytes).from_buffer(memory)
+    error = 0
     try:
-        mask, maxnode = _nodemask(nodes)
-        mode = MPOL_PREFERRED if len(nodes) == 1 else MPOL_INTERLEAVE
-        # The kernel reads maxnode - 1 bits of the mask.
-        error = _syscall(numbers[0], ctypes.c_void_p(ctypes.addressof(window)),
-                         ctypes.c_ulong(nbytes), mode, mask, ctypes.c_ulong(maxnode + 1), 0)
+        for start, length, mode, members in plan:
+            mask, maxnode = _nodemask(members)
+            # The kernel reads maxnode - 1 bits of the mask.
+            error = _syscall(numbers[0], ctypes.c_void_p(ctypes.addressof(window) + start),
+                             ctypes.c_ulong(length), mode, mask, ctypes.c_ulong(maxnode + 1), 0)
+            if error:
+                break
     finally:
         del window
         memory.close()
@@ -109,15 +177,17 @@ def policy_of(address: int) -> tuple[int, list[int]]:
     return mode.value, [n for n in range(16 * 64) if mask[n // 64] >> (n % 64) & 1]
 
 
-def place_host_memory(fd: int, nbytes: int, nodes: list[int]) -> None:
+def place_host_memory(fd: int, nbytes: int, nodes: list[int],
+                      regions: list[tuple[int, int, int]] | None = None) -> None:
     """place_file, logging what happened (placement is an optimisation: failure is not an
     error)."""
     if not nodes:
         return
-    why_not = place_file(fd, nbytes, nodes)
+    why_not = place_file(fd, nbytes, nodes, regions)
     if why_not is None:
+        how = ("on" if len(nodes) == 1 else "interleaved over" if regions is None
+               else "in equal shares on")
         log.info("host state (%.2f GiB) %s NUMA node%s %s, where the host worker runs",
-                 nbytes / 2**30, "on" if len(nodes) == 1 else "interleaved over",
-                 "" if len(nodes) == 1 else "s", ",".join(map(str, nodes)))
+                 nbytes / 2**30, how, "" if len(nodes) == 1 else "s", ",".join(map(str, nodes)))
     else:
         log.debug("host state left where Linux puts it (%s)", why_not)

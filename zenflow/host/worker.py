@@ -8,7 +8,8 @@ The protocol, in order on one socket:
 
     parent -> worker   (seq, command)    an Accumulate or an Update (zenflow/host/commands.py)
                        None              close
-    worker -> parent   ("ready",)
+    worker -> parent   ("ready", team_threads)  torch threads of each NUMA node's team
+                                                ([] without teams: zenflow/host/teams.py)
                        ("done", seq, start, end)       perf_counter() bounds of the work
                        ("error", seq, traceback_text)
 
@@ -31,6 +32,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection
 
+from zenflow.host import numa
 from zenflow.host.commands import HostCommand, Update
 from zenflow.host.forkserver import _ForkServer
 from zenflow.host.signals import sigint_deferred as _sigint_deferred
@@ -104,8 +106,13 @@ class WorkerHostRunner:
         self._closed = False
         self._creator_pid = os.getpid()   # the worker belongs to this process, not to its forks
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # On a host whose state is shared out over NUMA nodes, the worker updates each node's
+        # share on its cores there: one list of cores per node, in the arena's share order.
+        teams = numa.cores_by_node(cores, host.arena.nodes) if cores and host.arena.nodes else []
         init = {"layout": host.layout, "regions": host.arena.regions, "size": host.arena.size,
-                "cores": cores, "parent_pid": os.getpid()}
+                "cores": cores, "parent_pid": os.getpid(), "nodes": host.arena.nodes,
+                "teams": teams}
+        self.team_threads: list[int] = []   # from the worker's "ready": its teams' torch threads
         self._server = _ForkServer.get()
         try:
             self.pid = self._server.fork(theirs.fileno(), host.arena.fd, init)
@@ -147,6 +154,8 @@ class WorkerHostRunner:
 
     def _book(self, message) -> None:
         kind = message[0]
+        if kind == "ready":
+            self.team_threads = list(message[1])
         if kind == "done":
             seq, start, end = message[1:]
             self.busy_seconds += end - start

@@ -68,6 +68,7 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
 
     from zenflow.host.buffers import HostState
     from zenflow.host.commands import Update
+    from zenflow.host.teams import NodeTeams
 
     cores = init["cores"]
     if cores:
@@ -75,9 +76,18 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
             os.sched_setaffinity(0, cores)
         except (AttributeError, OSError):
             pass  # affinity is an optimisation; a platform without it still works
-        torch.set_num_threads(len(cores))
     host = HostState.attach(init["layout"], init["regions"], init["size"], arena_fd)
     host.arena.close_fd()  # the mapping stays
+    host.arena.nodes = list(init.get("nodes") or [])
+    teams = init.get("teams") or []   # the worker's cores on each node (numa.cores_by_node)
+    if sum(1 for cpus in teams if cpus) > 1:
+        # The host state is shared out over the nodes: each node's share is updated on that
+        # node's cores (zenflow/host/teams.py).
+        host.teams = NodeTeams(teams)
+    if cores:
+        # Set after the teams (each sets its own): every other thread's kernels (the
+        # accumulates, a single node's update) use all the worker's cores.
+        torch.set_num_threads(len(cores))
     send_lock = threading.Lock()
 
     def reply(message) -> None:
@@ -99,12 +109,14 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
     updates: queue.Queue = queue.Queue()
 
     def update_loop() -> None:
+        if cores:
+            torch.set_num_threads(len(cores))   # torch keeps the count per thread
         while (message := updates.get()) is not None:
             run(*message)
 
     updater = threading.Thread(target=update_loop, name="zenflow-host-update", daemon=True)
     updater.start()
-    reply(("ready",))
+    reply(("ready", host.teams.threads if host.teams is not None else []))
     parent = init["parent_pid"]
     try:
         while True:
@@ -128,3 +140,5 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
     finally:
         updates.put(None)
         updater.join()
+        if host.teams is not None:
+            host.teams.close()

@@ -59,38 +59,60 @@ def memory() -> dict:
 
 
 def worker_cores() -> list[int]:
-    """The cores a single-rank optimizer's worker gets (pt_reserved_cores_perc=0.5)."""
-    return split_cores(0.5, local_rank_share(sorted(os.sched_getaffinity(0))))[1]
+    """The cores a single-rank optimizer's worker gets with the default placement
+    (pt_reserved_cores_perc unset: every core but two)."""
+    return split_cores(None, local_rank_share(sorted(os.sched_getaffinity(0))))[1]
 
 
 def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
     """Host AdamW and gradient accumulation, in parameters per second, in a real worker on the
-    worker's cores, over `numel` parameters (large enough to stream from memory, not cache)."""
+    worker's cores, over `numel` parameters (large enough to stream from memory, not cache);
+    and the AdamW of one core, for a window's "mean" update and for a "moments" one (which
+    also reads the squares and writes the rates): what a core computes, against which the
+    worker's figure shows how far more cores help (they stop helping at the memory's
+    bandwidth)."""
     cols = 4096
     rows = max(1, numel // cols)
-    layout = HostLayout.build([(rows, cols, dtype)], sum_slots=1)
+    layout = HostLayout.build([(rows, cols, dtype)], sum_slots=2, rates=True)
     host = HostState.allocate(layout, "zenflow selftest")
     host.step_coef(0).fill_(1.0)   # a kept step's factor: a skipped step's (0) adds nothing
+    host.fp32("exp_avg_sq", 0).fill_(1e-4)
+    host.fp32("grad_sum1", 0).fill_(1e-4)   # the squares of a "moments" window
     cores = worker_cores()
+
+    def timed(runner, command) -> float:
+        before = runner.busy_seconds
+        runner.send(command)
+        runner.wait()
+        return runner.busy_seconds - before
+
+    def updates(runner, moments: bool) -> list[float]:
+        return [timed(runner, Update(0, (HostJob(0, i + 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01,
+                                                 moments=moments),)))
+                for i in range(repeats + 1)][1:]
     runner = WorkerHostRunner(host, cores)
     try:
-        def timed(command) -> float:
-            before = runner.busy_seconds
-            runner.send(command)
-            runner.wait()
-            return runner.busy_seconds - before
-        acc = [timed(Accumulate(0, 0, (0,) if i else (), () if i else (0,)))
+        acc = [timed(runner, Accumulate(0, 0, (0,) if i else (), () if i else (0,)))
                for i in range(repeats + 1)][1:]
-        upd = [timed(Update(0, (HostJob(0, i + 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01),)))
-               for i in range(repeats + 1)][1:]
+        upd = updates(runner, moments=False)
     finally:
         runner.close()
+    one = WorkerHostRunner(host, cores[:1])
+    try:
+        upd_one, moments_one = updates(one, moments=False), updates(one, moments=True)
+    finally:
+        one.close()
         host.arena.release()
     n = rows * cols
+
+    def rate(times: list[float]) -> float:
+        return n / max(statistics.median(times), 1e-9)
     return {"host_params": n, "host_dtype": str(dtype).removeprefix("torch."),
             "worker_cores": cores,
-            "host_adamw_params_per_s": n / max(statistics.median(upd), 1e-9),
-            "host_accumulate_params_per_s": n / max(statistics.median(acc), 1e-9)}
+            "host_adamw_params_per_s": rate(upd),
+            "host_accumulate_params_per_s": rate(acc),
+            "host_adamw_params_per_s_per_core": rate(upd_one),
+            "host_adamw_moments_params_per_s_per_core": rate(moments_one)}
 
 
 def _timed(device: torch.device, work, repeats: int) -> float:

@@ -1,0 +1,94 @@
+"""Core placement on a GPU server (zenflow/host/cores.py), on fake topologies: the training
+process keeps two physical cores of its rank's share, the worker takes the rest on every socket;
+a config's pt_reserved_cores_perc means DeepSpeed's split; ranks on one machine share fairly."""
+from __future__ import annotations
+
+import pytest
+
+from zenflow.config.settings import DEFAULTS
+from zenflow.host import cores, numa
+
+
+def _server(tmp_path, sockets: int, per_socket: int, threads: int = 2) -> tuple[str, str]:
+    """Fake /sys cpu and node directories of a server numbered as Linux numbers an Intel one:
+    physical core k of socket s is CPU s * per_socket + k, its hyperthread sibling that plus
+    sockets * per_socket. Returns (cpu dir, node dir); each socket is one NUMA node."""
+    cpu_dir, node_dir = tmp_path / "cpu", tmp_path / "node"
+    total = sockets * per_socket
+    for socket in range(sockets):
+        members = []
+        for k in range(per_socket):
+            for t in range(threads):
+                cpu = t * total + socket * per_socket + k
+                members.append(cpu)
+                base = cpu_dir / f"cpu{cpu}" / "topology"
+                base.mkdir(parents=True)
+                (base / "physical_package_id").write_text(f"{socket}\n")
+                (base / "core_id").write_text(f"{k}\n")
+        (node_dir / f"node{socket}").mkdir(parents=True)
+        (node_dir / f"node{socket}" / "cpulist").write_text(",".join(map(str, members)) + "\n")
+    return str(cpu_dir), str(node_dir)
+
+
+def _sockets_of(cpus: list[int], node_dir: str) -> list[int]:
+    nodes = numa.node_cpus(node_dir)
+    return sorted({n for n, members in nodes.items() if members & set(cpus)})
+
+
+def _place(cpu_dir: str, cpus: list[int], perc, rank: int = 0, world: int = 1):
+    share = cores.rank_share(cores._physical_cores(cpus, cpu_dir), rank, world)
+    return cores.split(share, perc)
+
+
+def test_an_unset_reserve_keeps_two_cores(tmp_path):
+    cpu_dir, node_dir = _server(tmp_path, sockets=2, per_socket=8)
+    training, worker = _place(cpu_dir, list(range(32)), None)
+    # two physical cores with their siblings: the Python thread and autograd's device thread
+    assert training == [0, 16, 1, 17]
+    assert sorted(training + worker) == list(range(32)) and not set(training) & set(worker)
+    assert len(worker) == 28 and _sockets_of(worker, node_dir) == [0, 1]   # every socket
+    assert numa.nodes_for(worker, node_dir) == [0, 1]
+    assert DEFAULTS.pt_reserved_cores_perc is None
+
+
+def test_a_set_reserve_is_deepspeeds_share(tmp_path):
+    cpu_dir, node_dir = _server(tmp_path, sockets=2, per_socket=8)
+    training, worker = _place(cpu_dir, list(range(32)), 0.5)
+    assert _sockets_of(training, node_dir) == [0] and len(training) == 16
+    assert _sockets_of(worker, node_dir) == [1] and len(worker) == 16
+    training, worker = _place(cpu_dir, list(range(32)), 0.25)   # ceil(0.25 * 16) cores
+    assert len(training) == 8 and len(worker) == 24
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_ranks_on_one_server_share_it_fairly(tmp_path, world):
+    cpu_dir, node_dir = _server(tmp_path, sockets=2, per_socket=8)
+    places = [_place(cpu_dir, list(range(32)), None, rank, world) for rank in range(world)]
+    used = [cpu for training, worker in places for cpu in training + worker]
+    assert len(used) == len(set(used))     # no core serves two ranks
+    assert len({len(t) + len(w) for t, w in places}) == 1     # each rank as many as the others
+    assert len(used) >= 32 - 2 * (world - 1)   # at most world - 1 physical cores left over
+    for training, worker in places:
+        assert worker and training and len(training) <= 2 * cores.TRAINING_CORES
+    if world == 2:   # one socket each: each rank's host state on its own node
+        assert [_sockets_of(t + w, node_dir) for t, w in places] == [[0], [1]]
+
+
+def test_three_ranks_leave_the_middle_one_on_both_sockets(tmp_path):
+    cpu_dir, node_dir = _server(tmp_path, sockets=2, per_socket=8)
+    training, worker = _place(cpu_dir, list(range(32)), None, rank=1, world=3)
+    assert _sockets_of(worker, node_dir) == [0, 1]   # its worker uses both, as its share does
+
+
+@pytest.mark.parametrize("physical, expected", [(2, (1, 1)), (3, (2, 1)), (4, (2, 2)),
+                                                (5, (2, 3)), (64, (2, 62))])
+def test_small_shares_keep_a_core_for_each_side(physical, expected):
+    share = [[c] for c in range(physical)]
+    training, worker = cores.split(share, None)
+    assert (len(training), len(worker)) == expected
+
+
+def test_one_cpu_is_shared_and_bad_fractions_are_refused():
+    assert cores.split([[7]], None) == ([7], [7])
+    with pytest.raises(ValueError, match=r"pt_reserved_cores_perc must be between 0 and 1.*1\.5"):
+        cores.split_cores(1.5, [0, 1])
