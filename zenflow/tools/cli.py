@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "finetune": ("zenflow.tools.finetune.cli", "fine-tune a model on a text task with ZenFlow"),
     "selftest": ("zenflow.tools.selftest",
                  "check correctness on this machine and measure host and bus speed"),
-    "estimate": ("zenflow.tools.estimate",
+    "estimate": ("zenflow.tools.estimate_cli",
                  "memory, bus traffic and step time of AdamW, ZeRO-Offload and ZenFlow for a model"),
     "launch": ("zenflow.tools.launch",
                "run a DeepSpeed script unchanged (DeepSpeed's launcher options, over torchrun)"),
