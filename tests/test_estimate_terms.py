@@ -1,13 +1,16 @@
 """`zenflow estimate`'s named costs against the code they model: the bus bytes the optimizer
-itself counts; the device passes of "moments" by hand."""
+itself counts, the page-locked bytes of the rule zenflow/host/pipeline.py pins by, by hand."""
 import pytest
 import torch
 
 import zenflow
 from zenflow.tools import estimate_terms as cost
 from zenflow.tools.bench.model import GPT, GPTConfig
-from zenflow.tools.estimate import estimate
+from zenflow.tools.estimate import GIB, estimate
+from zenflow.tools.estimate_shapes import llama_shapes
 
+LLAMA2_7B = dict(hidden=4096, layers=32, intermediate=11008, vocab=32000, heads=32)
+P_MAT = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)   # every matrix
 SMALL = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, ffn=160, vocab_size=256, seq_len=8)
 
 
@@ -62,3 +65,50 @@ def test_the_moments_bytes_per_step_by_hand():
     wide = cost.Counts(**{**c.__dict__, "item": 4, "rate_item": 4})
     assert cost.interim_step_bytes(wide) == 8 + 12 + 24 + 12
     assert cost.correction_bytes(c) == 10 * ((4 + 2 + 4) + 16 + (4 + 2 + 2))
+
+
+def _pinned(**settings):
+    r = estimate(llama_shapes(**LLAMA2_7B), torch.bfloat16, gpu_memory_bytes=80 * GIB,
+                 **settings)
+    return r["per_host"]["zenflow"]["pinned_bytes"], r["per_gpu"]
+
+
+def test_page_locked_bytes_follow_where_the_sums_are():
+    """On CUDA the optimizer locks the install buffers, the rates ("moments") and the steps'
+    factors always; the two bf16 staging slots only when some sum is on the host; the fp32 sum
+    slots only over the matrices summed on the device."""
+    coefs = 2 * 4   # a 4-byte factor per staging slot
+    # The defaults on one GPU: every sum on the device, 2 slots; rates for "moments"; no staging.
+    pinned, g = _pinned()
+    assert g["host_sum_matrices"] == 0
+    assert pinned == 2 * P_MAT + 2 * P_MAT + 2 * 4 * P_MAT + coefs        # 75.3 GiB, not 50.2
+    # Every sum on the host: staging and installs, no rates (no "moments" without device sums).
+    assert _pinned(device_sum_budget=0)[0] == 2 * 2 * P_MAT + 2 * P_MAT + coefs
+    # "mean" without overlap: one sum slot.
+    assert _pinned(deferred_credit="mean", overlap=False)[0] == 2 * P_MAT + 4 * P_MAT + coefs
+    # "moments" without overlap still has two: the squares land in the other.
+    pinned, _ = _pinned(overlap=False)
+    assert pinned == 2 * P_MAT + 2 * P_MAT + 2 * 4 * P_MAT + coefs
+    # A budget that holds some sums ("mean": 4 bytes a parameter): staging for the rest, and
+    # the two sum slots of those summed on the device.
+    pinned, g = _pinned(device_sum_budget=10 * GIB, deferred_credit="mean")
+    assert 0 < g["host_sum_matrices"] and 0 < g["device_sum_matrices"]
+    summed = g["device_sum_bytes"] // 4
+    assert pinned == 2 * 2 * P_MAT + 2 * P_MAT + 2 * 4 * summed + coefs
+
+
+def test_page_locked_bytes_of_data_parallel_ranks_add_up():
+    """Four replicas ("mean": DDP takes no "moments"), every row count divisible by 4: each rank
+    locks its rows' install and sum slots, so together the one-GPU bytes plus 3 more factors."""
+    one, _ = _pinned(deferred_credit="mean")
+    four, g = _pinned(deferred_credit="mean", gpus=4)
+    assert g["host_sum_matrices"] == 0
+    assert one == 2 * P_MAT + 2 * 4 * P_MAT + 2 * 4
+    assert four == one + 3 * 2 * 4
+
+
+def test_the_report_says_which_bytes_are_page_locked(capsys):
+    from zenflow.tools.cli import main
+    assert main(["estimate", "--shapes", "1024x1024*8,1024*8"]) == 0
+    out = capsys.readouterr().out
+    assert "page-locked" in out and "staging+install" not in out

@@ -120,6 +120,23 @@ def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
                         + sum(memory.rank_rows(1, 0, world) * n for n in vecs)))
 
 
+def per_host(mats, vecs, dtype: torch.dtype, world: int, overlap: bool, staging: int,
+             moments: bool, device_summed: set[int], host_summed: bool,
+             measured: dict | None) -> dict:
+    """Host memory of ZenFlowAdamW and OffloadAdamW (every matrix has host state whatever
+    topk_ratio is; OffloadAdamW has its vectors there too and no device sums), what of it is
+    page-locked, and whether it fits the RAM available (this machine's, or the selftest's)."""
+    zen = memory.host_memory([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1,
+                             staging, rates=moments, device_summed=device_summed,
+                             host_summed=host_summed)
+    off = memory.host_memory([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs],
+                             world, 1, staging)
+    avail = (measured or {}).get("available_host_bytes") or available_host_bytes()
+    return {"zenflow": zen, "offload": off, "available_host_bytes": avail,
+            "fits": {"zenflow": zen["arena_bytes"] <= avail,
+                     "offload": off["arena_bytes"] <= avail}}
+
+
 def work_seconds(c: Counts, s: Speeds, mats, moving: set[int], fwd_bwd_s: float | None,
                  per_layer_installs: bool) -> dict:
     """Every cost in seconds, per step or per window, under the names the report uses."""
@@ -189,17 +206,6 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     P_mat, P_vec = sum(r * c for r, c, _ in mats), sum(vecs)
     gpu = memory.per_gpu(mats, vecs, item, gpu_memory_bytes)
 
-    # -- per host: every matrix has host state whatever topk_ratio is; OffloadAdamW adds vectors
-    staging = 2 if target == "cuda" else 1
-    zen_host = memory.host_memory([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1,
-                           staging, rates=moments)
-    off_host = memory.host_memory([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs],
-                           world, 1, staging)
-    avail = (measured or {}).get("available_host_bytes") or available_host_bytes()
-    host = {"zenflow": zen_host, "offload": off_host, "available_host_bytes": avail,
-            "fits": {"zenflow": zen_host["arena_bytes"] <= avail,
-                     "offload": off_host["arena_bytes"] <= avail}}
-
     # -- where the window sums live (rank 0's rows: the largest share), as the optimizer decides
     if device_sum_budget == "auto":
         spare = (gpu["left_for_activations_bytes"]["zenflow"] - activation_bytes
@@ -211,36 +217,41 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     summed, moving = choose_placement([memory.rank_rows(r, 0, world) * c for r, c in deferred],
                                       int(device_sum_budget), 4 + rate_item if moments else 0,
                                       sum_item)
-    c = count(mats, vecs, item, rate_item, sum_item, world, set(summed), set(moving))
-    gpu.update({"device_sum_bytes": (c.sum_item * c.device_plain
-                                     + (4 + 4 + rate_item) * c.device_moments),
+    counts = count(mats, vecs, item, rate_item, sum_item, world, set(summed), set(moving))
+    # two staging slots where copies outlive the step (CUDA), one on a CPU device
+    staging = 2 if target == "cuda" else 1
+    deferred_index = [i for i, (_, cols, k) in enumerate(mats) if k < cols]   # into mats
+    host = per_host(mats, vecs, dtype, world, overlap, staging, moments,
+                    {deferred_index[d] for d in summed}, len(summed) < len(deferred), measured)
+    gpu.update({"device_sum_bytes": (counts.sum_item * counts.device_plain
+                                     + (4 + 4 + rate_item) * counts.device_moments),
                 "device_sum_dtype": device_sum_dtype, "moments_matrices": len(moving),
                 "device_sum_matrices": len(summed),
                 "host_sum_matrices": len(deferred) - len(summed)})
 
     # -- the costs, the window and the step
-    t = work_seconds(c, speeds(fig, cpu, world), mats, set(moving), fwd_bwd_s,
+    t = work_seconds(counts, speeds(fig, cpu, world), mats, set(moving), fwd_bwd_s,
                      per_layer_installs=attached and world == 1 and not cpu)
     U = timing.expected_window(t, fwd_bwd_s, cpu, overlap) if update_interval == "auto" \
         else update_interval
-    d2h_step, sums_window = cost.host_rows_d2h_bytes(c), cost.window_sums_d2h_bytes(c)
-    install = cost.install_h2d_bytes(c)
+    d2h_step, sums_window = cost.host_rows_d2h_bytes(counts), cost.window_sums_d2h_bytes(counts)
+    install = cost.install_h2d_bytes(counts)
     bus = {"zenflow": {"d2h_bytes_per_step": d2h_step + sums_window / U,
                        "h2d_bytes_per_step": install / U,
                        "d2h_bytes_per_window": U * d2h_step + sums_window,
                        "h2d_bytes_per_window": install,
-                       "model_bytes": c.params * item},
-           "offload": {"d2h_bytes_per_step": cost.offload_d2h_bytes(c),
-                       "h2d_bytes_per_step": cost.offload_h2d_bytes(c)}}
+                       "model_bytes": counts.params * item},
+           "offload": {"d2h_bytes_per_step": cost.offload_d2h_bytes(counts),
+                       "h2d_bytes_per_step": cost.offload_h2d_bytes(counts)}}
     times = timing.step_times(t, U, overlap, cpu, fwd_bwd_s)
     sharded = (memory.fits_per_rank(per_rank(mats, vecs, dtype, world, overlap, staging,
-                                      moments=sharded_moments), gpu_memory_bytes)
+                                             moments=sharded_moments), gpu_memory_bytes)
                if fsdp else None)
     return {"per_rank": sharded,
-            "model": {"params": c.params, "matrices": len(mats), "matrix_params": P_mat,
+            "model": {"params": counts.params, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,
                       "dtype": str(dtype).removeprefix("torch."), "source": source},
-            "quality": timing.quality(U, c.device_moments / max(1, c.deferred)),
+            "quality": timing.quality(U, counts.device_moments / max(1, counts.deferred)),
             "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
                          "update_interval_asked": update_interval,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s},

@@ -9,7 +9,7 @@ import torch
 
 from zenflow.distributed import Partition
 from zenflow.host.arena import plan
-from zenflow.host.buffers import HostLayout
+from zenflow.host.buffers import HostLayout, rate_dtype
 
 GIB = 1 << 30
 RESERVE_BYTES = int(1.5 * GIB)   # per GPU: the CUDA context, kernels' workspace, allocator slack
@@ -55,11 +55,31 @@ def rank_rows(rows: int, rank: int, world: int) -> int:
     return len(range(rows)[Partition(rank=rank, world_size=world).rows(rows)])
 
 
+def pinned_bytes(layout: HostLayout, device_summed: set[int], host_summed: bool) -> int:
+    """What the optimizer page-locks on CUDA (zenflow/host/pipeline.py), of one rank's layout:
+    the buffers device copies read or write. Always the install buffers, the rates ("moments")
+    and the steps' factors; the staging slots (every matrix, in its dtype) only where some
+    matrix's sum is on the host (`host_summed`), whose rows cross through them every step; the
+    fp32 window-sum slots only over the matrices summed on the device (`device_summed`, indices
+    into the layout), whose sums land there once per window (a bf16 sum in the first half of its
+    slot: the whole slot is locked)."""
+    typed = sum(dtype.itemsize * numel for dtype, _, numel in layout.groups)
+    install = typed
+    rates = (sum(rate_dtype(dtype).itemsize * numel for dtype, _, numel in layout.groups)
+             if layout.rates else 0)
+    step_coef = 4 * layout.staging_slots
+    staging = layout.staging_slots * typed if host_summed else 0
+    sums = layout.sum_slots * 4 * sum(layout.matrices[i].numel for i in device_summed)
+    return install + rates + step_coef + staging + sums
+
+
 def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slots: int,
-                staging_slots: int, rates: bool = False) -> dict:
+                staging_slots: int, rates: bool = False, device_summed: set[int] = frozenset(),
+                host_summed: bool = True) -> dict:
     """Host memory of every rank on the host, from the optimizer's own HostLayout (two staging
     buffers where copies outlive the step, as on CUDA: zenflow/host/pipeline.py; "moments": the
-    rates, and always two sum slots). `entries`: (rows, columns, dtype) of each matrix."""
+    rates, and always two sum slots), and what of it is page-locked (`pinned_bytes`; every rank
+    with rank 0's placement of the sums). `entries`: (rows, columns, dtype) of each matrix."""
     total = arena = pinned = first = 0
     for rank in range(gpus):
         layout = HostLayout.build([(rank_rows(rows, rank, gpus), cols, dtype)
@@ -67,10 +87,9 @@ def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slot
                                   2 if rates else sum_slots, staging_slots=staging_slots,
                                   rates=rates)
         regions, size = plan(layout.regions())
-        dma = set(layout.dma_regions())
         nbytes = sum(r.nbytes for r in regions)
         total, arena = total + nbytes, arena + size
-        pinned += sum(r.nbytes for r in regions if r.name in dma)
+        pinned += pinned_bytes(layout, device_summed, host_summed)
         first = first or nbytes
     return {"host_bytes": total, "arena_bytes": arena, "pinned_bytes": pinned,
             "host_bytes_rank0": first}

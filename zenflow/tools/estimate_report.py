@@ -49,9 +49,11 @@ def format_report(r: dict) -> str:
                f"host: {g['host_sum_matrices']}")
     out += ["", f"{'Per host (' + str(s['gpus']) + f' {unit}(s))':<32}{'OffloadAdamW':>16}"
             f"{'ZenFlowAdamW':>16}"]
+    locked = ("page-locked (for copies)" if s["target"] == "cuda" else
+              "copy buffers (CPU: unlocked)")
     for name, key in (("host memory (state)", "host_bytes"), ("reserved (page-rounded)",
                                                                 "arena_bytes"),
-                      ("page-locked (staging+install)", "pinned_bytes")):
+                      (locked, "pinned_bytes")):
         out.append(f"  {name:<30}{_gib(h['offload'][key]):>16}{_gib(h['zenflow'][key]):>16}")
     out.append(f"  {'fits in available RAM':<30}{'yes' if h['fits']['offload'] else 'NO':>16}"
                f"{'yes' if h['fits']['zenflow'] else 'NO':>16}   "
