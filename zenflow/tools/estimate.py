@@ -298,4 +298,6 @@ def _assumptions(world: int, cpu: bool, attached: bool, device_sum_dtype: str,
             "the compute stream waits for each whole install (host->device: this rank's rows, "
             "then an all-gather on the device) once per window")),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",
+        "commands reach the host's worker as soon as the copies they read have landed (no "
+        "dispatch delay: a window's host update starts when its last gradients are on the host)",
     ] + [f"{k} = {fig[k]:.3g}: {v}" for k, v in fig_source.items()]
