@@ -46,6 +46,8 @@ ASSUMED = {
     "h2d_bytes_per_s": (25e9, "host->device, page-locked (PCIe Gen4 x16)"),
     "memcpy_bytes_per_s": (5e9, "host memcpy (the CPU device's copies)"),
 }
+# Forward+backward times the window and step are shown at when none is given (seconds).
+SAMPLE_FWD_BWD_S = (0.25, 0.5, 1.0, 2.0)
 # A CPU device's own figures where the selftest measured none (its "device" is this host)
 CPU_DEVICE = {"device_adamw_params_per_s": 1.0e9, "device_norm_bytes_per_s": 5e9,
               "device_copy_bytes_per_s": 5e9}
@@ -131,8 +133,10 @@ def per_host(mats, vecs, dtype: torch.dtype, world: int, overlap: bool, staging:
                              host_summed=host_summed)
     off = memory.host_memory([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs],
                              world, 1, staging)
-    avail = (measured or {}).get("available_host_bytes") or available_host_bytes()
-    return {"zenflow": zen, "offload": off, "available_host_bytes": avail,
+    avail = (measured or {}).get("available_host_bytes")
+    where = "the selftest's machine" if avail else "this machine"
+    avail = avail or available_host_bytes()
+    return {"zenflow": zen, "offload": off, "available_host_bytes": avail, "available_from": where,
             "fits": {"zenflow": zen["arena_bytes"] <= avail,
                      "offload": off["arena_bytes"] <= avail}}
 
@@ -230,10 +234,26 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                 "host_sum_matrices": len(deferred) - len(summed)})
 
     # -- the costs, the window and the step
-    t = work_seconds(counts, speeds(fig, cpu, world), mats, set(moving), fwd_bwd_s,
-                     per_layer_installs=attached and world == 1 and not cpu)
-    U = timing.expected_window(t, fwd_bwd_s, cpu, overlap) if update_interval == "auto" \
-        else update_interval
+    spd = speeds(fig, cpu, world)
+    moments_share = counts.device_moments / max(1, counts.deferred)
+
+    def model_at(fwd: float | None) -> tuple[dict, int, dict]:
+        """The costs in seconds, the window and the step times at forward+backward `fwd`."""
+        t = work_seconds(counts, spd, mats, set(moving), fwd,
+                         per_layer_installs=attached and world == 1 and not cpu)
+        U = (timing.expected_window(t, fwd, cpu, overlap) if update_interval == "auto"
+             else update_interval)
+        return t, U, timing.step_times(t, U, overlap, cpu, fwd)
+    t, U, times = model_at(fwd_bwd_s)
+    # The auto window follows the step time: without one, the window (and every per-step
+    # figure of ZenFlow's) is shown at a few forward+backward times instead of being guessed.
+    window_known = update_interval != "auto" or fwd_bwd_s is not None or not overlap
+    by_step_time = [] if fwd_bwd_s is not None else [
+        {"fwd_bwd_s": fwd, "window": u, "quality_gap_pct":
+         timing.quality(u, moments_share)["held_out_loss_gap_pct"],
+         **{k: tm[k] for k in ("zenflow_step_s", "offload_step_s", "adamw_step_s",
+                               "zenflow_vs_floor", "speedup_vs_offload")}}
+        for fwd in SAMPLE_FWD_BWD_S for _, u, tm in [model_at(fwd)]]
     d2h_step, sums_window = cost.host_rows_d2h_bytes(counts), cost.window_sums_d2h_bytes(counts)
     install = cost.install_h2d_bytes(counts)
     bus = {"zenflow": {"d2h_bytes_per_step": d2h_step + sums_window / U,
@@ -243,7 +263,6 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                        "model_bytes": counts.params * item},
            "offload": {"d2h_bytes_per_step": cost.offload_d2h_bytes(counts),
                        "h2d_bytes_per_step": cost.offload_h2d_bytes(counts)}}
-    times = timing.step_times(t, U, overlap, cpu, fwd_bwd_s)
     sharded = (memory.fits_per_rank(per_rank(mats, vecs, dtype, world, overlap, staging,
                                              moments=sharded_moments), gpu_memory_bytes)
                if fsdp else None)
@@ -251,12 +270,16 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
             "model": {"params": counts.params, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,
                       "dtype": str(dtype).removeprefix("torch."), "source": source},
-            "quality": timing.quality(U, counts.device_moments / max(1, counts.deferred)),
+            "quality": timing.quality(U, moments_share),
             "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
-                         "update_interval_asked": update_interval,
-                         "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s},
+                         "update_interval_asked": update_interval, "window_known": window_known,
+                         "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s,
+                         "deferred_credit": deferred_credit, "host_rates": moments,
+                         "activation_bytes": activation_bytes},
+            "by_step_time": by_step_time,
             "per_gpu": gpu, "per_host": host, "bus": bus,
             "seconds": t, "time": times, "figures": fig,
+            "figures_assumed": [k for k, v in fig_source.items() if v.startswith("ASSUMED")],
             "assumptions": _assumptions(world, cpu, attached, device_sum_dtype,
                                         int(device_sum_budget), activation_bytes, fig,
                                         fig_source)}

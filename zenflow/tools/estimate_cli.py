@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "zenflow.initialize and the framework callbacks do it): each layer's "
                         "forward waits only for its own install")
     p.add_argument("--fwd-bwd-seconds", type=float, default=None,
-                   help="forward+backward seconds per step on one GPU (needed for step times)")
+                   help="forward+backward seconds per step on one GPU: the window and the step times "
+                        "follow from it (without it they are shown at 0.25-2 s)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="what trains: cuda, or cpu for the CPU proxy (default: the selftest "
                         "JSON's device type, else cuda)")

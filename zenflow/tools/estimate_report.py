@@ -1,5 +1,8 @@
-"""What `zenflow estimate` prints: the estimate() dict as tables (no torch: plain formatting)."""
+"""What `zenflow estimate` prints: the answer (estimate_answer.py), then the estimate() dict as
+tables. No torch: plain formatting."""
 from __future__ import annotations
+
+from zenflow.tools.estimate_answer import answer
 
 GIB = 1 << 30
 
@@ -14,6 +17,14 @@ def _quality_line(q: dict) -> str:
             f"window: {measured}; a small model's fine-tune, for the trend: benchmarks/README.md)")
 
 
+def _quality_by_step_time(r: dict) -> str:
+    by = ", ".join(f"{row['window']} steps at {row['fwd_bwd_s']:g} s {row['quality_gap_pct']:+.1f}%"
+                   for row in r["by_step_time"])
+    return (f"Quality at windows of {by} (forward+backward): held-out loss against AdamW on the "
+            f"fine-tune benchmark, with {100 * r['quality']['moments_share']:.0f}% of the "
+            "deferred parameters under 'moments' (a small model's, for the trend)")
+
+
 def _gib(n) -> str:
     return f"{n / GIB:8.2f} GiB"
 
@@ -23,16 +34,19 @@ def _s(x) -> str:
 
 
 def format_report(r: dict) -> str:
+    """The answer (estimate_answer.py), then the tables it is drawn from."""
     m, s, g, h, b = r["model"], r["settings"], r["per_gpu"], r["per_host"], r["bus"]
     cols = ("adamw", "adamw_fp32_master", "offload", "zenflow")
     unit = "GPU" if s["target"] == "cuda" else "CPU device"   # what trains
+    known = s["window_known"]
+    window = (f"{s['update_interval']}" + (" (expected auto window)" if
+                                          s["update_interval_asked"] == "auto" else "")
+              if known else "auto (the window needs --fwd-bwd-seconds)")
     out = [f"Model: {m['params'] / 1e9:.3f} B params ({m['matrices']} matrices, {m['vectors']} "
-           f"vectors), {m['dtype']}; {m['source']}",
+           f"vectors), {m['dtype']}; {m['source']}", "", *answer(r), "", "Details",
            f"Settings: {s['gpus']} GPU(s), topk_ratio {s['topk_ratio']}, update_interval "
-           f"{s['update_interval']}" + (" (expected auto window)" if
-                                        s["update_interval_asked"] == "auto" else "") +
-           f", overlap_step {s['overlap_step']}, device {s['target']}",
-           _quality_line(r["quality"]), "",
+           f"{window}, overlap_step {s['overlap_step']}, device {s['target']}",
+           _quality_line(r["quality"]) if known else _quality_by_step_time(r), "",
            f"{f'Per {unit} (' + format(g['gpu_memory_bytes'] / GIB, '.1f') + ' GiB)':<30}" +
            "".join(f"{h:>16}" for h in ("AdamW", "AdamW fp32 mstr", "OffloadAdamW",
                                          "ZenFlowAdamW"))]
@@ -59,15 +73,19 @@ def format_report(r: dict) -> str:
                f"{'yes' if h['fits']['zenflow'] else 'NO':>16}   "
                f"(available {h['available_host_bytes'] / GIB:.1f} GiB; /dev/shm not used)")
     z, o = b["zenflow"], b["offload"]
+    # ZenFlow's bytes a step are its bytes a window over the window: unknown without one
+    zen_step = ((lambda key: _gib(z[key])) if known else (lambda key: "per window / U"))
+    both = ((z["d2h_bytes_per_step"] + z["h2d_bytes_per_step"]) / z["model_bytes"])
     out += ["", f"{'Bus per ' + unit:<32}{'OffloadAdamW':>16}{'ZenFlowAdamW':>16}",
             f"  {'device->host per step':<30}{_gib(o['d2h_bytes_per_step']):>16}"
-            f"{_gib(z['d2h_bytes_per_step']):>16}",
+            f"{zen_step('d2h_bytes_per_step'):>16}",
             f"  {'host->device per step':<30}{_gib(o['h2d_bytes_per_step']):>16}"
-            f"{_gib(z['h2d_bytes_per_step']):>16}",
+            f"{zen_step('h2d_bytes_per_step'):>16}",
             f"  {'per window (d2h / h2d)':<30}{'':>16}   {z['d2h_bytes_per_window'] / GIB:.2f} / "
             f"{z['h2d_bytes_per_window'] / GIB:.2f} GiB",
-            f"  {'both ways per step / model':<30}{'':>16}"
-            f"{(z['d2h_bytes_per_step'] + z['h2d_bytes_per_step']) / z['model_bytes']:>15.2f}x"]
+            f"  {'both ways per step / model':<30}"
+            f"{(o['d2h_bytes_per_step'] + o['h2d_bytes_per_step']) / z['model_bytes']:>15.2f}x"
+            + (f"{both:>15.2f}x" if known else f"{'per window / U':>16}")]
     t, tm = r["seconds"], r["time"]
     out += ["", f"Work per {unit} per step / window",
             f"  host accumulate {_s(t['accumulate_s'])}/step, host AdamW {_s(t['adamw_s'])}/window, "
