@@ -124,3 +124,39 @@ def test_a_window_given_without_a_step_time_is_stated_with_the_step_times_by_fwd
     assert [row["window"] for row in r["by_step_time"]] == [4] * len(SAMPLE_FWD_BWD_S)
     for row in r["by_step_time"]:
         assert f"{secs(row['fwd_bwd_s']):>8} {4:>7} {secs(row['zenflow_step_s']):>13}" in answer
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpus", "0"], "argument --gpus: must be an integer >= 1, got '0'"),
+    (["--fsdp", "0"], "argument --fsdp: must be an integer >= 1, got '0'"),
+    (["--topk-ratio", "2"], "argument --topk-ratio: must be a number in [0, 1], got '2'"),
+    (["--fwd-bwd-seconds", "-1"], "argument --fwd-bwd-seconds: must be a number > 0, got '-1'"),
+    (["--gpu-memory", "0"], "argument --gpu-memory: must be a number > 0, got '0'"),
+    (["--activation-gib", "-1"], "argument --activation-gib: must be a number >= 0, got '-1'"),
+    (["--update-interval", "x"],
+     "argument --update-interval: must be \"auto\" or an integer >= 1, got 'x'"),
+])
+def test_a_bad_argument_is_refused_naming_it_and_its_value(argv, says, capsys):
+    """Each was taken before (--gpus 0 as 1 GPU, a negative step time or memory as given)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--shapes", "64x64", *argv])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_broken_selftest_json_is_named_with_its_argument(tmp_path, capsys):
+    path = tmp_path / "selftest.json"
+    for text, says in (("not json", "Expecting value"), ("[1]", "not a `zenflow selftest")):
+        path.write_text(text)
+        assert main(["estimate", "--shapes", "64x64", "--selftest-json", str(path)]) == 2
+        assert f"--selftest-json {path}: {says}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, value", [("gpus", 0), ("topk_ratio", 1.5), ("fwd_bwd_s", 0.0),
+                                         ("update_interval", 0), ("target", "gpu"),
+                                         ("deferred_credit", "sum"), ("device_sum_budget", -1),
+                                         ("device_sum_dtype", "float16"),
+                                         ("gpu_memory_bytes", -1), ("activation_bytes", -1)])
+def test_estimate_refuses_an_argument_out_of_range_naming_it(name, value):
+    with pytest.raises(ValueError, match=f"estimate\\(\\): {name} must be .*, got {value!r}"):
+        estimate([("w", (64, 64))], **{name: value})

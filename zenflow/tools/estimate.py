@@ -193,6 +193,10 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     its own install; else the step waits for the whole install. `device_sum_dtype`: the
     optimizer's ("bfloat16": half the bytes of every device sum not under "moments", which the
     host widens once per window)."""
+    _check_arguments(gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, topk_ratio=topk_ratio,
+                     update_interval=update_interval, fwd_bwd_s=fwd_bwd_s, target=target,
+                     device_sum_budget=device_sum_budget, activation_bytes=activation_bytes,
+                     deferred_credit=deferred_credit, device_sum_dtype=device_sum_dtype)
     if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1
                              or fsdp != gpus):
         raise ValueError(f"fsdp must be the number of GPUs the model is sharded over (>= 1, "
@@ -283,6 +287,34 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
             "assumptions": _assumptions(world, cpu, attached, device_sum_dtype,
                                         int(device_sum_budget), activation_bytes, fig,
                                         fig_source)}
+
+
+def _check_arguments(**given) -> None:
+    """ValueError naming the first argument of estimate() out of its range, and its value."""
+    def whole(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    rules = {
+        "gpus": (lambda x: whole(x) and x >= 1, "an integer >= 1"),
+        "gpu_memory_bytes": (lambda x: x is None or (number(x) and x > 0), "None or bytes > 0"),
+        "topk_ratio": (lambda x: number(x) and 0 <= x <= 1, "a number in [0, 1]"),
+        "update_interval": (lambda x: x == "auto" or (whole(x) and x >= 1),
+                            '"auto" or an integer >= 1'),
+        "fwd_bwd_s": (lambda x: x is None or (number(x) and x > 0), "None or seconds > 0"),
+        "target": (lambda x: x in ("cuda", "cpu"), '"cuda" or "cpu"'),
+        "device_sum_budget": (lambda x: x == "auto" or (number(x) and x >= 0),
+                              '"auto" or bytes >= 0'),
+        "activation_bytes": (lambda x: number(x) and x >= 0, "bytes >= 0"),
+        "deferred_credit": (lambda x: x in ("moments", "mean", "window"),
+                            '"moments", "mean" or "window"'),
+        "device_sum_dtype": (lambda x: x in ("float32", "bfloat16"), '"float32" or "bfloat16"'),
+    }
+    for name, value in given.items():
+        ok, what = rules[name]
+        if not ok(value):
+            raise ValueError(f"estimate(): {name} must be {what}, got {value!r}")
 
 
 def _assumptions(world: int, cpu: bool, attached: bool, device_sum_dtype: str,
