@@ -231,8 +231,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     deferred_index = [i for i, (_, cols, k) in enumerate(mats) if k < cols]   # into mats
     host = per_host(mats, vecs, dtype, world, overlap, staging, moments,
                     {deferred_index[d] for d in summed}, len(summed) < len(deferred), measured)
-    gpu.update({"device_sum_bytes": (counts.sum_item * counts.device_plain
-                                     + (4 + 4 + rate_item) * counts.device_moments),
+    gpu.update({"device_sum_bytes": cost.device_sums_bytes(counts),
                 "device_sum_dtype": device_sum_dtype, "moments_matrices": len(moving),
                 "device_sum_matrices": len(summed),
                 "host_sum_matrices": len(deferred) - len(summed)})

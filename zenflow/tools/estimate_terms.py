@@ -98,6 +98,12 @@ def offload_h2d_bytes(c: Counts) -> int:
     return c.item * c.params
 
 
+def device_sums_bytes(c: Counts) -> int:
+    """Device memory of the window sums (host/device_sums.py allocate): each in its dtype; a
+    "moments" matrix's fp32 sum, its fp32 squares and its rates."""
+    return c.sum_item * c.device_plain + (FP32 + FP32 + c.rate_item) * c.device_moments
+
+
 # ------------------------------------------------------------------------------- host passes
 def host_accumulate_s(c: Counts, s: Speeds) -> float:
     """Per step: the worker adds each host-summed row, times the step's factor, into its fp32
