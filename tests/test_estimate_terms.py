@@ -89,12 +89,23 @@ def test_page_locked_bytes_follow_where_the_sums_are():
     # "moments" without overlap still has two: the squares land in the other.
     pinned, _ = _pinned(overlap=False)
     assert pinned == 2 * P_MAT + 2 * P_MAT + 2 * 4 * P_MAT + coefs
-    # A budget that holds some sums ("mean": 4 bytes a parameter): staging for the rest, and
-    # the two sum slots of those summed on the device.
-    pinned, g = _pinned(device_sum_budget=10 * GIB, deferred_credit="mean")
-    assert 0 < g["host_sum_matrices"] and 0 < g["device_sum_matrices"]
-    summed = g["device_sum_bytes"] // 4
-    assert pinned == 2 * 2 * P_MAT + 2 * P_MAT + 2 * 4 * summed + coefs
+    # A budget that holds the embedding's fp32 sum alone ("mean": 4 bytes a parameter): the
+    # staging slots over every other matrix, the sum slots over the embedding.
+    embedding = 32000 * 4096
+    pinned, g = _pinned(device_sum_budget=4 * embedding, deferred_credit="mean")
+    assert (g["device_sum_matrices"], g["host_sum_matrices"]) == (1, 225)
+    assert pinned == (2 * 2 * (P_MAT - embedding) + 2 * P_MAT + 2 * 4 * embedding + coefs)
+
+
+def test_page_locked_spans_run_from_the_first_matrix_to_the_last():
+    """The code locks one span per slot, from the first matrix of its kind to the end of the
+    last: a host-summed matrix between two device-summed ones is inside the sums' span."""
+    a, b, c = 100 * 100, 300 * 100, 50 * 100
+    r = estimate([("a", (100, 100)), ("b", (300, 100)), ("c", (50, 100))], torch.bfloat16,
+                 deferred_credit="mean", device_sum_budget=4 * (a + c))   # b does not fit
+    assert (r["per_gpu"]["device_sum_matrices"], r["per_gpu"]["host_sum_matrices"]) == (2, 1)
+    install, staging, sums = 2 * (a + b + c), 2 * 2 * b, 2 * 4 * (a + b + c)
+    assert r["per_host"]["zenflow"]["pinned_bytes"] == install + staging + sums + 2 * 4
 
 
 def test_page_locked_bytes_of_data_parallel_ranks_add_up():

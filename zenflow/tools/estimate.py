@@ -123,14 +123,12 @@ def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
 
 
 def per_host(mats, vecs, dtype: torch.dtype, world: int, overlap: bool, staging: int,
-             moments: bool, device_summed: set[int], host_summed: bool,
-             measured: dict | None) -> dict:
+             moments: bool, device_summed: set[int], measured: dict | None) -> dict:
     """Host memory of ZenFlowAdamW and OffloadAdamW (every matrix has host state whatever
     topk_ratio is; OffloadAdamW has its vectors there too and no device sums), what of it is
     page-locked, and whether it fits the RAM available (this machine's, or the selftest's)."""
     zen = memory.host_memory([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1,
-                             staging, rates=moments, device_summed=device_summed,
-                             host_summed=host_summed)
+                             staging, rates=moments, device_summed=device_summed)
     off = memory.host_memory([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs],
                              world, 1, staging)
     avail = (measured or {}).get("available_host_bytes")
@@ -230,7 +228,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     staging = 2 if target == "cuda" else 1
     deferred_index = [i for i, (_, cols, k) in enumerate(mats) if k < cols]   # into mats
     host = per_host(mats, vecs, dtype, world, overlap, staging, moments,
-                    {deferred_index[d] for d in summed}, len(summed) < len(deferred), measured)
+                    {deferred_index[d] for d in summed}, measured)
     gpu.update({"device_sum_bytes": cost.device_sums_bytes(counts),
                 "device_sum_dtype": device_sum_dtype, "moments_matrices": len(moving),
                 "device_sum_matrices": len(summed),

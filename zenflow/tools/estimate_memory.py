@@ -55,31 +55,43 @@ def rank_rows(rows: int, rank: int, world: int) -> int:
     return len(range(rows)[Partition(rank=rank, world_size=world).rows(rows)])
 
 
-def pinned_bytes(layout: HostLayout, device_summed: set[int], host_summed: bool) -> int:
-    """What the optimizer page-locks on CUDA (zenflow/host/pipeline.py), of one rank's layout:
-    the buffers device copies read or write. Always the install buffers, the rates ("moments")
-    and the steps' factors; the staging slots (every matrix, in its dtype) only where some
-    matrix's sum is on the host (`host_summed`), whose rows cross through them every step; the
-    fp32 window-sum slots only over the matrices summed on the device (`device_summed`, indices
-    into the layout), whose sums land there once per window (a bf16 sum in the first half of its
-    slot: the whole slot is locked)."""
+def pinned_bytes(layout: HostLayout, device_summed: set[int], host_summed: set[int]) -> int:
+    """What the optimizer page-locks on CUDA, of one rank's layout (zenflow/host/pipeline.py
+    _lock_copied_spans): only what device copies touch. Always the install buffers, the rates
+    ("moments") and the steps' factors. Once the sums are placed, each staging slot over the
+    matrices summed on the host (`host_summed`: their rows cross every step) and each fp32 sum
+    slot over those summed on the device (`device_summed`: their sums cross at window ends, a
+    bf16 sum in the first half of its fp32 span). Each is one span, from the first of those
+    matrices to the end of the last (per dtype for staging), so a matrix between two of them is
+    locked too. Indices are into the layout."""
     typed = sum(dtype.itemsize * numel for dtype, _, numel in layout.groups)
     install = typed
     rates = (sum(rate_dtype(dtype).itemsize * numel for dtype, _, numel in layout.groups)
              if layout.rates else 0)
     step_coef = 4 * layout.staging_slots
-    staging = layout.staging_slots * typed if host_summed else 0
-    sums = layout.sum_slots * 4 * sum(layout.matrices[i].numel for i in device_summed)
+    staging = layout.staging_slots * sum(
+        dtype.itemsize * _span([layout.matrices[i] for i in host_summed
+                                if layout.matrices[i].dtype == dtype], typed=True)
+        for dtype, _, _ in layout.groups)
+    sums = layout.sum_slots * 4 * _span([layout.matrices[i] for i in device_summed])
     return install + rates + step_coef + staging + sums
 
 
+def _span(matrices: list, typed: bool = False) -> int:
+    """Elements from the first of `matrices` to the end of the last, in the fp32 buffers or
+    (typed) in their dtype's buffers (zenflow/host/buffers.py HostState.span)."""
+    starts = [m.typed_offset if typed else m.offset for m in matrices]
+    return max((a + m.numel for a, m in zip(starts, matrices)), default=0) - min(starts, default=0)
+
+
 def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slots: int,
-                staging_slots: int, rates: bool = False, device_summed: set[int] = frozenset(),
-                host_summed: bool = True) -> dict:
+                staging_slots: int, rates: bool = False, device_summed: set[int] = frozenset()
+                ) -> dict:
     """Host memory of every rank on the host, from the optimizer's own HostLayout (two staging
     buffers where copies outlive the step, as on CUDA: zenflow/host/pipeline.py; "moments": the
     rates, and always two sum slots), and what of it is page-locked (`pinned_bytes`; every rank
-    with rank 0's placement of the sums). `entries`: (rows, columns, dtype) of each matrix."""
+    with rank 0's placement of the sums: `device_summed`, indices into `entries`, the others
+    summed on the host). `entries`: (rows, columns, dtype) of each matrix."""
     total = arena = pinned = first = 0
     for rank in range(gpus):
         layout = HostLayout.build([(rank_rows(rows, rank, gpus), cols, dtype)
@@ -89,7 +101,8 @@ def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slot
         regions, size = plan(layout.regions())
         nbytes = sum(r.nbytes for r in regions)
         total, arena = total + nbytes, arena + size
-        pinned += pinned_bytes(layout, device_summed, host_summed)
+        on_host = set(range(len(entries))) - set(device_summed)
+        pinned += pinned_bytes(layout, set(device_summed), on_host)
         first = first or nbytes
     return {"host_bytes": total, "arena_bytes": arena, "pinned_bytes": pinned,
             "host_bytes_rank0": first}
