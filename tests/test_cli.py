@@ -53,6 +53,33 @@ def test_every_option_has_help_and_states_its_default(command):
         assert "default" in formatter._get_help_string(action).lower(), f"{command} {name}"
 
 
+# A child that asks for every --help and says which of them imported torch.
+_HELP_CHILD = """
+import contextlib, io, sys
+from zenflow.tools.cli import SUBCOMMANDS, main
+for argv in [["--help"]] + [[name, "--help"] for name in SUBCOMMANDS]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main(argv)
+        except SystemExit as exc:
+            assert exc.code == 0, (argv, exc.code)
+    assert out.getvalue().startswith("usage: zenflow"), (argv, out.getvalue()[:200])
+    print(" ".join(argv), "torch" in sys.modules)
+"""
+
+
+def test_help_imports_no_torch():
+    """`zenflow --help` and every `zenflow COMMAND --help` print without importing torch (which
+    took them 4-7 s): a command's module imports torch inside run(), not at its top."""
+    run = subprocess.run([sys.executable, "-c", _HELP_CHILD], capture_output=True, text=True,
+                         timeout=120, env=_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines == [f"{' '.join(argv)} False" for argv in
+                     [["--help"]] + [[name, "--help"] for name in SUBCOMMANDS]], lines
+
+
 def test_log_level_options(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"train_batch_size": 8}))

@@ -155,9 +155,9 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     assert t["accumulate_s"] == 0 and t["d2h_s"] == 0      # nothing crosses or sums per step
     # the sum's addcmul reads the gradient (2) and the sum (4), writes the sum (4): 10 bytes;
     # "moments": the squares (the gradient to fp32 (2 + 4), times the factor (4 + 4), its square
-    # added (4 + 4 + 4 + 4)) and the bounded interim step: the gradient zeroed on a skipped step
-    # (2 + 2), times the rate (2 + 2 + 2), scaled and clamped twice in place (3 x 4), added to
-    # the weight (2 + 2 + 2): 54 bytes
+    # added (4 + 4 + 4: the product read once)) and the bounded interim step: the gradient
+    # zeroed on a skipped step (2 + 2), times the rate (2 + 2 + 2), scaled and clamped twice in
+    # place (3 x 4), added to the weight (2 + 2 + 2): 54 bytes
     assert t["sum_add_s"] == pytest.approx(P_mat * (10 + 54 * moments) / 1e12)
     assert t["sums_d2h_s"] == pytest.approx((8 if moments else 4) * P_mat / 25e9)
     # the install's bounded correction: sum x rate into an fp32 temporary (4 + 2 + 4), clamped

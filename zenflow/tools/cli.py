@@ -1,6 +1,8 @@
 """The `zenflow` command (also `python -m zenflow`). Each subcommand lives in its own module,
 imported only when used; a module provides add_arguments(parser), run(args) -> int and, when it
-needs optional packages, required_modules(args) -> import names, checked before any work."""
+needs optional packages, required_modules(args) -> import names, checked before any work. A
+command's module imports torch inside run(), never at its top, so that --help is instant
+(tests/test_cli.py checks it)."""
 from __future__ import annotations
 
 import argparse
@@ -15,9 +17,9 @@ SUBCOMMANDS = {
     "bench": ("zenflow.tools.bench.cli",
               "side-by-side step-time benchmark against AdamW, ZeRO-Offload and DeepSpeed"),
     "finetune": ("zenflow.tools.finetune.cli", "fine-tune a model on a text task with ZenFlow"),
-    "selftest": ("zenflow.tools.selftest",
+    "selftest": ("zenflow.tools.selftest_cli",
                  "check correctness on this machine and measure host and bus speed"),
-    "estimate": ("zenflow.tools.estimate",
+    "estimate": ("zenflow.tools.estimate_cli",
                  "memory, bus traffic and step time of AdamW, ZeRO-Offload and ZenFlow for a model"),
     "launch": ("zenflow.tools.launch",
                "run a DeepSpeed script unchanged (DeepSpeed's launcher options, over torchrun)"),

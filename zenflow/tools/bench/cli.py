@@ -6,8 +6,7 @@ import json
 import os
 import sys
 
-from zenflow.tools.bench.model import GPTConfig
-from zenflow.tools.bench.systems import SYSTEMS
+from zenflow.tools.bench.system_names import SYSTEMS
 
 # The seeds' zenflow block (DeepSpeed tutorial); both ZenFlows get exactly these settings.
 SEED_ZENFLOW_BLOCK = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto",
@@ -127,6 +126,7 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
                          f"choose from {', '.join(SYSTEMS)}")
     model = {k: base[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size", "seq_len")}
     model.update({k: base[k] for k in ("arch", "ffn") if k in base})
+    from zenflow.tools.bench.model import GPTConfig
     GPTConfig(**model)  # validates sizes before any child starts
     spec = {
         "preset": args.preset, "device": base["device"], "dtype": base["dtype"], "model": model,

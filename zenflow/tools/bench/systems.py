@@ -20,19 +20,7 @@ from typing import Any
 import torch
 
 from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
-
-# name -> (label, needs DeepSpeed). Order is the default order of a round.
-SYSTEMS: dict[str, tuple[str, bool]] = {
-    "adamw": ("AdamW (no offload)", False),
-    "offload": ("zenflow OffloadAdamW", False),
-    "zenflow-sync": ("zenflow ZenFlowAdamW, overlap off", False),
-    "zenflow": ("zenflow ZenFlowAdamW, overlap on", False),
-    "zenflow-defaults": ("zenflow ZenFlowAdamW, its own defaults (host-paced windows)", False),
-    "zenflow-moments": ("zenflow ZenFlowAdamW, overlap on, every window sum on the device "
-                        "(deferred_credit 'moments')", False),
-    "ds-offload": ("DeepSpeed ZeRO-Offload (stage 2)", True),
-    "ds-zenflow": ("DeepSpeed ZenFlow (stage 2)", True),
-}
+from zenflow.tools.bench.system_names import SYSTEMS as SYSTEMS  # name -> (label, DeepSpeed?)
 
 PROGRESS_PREFIX = "@@progress "
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:   # imported where an optimizer is built: `zenflow finetune --help` needs no torch
+    import torch
 
 OPTIMIZERS = ("adamw", "offload", "zenflow", "zenflow-auto")
 # Everything decided at run time: windows by update_interval "auto", reselection on drift ("auto"
@@ -40,6 +41,7 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter], *, lr: float
     params = [p for p in params if p.requires_grad]
     adamw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     if kind == "adamw":
+        import torch
         # Plain AdamW clips outside the optimizer; the training loop does it (see train.py).
         return torch.optim.AdamW(params, **adamw)
     if kind == "offload":

@@ -1,0 +1,125 @@
+"""`zenflow estimate`'s named costs against the code they model: the bus bytes the optimizer
+itself counts, the page-locked bytes of the rule zenflow/host/pipeline.py pins by, by hand."""
+import pytest
+import torch
+
+import zenflow
+from zenflow.tools import estimate_terms as cost
+from zenflow.tools.bench.model import GPT, GPTConfig
+from zenflow.tools.estimate import GIB, estimate
+from zenflow.tools.estimate_shapes import llama_shapes
+
+LLAMA2_7B = dict(hidden=4096, layers=32, intermediate=11008, vocab=32000, heads=32)
+P_MAT = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)   # every matrix
+SMALL = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, ffn=160, vocab_size=256, seq_len=8)
+
+
+@pytest.mark.parametrize("budget, credit, sum_dtype, dtype", [
+    (0, "mean", "float32", torch.float32),               # every sum on the host
+    (10 ** 9, "mean", "float32", torch.float32),         # every sum on the device
+    (10 ** 9, "mean", "bfloat16", torch.float32),        # bf16 device sums
+    (10 ** 9, "moments", "float32", torch.float32),      # squares down, rates up
+    (10 ** 9, "moments", "float32", torch.bfloat16),     # bf16 rows and rates
+    (250_000, "mean", "float32", torch.float32),         # some sums on the device, some not
+])
+def test_the_bus_bytes_are_what_the_optimizer_counts(budget, credit, sum_dtype, dtype):
+    """Windows of 3 steps without overlap, on the CPU: the optimizer's own count of the bytes it
+    copied each way over 4 windows is 4 windows of the estimate's bus terms."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL)).to(dtype)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    settings = dict(topk_ratio=0.1, overlap_step=False, update_interval=3,
+                    device_sum_budget=budget, deferred_credit=credit, device_sum_dtype=sum_dtype)
+    r = estimate(shapes, dtype, target="cpu", overlap=False, topk_ratio=0.1, update_interval=3,
+                 device_sum_budget=budget, deferred_credit=credit, device_sum_dtype=sum_dtype)
+    x = torch.randint(0, 256, (2, 8))
+    with zenflow.ZenFlowAdamW(model.parameters(), worker=False, **settings) as opt:
+        for _ in range(12):
+            model(x, x).float().backward()
+            opt.step()
+            opt.zero_grad()
+        stats = opt.stats()
+    bus, g = r["bus"]["zenflow"], r["per_gpu"]
+    assert stats["windows"] == 4
+    assert stats["d2h_bytes_total"] == 4 * bus["d2h_bytes_per_window"]
+    assert stats["h2d_bytes_total"] == 4 * bus["h2d_bytes_per_window"]
+    assert stats["device_sum_bytes"] == g["device_sum_bytes"]
+    assert (stats["device_sum_matrices"], stats["moments_matrices"]) == (
+        g["device_sum_matrices"], g["moments_matrices"])
+    if budget == 250_000:
+        assert 0 < g["device_sum_matrices"] < g["device_sum_matrices"] + g["host_sum_matrices"]
+
+
+def test_the_moments_bytes_per_step_by_hand():
+    """The "moments" add in bf16: the sum (2 + 8), the squares (2 + 4 widened, 4 + 4 scaled,
+    4 + 4 + 4 added) and the bounded interim step (2 + 2 zeroed, 2 + 2 + 2 by the rate, 3 x 4
+    scaled and clamped, 2 + 2 + 2 added): 64 bytes a parameter, as tests/test_estimate.py has it."""
+    c = cost.Counts(item=2, rate_item=2, sum_item=4, world=1, params=10, vector_params=0,
+                    selected_params=0, touched_bytes=0, rank_matrix_params=10,
+                    deferred_params_all=10, host_summed=0, device_plain=0, device_moments=10,
+                    offload_params=10)
+    assert cost.squares_bytes(c) == 6 + 8 + 12
+    assert cost.interim_step_bytes(c) == 4 + 6 + 12 + 6
+    assert cost.sum_add_bytes(c) == 10 * 64
+    # fp32 weights and rates: every pass 4 bytes a value
+    wide = cost.Counts(**{**c.__dict__, "item": 4, "rate_item": 4})
+    assert cost.interim_step_bytes(wide) == 8 + 12 + 24 + 12
+    assert cost.correction_bytes(c) == 10 * ((4 + 2 + 4) + 16 + (4 + 2 + 2))
+
+
+def _pinned(**settings):
+    r = estimate(llama_shapes(**LLAMA2_7B), torch.bfloat16, gpu_memory_bytes=80 * GIB,
+                 **settings)
+    return r["per_host"]["zenflow"]["pinned_bytes"], r["per_gpu"]
+
+
+def test_page_locked_bytes_follow_where_the_sums_are():
+    """On CUDA the optimizer locks the install buffers, the rates ("moments") and the steps'
+    factors always; the two bf16 staging slots only when some sum is on the host; the fp32 sum
+    slots only over the matrices summed on the device."""
+    coefs = 2 * 4   # a 4-byte factor per staging slot
+    # The defaults on one GPU: every sum on the device, 2 slots; rates for "moments"; no staging.
+    pinned, g = _pinned()
+    assert g["host_sum_matrices"] == 0
+    assert pinned == 2 * P_MAT + 2 * P_MAT + 2 * 4 * P_MAT + coefs        # 75.3 GiB, not 50.2
+    # Every sum on the host: staging and installs, no rates (no "moments" without device sums).
+    assert _pinned(device_sum_budget=0)[0] == 2 * 2 * P_MAT + 2 * P_MAT + coefs
+    # "mean" without overlap: one sum slot.
+    assert _pinned(deferred_credit="mean", overlap=False)[0] == 2 * P_MAT + 4 * P_MAT + coefs
+    # "moments" without overlap still has two: the squares land in the other.
+    pinned, _ = _pinned(overlap=False)
+    assert pinned == 2 * P_MAT + 2 * P_MAT + 2 * 4 * P_MAT + coefs
+    # A budget that holds the embedding's fp32 sum alone ("mean": 4 bytes a parameter): the
+    # staging slots over every other matrix, the sum slots over the embedding.
+    embedding = 32000 * 4096
+    pinned, g = _pinned(device_sum_budget=4 * embedding, deferred_credit="mean")
+    assert (g["device_sum_matrices"], g["host_sum_matrices"]) == (1, 225)
+    assert pinned == (2 * 2 * (P_MAT - embedding) + 2 * P_MAT + 2 * 4 * embedding + coefs)
+
+
+def test_page_locked_spans_run_from_the_first_matrix_to_the_last():
+    """The code locks one span per slot, from the first matrix of its kind to the end of the
+    last: a host-summed matrix between two device-summed ones is inside the sums' span."""
+    a, b, c = 100 * 100, 300 * 100, 50 * 100
+    r = estimate([("a", (100, 100)), ("b", (300, 100)), ("c", (50, 100))], torch.bfloat16,
+                 deferred_credit="mean", device_sum_budget=4 * (a + c))   # b does not fit
+    assert (r["per_gpu"]["device_sum_matrices"], r["per_gpu"]["host_sum_matrices"]) == (2, 1)
+    install, staging, sums = 2 * (a + b + c), 2 * 2 * b, 2 * 4 * (a + b + c)
+    assert r["per_host"]["zenflow"]["pinned_bytes"] == install + staging + sums + 2 * 4
+
+
+def test_page_locked_bytes_of_data_parallel_ranks_add_up():
+    """Four replicas ("mean": DDP takes no "moments"), every row count divisible by 4: each rank
+    locks its rows' install and sum slots, so together the one-GPU bytes plus 3 more factors."""
+    one, _ = _pinned(deferred_credit="mean")
+    four, g = _pinned(deferred_credit="mean", gpus=4)
+    assert g["host_sum_matrices"] == 0
+    assert one == 2 * P_MAT + 2 * 4 * P_MAT + 2 * 4
+    assert four == one + 3 * 2 * 4
+
+
+def test_the_report_says_which_bytes_are_page_locked(capsys):
+    from zenflow.tools.cli import main
+    assert main(["estimate", "--shapes", "1024x1024*8,1024*8"]) == 0
+    out = capsys.readouterr().out
+    assert "page-locked" in out and "staging+install" not in out

@@ -1,0 +1,236 @@
+"""The costs `zenflow estimate` adds up, one function each: bytes over the bus, passes of the
+host, passes of the device and installs. Each states its formula in code and, in one line, why
+the code as written pays it (the module that pays it is named). Every function reads `Counts`
+(how many parameters of which kind, for rank 0, the largest share) and, for times, `Speeds`.
+
+Byte counts of a device pass are what the kernel reads plus what it writes; a pass takes its
+bytes over `Speeds.copy` (HBM). Nothing here knows about windows or step times: that is
+estimate_time.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4          # bytes of an fp32 value (the host's state, the sums, the squares)
+CACHE_LINE = 64   # bytes: gathering a column reads the whole line it lies in
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the costs count, in parameters of rank 0 (the largest share: ceil(rows / world)
+    rows of every matrix) unless a field says otherwise."""
+    item: int                # bytes of a weight and of a gradient (the parameters' dtype)
+    rate_item: int           # bytes of a "moments" rate (host/buffers.py rate_dtype)
+    sum_item: int            # bytes of a device sum not under "moments" (4 fp32, 2 bf16)
+    world: int               # data-parallel ranks on the host
+    params: int              # every parameter (all ranks hold all of them on the device)
+    vector_params: int       # of them in vectors (always on the device)
+    selected_params: int     # rows * k of every matrix: the device's own columns
+    touched_bytes: int       # bytes of the 64-byte lines the selected columns lie in
+    rank_matrix_params: int  # the rank's rows of every matrix (its host state)
+    deferred_params_all: int  # every row of the matrices with deferred columns
+    host_summed: int         # the rank's rows of deferred matrices summed on the host
+    device_plain: int        # ... summed on the device, deferred_credit "mean"/"window"
+    device_moments: int      # ... summed on the device under deferred_credit "moments"
+    offload_params: int      # OffloadAdamW's host share: the rank's rows of every parameter
+
+    @property
+    def device_summed(self) -> int:
+        return self.device_plain + self.device_moments
+
+    @property
+    def deferred(self) -> int:
+        """The rank's rows of every deferred matrix: what its host updates and installs."""
+        return self.host_summed + self.device_summed
+
+    @property
+    def narrow(self) -> int:
+        """Device sums kept in bf16, which the host widens to fp32 once per window."""
+        return self.device_plain if self.sum_item < FP32 else 0
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """The figures the times divide by: parameters or bytes per second, the host's shared by
+    the ranks (each rank's worker gets 1/world of it)."""
+    host_adamw: float        # parameters/s of this rank's worker
+    host_accumulate: float   # parameters/s of this rank's worker
+    device_adamw: float      # parameters/s
+    norm: float              # gradient bytes/s read by the norm kernel
+    copy: float              # bytes/s of a device pass (read + write)
+    fingerprint: float       # weight bytes/s read by a fingerprint
+    d2h: float               # bytes/s device -> host (a CPU device: memcpy)
+    h2d: float               # bytes/s host -> device (a CPU device: memcpy)
+
+
+# ------------------------------------------------------------------------------- bus bytes
+def host_rows_d2h_bytes(c: Counts) -> int:
+    """Per step: a host-summed matrix's rows cross in the weights' dtype and the worker adds
+    them (host/pipeline.py stage)."""
+    return c.item * c.host_summed
+
+
+def window_sums_d2h_bytes(c: Counts) -> int:
+    """Per window: each device sum crosses once in its own dtype; a "moments" matrix sends its
+    fp32 sum and its fp32 squares (host/device_sums.py copy_out)."""
+    return c.sum_item * c.device_plain + (FP32 + FP32) * c.device_moments
+
+
+def install_h2d_bytes(c: Counts) -> int:
+    """Per window: the host's new values of the rank's rows come up in the weights' dtype, and
+    a "moments" matrix's rates with them (host/buffers.py install_*, rate_*)."""
+    return c.item * c.deferred + c.rate_item * c.device_moments
+
+
+def install_allgather_bytes(c: Counts) -> int:
+    """Per window, several ranks: every rank installs its rows and all-gathers the other ranks'
+    on the device (NCCL; DDP's replicas must end equal)."""
+    return c.item * (c.deferred_params_all - c.deferred) if c.world > 1 else 0
+
+
+def offload_d2h_bytes(c: Counts) -> int:
+    """Per step: ZeRO-Offload sends every gradient of its rows to the host."""
+    return c.item * c.offload_params
+
+
+def offload_h2d_bytes(c: Counts) -> int:
+    """Per step: and every weight comes back."""
+    return c.item * c.params
+
+
+def device_sums_bytes(c: Counts) -> int:
+    """Device memory of the window sums (host/device_sums.py allocate): each in its dtype; a
+    "moments" matrix's fp32 sum, its fp32 squares and its rates."""
+    return c.sum_item * c.device_plain + (FP32 + FP32 + c.rate_item) * c.device_moments
+
+
+# ------------------------------------------------------------------------------- host passes
+def host_accumulate_s(c: Counts, s: Speeds) -> float:
+    """Per step: the worker adds each host-summed row, times the step's factor, into its fp32
+    sum (host/buffers.py accumulate)."""
+    return c.host_summed / s.host_accumulate
+
+
+def host_adamw_s(c: Counts, s: Speeds) -> float:
+    """Per window: AdamW over the rank's rows of every deferred matrix, after widening the bf16
+    device sums to fp32, a pass like an accumulate's (host/buffers.py update, widen_)."""
+    return c.deferred / s.host_adamw + c.narrow / s.host_accumulate
+
+
+def offload_host_s(c: Counts, s: Speeds) -> float:
+    """Per step: ZeRO-Offload's host adds every gradient of its rows and runs AdamW on them."""
+    return c.offload_params / s.host_accumulate + c.offload_params / s.host_adamw
+
+
+# ------------------------------------------------------------------------------- device passes
+def device_update_s(c: Counts, s: Speeds) -> float:
+    """Per step: AdamW on the selected columns and the vectors; one read of every gradient for
+    the global norm (clipping); the selected columns' gather, and the scatter back (a read and
+    a write) of every cache line they lie in: 3 passes = 1.5 copies (optim/device_adam.py)."""
+    return ((c.selected_params + c.vector_params) / s.device_adamw
+            + c.item * c.params / s.norm
+            + 1.5 * c.touched_bytes / s.copy)
+
+
+def sum_add_bytes(c: Counts) -> int:
+    """Per step, the device sums' add (host/device_sums.py add): one addcmul of the gradient
+    times the step's factor (a device tensor, never read by the host) into the sum; "moments"
+    also sums the squares and takes the interim step."""
+    plain = c.item + 2 * c.sum_item               # read the gradient; read and write the sum
+    moments_sum = c.item + 2 * FP32               # the same into an fp32 sum
+    return (c.device_plain * plain
+            + c.device_moments * (moments_sum + squares_bytes(c) + interim_step_bytes(c)))
+
+
+def squares_bytes(c: Counts) -> int:
+    """Per "moments" parameter and step: the squares the host's moments need, summed as the
+    reference sums them, from an fp32 product (host/device_sums.py add)."""
+    widen = c.item + FP32                         # the gradient to fp32
+    scale = FP32 + FP32                           # times the step's factor
+    add_square = FP32 + FP32 + FP32               # the product read once; the squares r/w
+    return widen + scale + add_square
+
+
+def interim_step_bytes(c: Counts) -> int:
+    """Per "moments" parameter and step: the bounded interim step of a value the device does
+    not update (host/device_sums.py move): -lr * clamp(coef * g * rate)."""
+    wide = max(c.item, c.rate_item)               # the product's dtype
+    keep = c.item + c.item                        # the gradient zeroed on a skipped step
+    times_rate = c.item + c.rate_item + wide      # its product with the rate
+    in_place = 3 * (wide + wide)                  # times coef, clamped below and above
+    add = c.item + c.item + wide                  # added to the weight
+    return keep + times_rate + in_place + add
+
+
+def sum_add_s(c: Counts, s: Speeds) -> float:
+    return sum_add_bytes(c) / s.copy
+
+
+def correction_bytes(c: Counts) -> int:
+    """Per window: an install's bounded correction of each "moments" value, for the gradients
+    summed since its update was handed off (host/device_sums.py correct)."""
+    times_rate = FP32 + c.rate_item + FP32        # the sum times the rate, into fp32
+    clamp = 2 * (FP32 + FP32)                     # clamped below and above, in place
+    add = FP32 + c.item + c.item                  # added to the weight
+    return c.device_moments * (times_rate + clamp + add)
+
+
+def fingerprint_s(c: Counts, s: Speeds) -> float:
+    """Per window: two passes over every matrix not under "moments" check that nothing outside
+    the optimizer wrote its weights (optim/params.py OutsideWrites)."""
+    return 2 * c.item * (c.rank_matrix_params - c.device_moments) / s.fingerprint
+
+
+def offload_fingerprint_s(c: Counts, s: Speeds) -> float:
+    """Per step: OffloadAdamW's windows are one step, so every parameter, every step."""
+    return 2 * c.item * c.params / s.fingerprint
+
+
+def offload_norm_s(c: Counts, s: Speeds) -> float:
+    """Per step: OffloadAdamW clips too: one read of every gradient."""
+    return c.item * c.params / s.norm
+
+
+def adamw_device_s(c: Counts, s: Speeds) -> float:
+    """Per step: torch's fused AdamW over every parameter: the floor's optimizer."""
+    return c.params / s.device_adamw
+
+
+# ------------------------------------------------------------------------------- installs
+def install_device_s(c: Counts, s: Speeds) -> float:
+    """Per window, on the device: the all-gather of the other ranks' rows and the "moments"
+    correction, both waited for by the next forward."""
+    return (install_allgather_bytes(c) + correction_bytes(c)) / s.copy
+
+
+def exposed_install_s(copy_s: list[float], forward_s: list[float]) -> float:
+    """How long the forward waits for installs copied matrix by matrix in the model's order from
+    the end of step() (copy_s) while each matrix's layer, taking forward_s, waits for its own:
+    the largest lead of the copies up to a matrix over the forward before it. At least the first
+    matrix's copy; at most the whole copy."""
+    waited = copied = forwarded = 0.0
+    for copy, forward in zip(copy_s, forward_s):
+        copied += copy
+        if copy:
+            waited = max(waited, copied - forwarded)
+        forwarded += forward
+    return waited
+
+
+def per_layer_install_wait_s(mats: list[tuple[int, int, int]], moving: set[int], item: int,
+                             rate_item: int, h2d: float, forward_s: float) -> float:
+    """Per window, one GPU with the model attached: each layer's forward waits only for its own
+    matrices' copy (optim/installs.py), so the device waits for what the forward before it does
+    not hide. `mats`: (rows, columns, k), model order; `moving`: the indices of the deferred
+    matrices (counted among those with k < columns) under "moments", whose rates come too; a
+    matrix's share of the forward (a third of forward+backward) is its share of the
+    parameters."""
+    total = sum(r * c for r, c, _ in mats)
+    copy_s, deferred = [], 0
+    for r, c, k in mats:
+        if k < c:
+            copy_s.append((item + (rate_item if deferred in moving else 0)) * r * c / h2d)
+            deferred += 1
+        else:
+            copy_s.append(0.0)
+    return exposed_install_s(copy_s, [forward_s * r * c / total for r, c, _ in mats])
