@@ -45,3 +45,12 @@ deepspeed: $(STAMP)
 bench-cpu: $(STAMP)
 	$(PY) -m zenflow.tools.cli bench --preset cpu-small \
 		--json benchmarks/results/cpu-small.json --plot benchmarks/results/cpu-small.png
+
+# Validate the library on a GPU (zenflow/tools/gpu_check.py): selftest on cuda:0 and the tests
+# marked `cuda`, JSON under benchmarks/results/. It runs in the Python environment that has CUDA's
+# torch (GPU_PY), not in .venv (which pins the CPU build on our machines); without a GPU it says
+# so and exits 0.
+GPU_PY ?= python3
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m zenflow.tools.gpu_check

@@ -61,7 +61,7 @@ def test_the_optimizer_places_its_host_state_where_its_worker_runs(monkeypatch):
     model = torch.nn.Linear(16, 16)
     with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25) as opt:
         host = opt._pipeline.host
-        assert asked and asked[0] == opt._pipeline._worker_cores
+        assert asked and asked[0] == opt._pipeline.worker_cores
         assert _policy_or_skip(host.arena.views["master"].data_ptr()) == (numa.MPOL_PREFERRED,
                                                                            [0])
 

@@ -3,6 +3,7 @@ broken transfer path (copies that report done before their bytes land) makes it 
 import json
 
 import pytest
+import torch
 
 from zenflow.host.transfers import Ticket, Transfers
 from zenflow.tools.cli import main
@@ -88,3 +89,28 @@ def test_the_unbroken_transfer_path_passes_the_same_sections():
 def test_unknown_section_is_refused(capsys):
     assert main(["selftest", "--sections", "nope"]) == 2
     assert "unknown" in capsys.readouterr().err
+
+
+def test_gpu_check_without_a_gpu_skips_with_a_message(tmp_path, capsys, monkeypatch):
+    from zenflow.tools import gpu_check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
+    assert "gpu-check: skipped: no CUDA device" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
+    """The GPU sections at the CPU's sizes: a real model against the reference, step(closure)
+    with checkpointing under a deadline, the speed comparison; JSON written, GPU named."""
+    import json
+
+    from zenflow.tools import gpu_check
+    assert gpu_check.main(["--dry-run", "--out-dir", str(tmp_path),
+                           "--sections", "model,closure,pagelocks,speed"]) == 0
+    result = json.loads((tmp_path / "gpu-check-cpu.json").read_text())
+    assert result["passed"] and result["gpu"] == "cpu"
+    fp32 = result["selftest"]["fp32"]["sections"]
+    assert [c["status"] for c in fp32["model"]["checks"]] == ["pass"] * 3
+    assert fp32["closure"]["status"] == "pass" and fp32["pagelocks"]["status"] == "skip"
+    assert fp32["speed"]["checks"][0]["measured"]["zenflow_over_adamw"] > 0

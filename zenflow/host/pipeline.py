@@ -126,6 +126,7 @@ class HostPipeline:
             worker_cores or sorted(os.sched_getaffinity(0))))
         self._load_masters(range(len(params)))
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.install_regions()])
+        self.worker_cores = worker_cores   # None: the host work runs in process
         self.link = WorkerLink(self.host, worker_cores, timer)
 
         self.device = device

@@ -161,7 +161,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  deferred_credit: str = DEFAULTS.deferred_credit,
                  install_lookahead: float = DEFAULTS.install_lookahead,
                  steps_per_epoch: int | None = DEFAULTS.steps_per_epoch,
-                 pt_reserved_cores_perc: float = DEFAULTS.pt_reserved_cores_perc,
+                 pt_reserved_cores_perc: float | None = DEFAULTS.pt_reserved_cores_perc,
                  reselect_threshold: float = DEFAULTS.reselect_threshold,
                  auto_ratio: float | None = DEFAULTS.auto_ratio,
                  auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,

@@ -13,9 +13,15 @@ Sections (each a list of checks with a status, a detail and measured numbers; JS
                   device kept busy (on CUDA a real side-stream test; on CPU the same code path)
     worker        a killed worker is a clear error within 5 s; an idle one is replaced; close()
                   leaves no process, descriptor, mapping or /dev/shm file
+    model, closure, pagelocks
+                  a real model with attach() against the reference and torch's AdamW;
+                  step(closure) with checkpointing under a deadline; refused and dropped
+                  page-locks (zenflow/tools/selftest_gpu.py)
     throughput    host AdamW and accumulation on the worker's cores; AdamW on the device
     bandwidth     page-locked device->host and host->device (CUDA; "n/a on CPU")
     memory        free RAM (what the host arena can reserve), /dev/shm
+    speed         step time and peak memory against torch.optim.AdamW(fused=True), bf16 (a 1.3B
+                  Llama shape on a GPU)
 
 `run_selftest(transfers=factory)` replaces the transfer path of every optimizer the checks
 build, so a test can hand in a deliberately broken one and see the selftest fail.
@@ -30,6 +36,7 @@ import torch
 
 from zenflow.host.transfers import uses_cuda
 from zenflow.tools import selftest_checks as checks
+from zenflow.tools import selftest_gpu as gpu
 from zenflow.tools import selftest_measure as measure
 from zenflow.tools.selftest_checks import Check
 from zenflow.tools.selftest_sections import SECTIONS as SECTIONS
@@ -100,9 +107,13 @@ _RUNNERS = {
     "offload": checks.offload,
     "transfers": checks.transfers,
     "worker": checks.worker,
+    "model": gpu.model,
+    "closure": gpu.closure,
+    "pagelocks": gpu.pagelocks,
     "throughput": _throughput,
     "bandwidth": _bandwidth,
     "memory": _memory,
+    "speed": gpu.speed,
 }
 
 
