@@ -85,16 +85,19 @@ def _chunks(indices: list[int], tensors: dict[int, torch.Tensor]):
 
 def _kept(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
     """`grads` where the step's factor `coef` (0-dim, on their device) is not 0, else zeros, in
-    their dtype: one pass each. The interim step writes the weights, so a skipped step (coef 0),
-    whose gradients may hold inf or NaN (and 0 times those is NaN), must move them by exactly
-    nothing; a kept step's gradients are finite and pass unchanged."""
+    fp32 (the interim step's arithmetic, as the reference's: products of bf16 gradients and
+    rates rounded to bf16 put a bf16 model's weights 2 ulps off it in a few steps). The interim
+    step writes the weights, so a skipped step (coef 0), whose gradients may hold inf or NaN (and
+    0 times those is NaN), must move them by exactly nothing; a kept step's gradients are finite
+    and pass unchanged."""
     keep = coef != 0
-    return [torch.where(keep, g, 0.0) for g in grads]
+    return [torch.where(keep, g, 0.0).float() for g in grads]
 
 
 def _bounded_step(weights: list[torch.Tensor], steps: list[torch.Tensor], bound: float,
                   lr: float) -> None:
-    """weights -= lr * clamp(steps, -bound, bound); `steps` is overwritten."""
+    """weights -= lr * clamp(steps, -bound, bound), in fp32 (the fp32 steps promote the add) and
+    rounded once to the weights' dtype; `steps` is overwritten."""
     torch._foreach_clamp_min_(steps, -bound)
     torch._foreach_clamp_max_(steps, bound)
     torch._foreach_add_(weights, steps, alpha=-lr)
