@@ -43,7 +43,7 @@ def _child(args) -> dict:
     import torch
 
     from zenflow.host import buffers
-    from zenflow.host.buffers import HostJob, HostLayout, HostState
+    from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate
 
     torch.set_num_threads(args.cores)
     cols = max(1, args.params // ROWS)
@@ -63,9 +63,9 @@ def _child(args) -> dict:
     def update(variant: str):
         def run():
             step[0] += 1
-            host.update([HostJob(0, step[0], 4, 1e-4, 0.9, 0.999, 1e-8, 0.01,
-                                 lookahead=1.0 if variant == "lookahead" else 0.0,
-                                 moments=variant == "moments")], 0)
+            host.update([HostJob(0, step[0], 4, HostUpdate(
+                1e-4, 0.9, 0.999, 1e-8, 0.01, lookahead=1.0 if variant == "lookahead" else 0.0,
+                moments=variant == "moments"))], 0)
         return run
 
     def restore_sums():

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_
 from zenflow.host import buffers
-from zenflow.host.buffers import HostJob, HostLayout, HostState, landing_of, widen_
+from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate, landing_of, widen_
 
 SHAPES = [(37, 129, torch.bfloat16), (3, 7, torch.bfloat16), (0, 5, torch.bfloat16),
           (300, 333, torch.bfloat16), (64, 65, torch.float32), (129, 31, torch.float32),
@@ -19,7 +19,7 @@ HYPER = (1e-3, 0.9, 0.999, 1e-8, 0.01)
 
 
 def _job(i, step=3, n=4, lr=1e-3, lookahead=0.0, moments=False, widen=False):
-    return HostJob(i, step, n, lr, *HYPER[1:], lookahead=lookahead, moments=moments,
+    return HostJob(i, step, n, HostUpdate(lr, *HYPER[1:], lookahead=lookahead, moments=moments),
                    widen=widen)
 
 
@@ -54,11 +54,13 @@ def _update_in_passes(host: HostState, jobs: list[HostJob], sum_slot: int) -> No
             widen_(host.fp32(f"grad_sum{sum_slot}", job.matrix))
     groups: dict[tuple, list[int]] = {}
     for job in jobs:
-        groups.setdefault(tuple(job[1:-1]), []).append(job.matrix)
+        groups.setdefault((job.step, job.num_grads, job.update), []).append(job.matrix)
     v = host.arena.views
     sums = v[f"grad_sum{sum_slot}"]
     for key, matrices in groups.items():
-        step, num_grads, lr, beta1, beta2, eps, weight_decay, _, moments = key
+        step, num_grads, u = key
+        lr, beta1, beta2, eps, weight_decay, moments = (u.lr, u.beta1, u.beta2, u.eps,
+                                                        u.weight_decay, u.moments)
         cut = [slice(o, o + n) for o, n, _ in host._runs(matrices) if n]
         state = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         if moments:
@@ -70,15 +72,15 @@ def _update_in_passes(host: HostState, jobs: list[HostJob], sum_slot: int) -> No
             adamw_([v["master"][s] for s in cut], [sums[s] for s in cut],
                    [v["exp_avg"][s] for s in cut], [v["exp_avg_sq"][s] for s in cut], step,
                    grad_divisor=float(num_grads), **state)
-    for job in jobs:
-        if job.moments and host.layout.matrices[job.matrix].numel:
+    for job, u in ((job, job.update) for job in jobs):
+        if u.moments and host.layout.matrices[job.matrix].numel:
             adam_rate(host.rate(job.matrix), host.fp32("exp_avg_sq", job.matrix), job.step,
-                      beta2=job.beta2, eps=job.eps)
-        if job.lookahead:
+                      beta2=u.beta2, eps=u.eps)
+        if u.lookahead:
             adamw_lookahead(host.install(job.matrix), host.fp32("master", job.matrix),
                             host.fp32("exp_avg", job.matrix), host.fp32("exp_avg_sq", job.matrix),
-                            job.step, lr=job.lr, beta1=job.beta1, beta2=job.beta2, eps=job.eps,
-                            weight_decay=job.weight_decay, fraction=job.lookahead)
+                            job.step, lr=u.lr, beta1=u.beta1, beta2=u.beta2, eps=u.eps,
+                            weight_decay=u.weight_decay, fraction=u.lookahead)
         else:
             host.install(job.matrix).copy_(host.fp32("master", job.matrix))
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.host import pipeline
 from zenflow.host.transfers import Ticket
+from zenflow.optim import installs
 
 # Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
 pytestmark = pytest.mark.usefixtures("autograd_thread")
@@ -59,7 +59,7 @@ def _loss(model, step):
 def test_attached_training_is_bit_for_bit_the_unattached(credit, monkeypatch):
     """The worker is on, so the copy thread lands installs, one matrix per copy, while the next
     forward runs."""
-    monkeypatch.setattr(pipeline, "INSTALL_BATCH_BYTES", 0)
+    monkeypatch.setattr(installs, "INSTALL_BATCH_BYTES", 0)
     a, opt_a, b, opt_b = _pair(credit, worker=True)
     handle = opt_a.attach(a)
     assert opt_a.attach(a) is handle   # once per model
@@ -150,7 +150,7 @@ def test_with_late_copies_every_reader_sees_the_installed_weights(credit, monkey
     The unattached optimizer waits for all of them in step(); the attached one leaves them in
     flight, and each module's forward (for its own weights only), the model's state_dict(),
     wait_for_install(), the optimizer's state_dict() and synchronize() wait."""
-    monkeypatch.setattr(pipeline, "INSTALL_BATCH_BYTES", 0)
+    monkeypatch.setattr(installs, "INSTALL_BATCH_BYTES", 0)
     a, opt_a, b, opt_b = _pair(credit, worker=False)
     _copies_land_late(opt_a)
     _copies_land_late(opt_b)

@@ -35,7 +35,7 @@ def test_matrices_without_room_for_moments_take_mean_credit(seed):
 def test_every_sum_goes_on_the_device_before_any_matrix_takes_moments():
     """A sum on the device saves a gradient's copy every step; "moments" better windows. A tight
     device gets every sum it can hold first, then "moments" for what is left, in order."""
-    from zenflow.host.device_sums import choose_placement
+    from zenflow.host.credit import choose_placement
     assert choose_placement([100, 50, 10], 4 * 160 + 8 * 60, 8) == ([0, 1, 2], [1, 2])
     assert choose_placement([100, 50, 10], 4 * 150, 8) == ([0, 1], [])
     assert choose_placement([100, 50, 10], 10 ** 6, 0) == ([0, 1, 2], [])
@@ -192,6 +192,7 @@ def test_data_parallel_replicas_take_mean_credit():
     would need every rank's rates and sums, so the pipeline takes "mean" there (FSDP2's shards,
     whose rows are local, keep "moments")."""
     from zenflow.distributed import Partition
+    from zenflow.host.credit import MomentsCredit, credit_for
     from zenflow.host.pipeline import HostPipeline
     from zenflow.host.telemetry import StepTimer
     w = torch.nn.Parameter(torch.randn(4, 6))
@@ -201,10 +202,11 @@ def test_data_parallel_replicas_take_mean_credit():
             (Partition(), ALL, True),
             # nor where no sum can be on the device: no rates in host memory then
             (Partition(), 0, False), (Partition(), "auto", False)):   # "auto" on a CPU: 0
+        credit = credit_for("moments", budget, cuda=False, splits_rows=partition.splits_rows)
         pipe = HostPipeline([w], partition, torch.device("cpu"), overlap=True, worker_cores=None,
-                            timer=StepTimer(), owner="test", moments=True,
+                            timer=StepTimer(), owner="test", credit=credit,
                             device_sum_budget=budget)
-        assert pipe.moments is moves and pipe.layout.rates is moves
+        assert isinstance(pipe.credit, MomentsCredit) is moves and pipe.layout.rates is moves
         pipe.close()
 
 

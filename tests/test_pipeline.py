@@ -135,7 +135,7 @@ def test_install_does_not_wait_for_this_steps_copy():
 def test_waiting_for_everything_waits_for_an_update_that_finishes_last():
     """The worker runs an update beside later accumulates, so "done" replies arrive out of
     order; waiting for everything must not return when only the last command is done."""
-    from zenflow.host.buffers import HostJob, HostLayout, HostState
+    from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate
     from zenflow.host.commands import Accumulate, Update
     from zenflow.host.worker import WorkerHostRunner
     host = HostState.allocate(HostLayout.build([(2048, 4096, torch.float32), (4, 4, torch.float32)],
@@ -143,7 +143,7 @@ def test_waiting_for_everything_waits_for_an_update_that_finishes_last():
     runner = WorkerHostRunner(host, cores=None)
     try:
         for _ in range(3):
-            runner.send(Update(0, (HostJob(0, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0),)))
+            runner.send(Update(0, (HostJob(0, 1, 1, HostUpdate(1e-3, 0.9, 0.999, 1e-8, 0.0)),)))
             runner.send(Accumulate(0, 1, (), (1,)))   # tiny: done long before the update
             runner.wait()
             assert runner.unfinished() == []

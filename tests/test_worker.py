@@ -19,7 +19,7 @@ import torch
 from conftest import sigint_as_in_a_terminal
 
 import zenflow
-from zenflow.host.buffers import HostJob, HostLayout, HostState
+from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate
 from zenflow.host.commands import Update
 from zenflow.host.cores import split_cores
 from zenflow.host.worker import WorkerHostRunner
@@ -269,9 +269,9 @@ def test_worker_exception_is_reported_with_its_traceback():
     host = HostState.allocate(HostLayout.build([(3, 4, torch.float32)], sum_slots=1))
     runner = WorkerHostRunner(host, cores=None)
     try:
-        runner.send(Update(0, (HostJob(0, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0),)))
+        runner.send(Update(0, (HostJob(0, 1, 1, HostUpdate(1e-3, 0.9, 0.999, 1e-8, 0.0)),)))
         assert runner.wait() >= 0.0
-        runner.send(Update(0, (HostJob(7, 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0),)))  # none
+        runner.send(Update(0, (HostJob(7, 1, 1, HostUpdate(1e-3, 0.9, 0.999, 1e-8, 0.0)),)))  # none
         with pytest.raises(RuntimeError, match="IndexError"):
             runner.wait()
         with pytest.raises(RuntimeError):   # and it stays failed

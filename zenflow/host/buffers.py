@@ -57,19 +57,39 @@ PIECE = 1 << 18
 _VECTOR_ALIGN = 64
 
 
-class HostJob(NamedTuple):
-    """One matrix's host update for one window (everything the worker needs, nothing else)."""
-    matrix: int          # index into HostLayout.matrices
-    step: int            # the matrix's host step count after this update
-    num_grads: int       # gradients summed in the buffer; the update uses their mean
+@dataclass(frozen=True)
+class HostUpdate:
+    """A window's host AdamW of one matrix, as its deferred-credit rule set it
+    (zenflow/host/credit.py): the hyperparameters, and how the window counts."""
     lr: float
     beta1: float
     beta2: float
     eps: float
     weight_decay: float
     lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
-    moments: bool = False    # deferred_credit="moments": `step` counts gradients; squares summed
-    widen: bool = False      # the sum arrived narrow (bf16, from the device): widen it first
+    moments: bool = False    # the window counts as its gradients' AdamW steps; squares summed
+
+
+class HostJob(NamedTuple):
+    """One matrix's host update for one window (everything the worker needs, nothing else)."""
+    matrix: int          # index into HostLayout.matrices
+    step: int            # the matrix's host step count after this update
+    num_grads: int       # gradients summed in the buffer; the update uses their mean
+    update: HostUpdate
+    widen: bool = False  # the sum arrived narrow (bf16, from the device): widen it first
+
+    def saved(self) -> list:
+        """The job as a saved state holds it: [matrix, step, num_grads, lr, beta1, beta2, eps,
+        weight_decay, lookahead, moments] (zenflow/host/pipeline_state.py checks it)."""
+        u = self.update
+        return [self.matrix, self.step, self.num_grads, u.lr, u.beta1, u.beta2, u.eps,
+                u.weight_decay, u.lookahead, u.moments]
+
+    @classmethod
+    def from_saved(cls, values: list) -> HostJob:
+        """saved()'s list (a state of format 3 or older has no moments: it is False)."""
+        matrix, step, num_grads, *hyper = values
+        return cls(matrix, step, num_grads, HostUpdate(*hyper))
 
 
 @dataclass(frozen=True)
@@ -429,7 +449,7 @@ class HostState:
         thread or, where the worker has set `teams`, each NUMA node's share on its own cores."""
         groups: dict[tuple, list[int]] = {}
         for job in jobs:
-            groups.setdefault(tuple(job[1:-1]), []).append(job.matrix)
+            groups.setdefault((job.step, job.num_grads, job.update), []).append(job.matrix)
         narrow = {job.matrix for job in jobs if job.widen and sum_slot is not None}
         nodes = len(self.arena.nodes) if self.teams is not None else 1
         bounds = share_bounds(self.layout.numel, nodes)
@@ -449,7 +469,8 @@ class HostState:
 
     def _run(self, key: tuple, offset: int, numel: int, dtype: torch.dtype,
              sum_slot: int | None, narrow: list[int]) -> _Run:
-        step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead, moments = key
+        step, num_grads, u = key
+        lookahead, moments = u.lookahead, u.moments
         v, part = self.arena.views, slice(offset, offset + numel)
         landings = []
         for i in narrow:   # bf16 sums landed in the first half of their fp32 slot (landing_of)
@@ -460,7 +481,7 @@ class HostState:
                                  values[:m.numel]))
         return _Run(
             lookahead, moments, step, num_grads,
-            dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay),
+            dict(lr=u.lr, beta1=u.beta1, beta2=u.beta2, eps=u.eps, weight_decay=u.weight_decay),
             (torch.full((), float(step)), torch.full((), float(num_grads))),
             v["master"][part], v["exp_avg"][part], v["exp_avg_sq"][part],
             self._typed_run("install", offset, numel, dtype),

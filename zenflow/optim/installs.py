@@ -1,65 +1,120 @@
-"""Installs that land while the next forward runs: each layer waits only for its own weights.
+"""An install: a window's new host values, from the install buffer into the parameters.
 
-An install copies a window's new values of the deferred columns into the parameters (on CUDA on
-a side stream, on a CPU on the copy thread: zenflow/host/transfers.py). Before anything reads a
-matrix its install must be *finished*: the device ordered after its copy, then the fix-ups that
-need the copied values (the "moments" correction, the device's own newer columns written back
-over them, the rates of those columns zeroed, the matrix's fingerprint for OutsideWrites).
+    queue     once the host's update is done (or, for synchronize(), the host values
+              themselves), copy each matrix's rows into its parameter: on CUDA on a side stream,
+              on a CPU on the copy thread (zenflow/host/transfers.py); nothing waits yet
+    finish    before anything reads a matrix: the device ordered after its copy, then what
+              needs the copied values: the deferred-credit rule's correction
+              (zenflow/host/credit.py), the device's own newer columns written back over them
+              (and the rule told so), the matrix's fingerprint (zenflow/optim/outside_writes.py)
+    wait      wait_for_install(): finish everything now
 
 Without `ZenFlowAdamW.attach(model)` every install is finished in the step() that queued it, so
-the device waits for the whole copy before the next forward (the behaviour without this module).
-With it, a matrix that a module of the model owns (holds in `module._parameters`; a tied weight
-has several owners, and each one's forward waits for it) is finished in a forward pre-hook of
-its owner, as late as possible; on a GPU the copies of the later layers overlap the forward of
-the earlier ones. Everything still pending is finished at the next point that must see every
-weight: the next step(), synchronize(), the optimizer's state_dict(), load_state_dict() and
-close(), the attached model's state_dict() and load_state_dict(), and `wait_for_install()`,
-which user code that reads or writes the weights outside the model's forward calls first (an
-EMA of the weights, a hand-written evaluation that reads `layer.weight` without calling the
-layer).
+the device waits for the whole copy before the next forward. With it, a matrix a layer of the
+model owns is finished in that layer's forward pre-hook (zenflow/optim/model_hooks.py), as late
+as possible. Everything still pending is finished at the next point that must see every weight:
+the next step(), synchronize(), the optimizer's state_dict(), load_state_dict() and close(), the
+attached model's state_dict() and load_state_dict(), and `wait_for_install()`, which code that
+reads or writes the weights outside the model's forward calls first (an EMA of the weights, an
+evaluation that reads `layer.weight` without calling the layer).
 
 FSDP2-sharded parameters are read by FSDP's own all-gather before their modules' forward: their
 installs are finished in the step that queues them, as without attach.
 """
 from __future__ import annotations
 
-import functools
+import threading
+import time
 import weakref
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from zenflow.host.pipeline import QueuedInstall
+from zenflow.distributed import local
+from zenflow.host.pipeline import HostPipeline, host_view
+from zenflow.host.transfers import Ticket, all_of
+from zenflow.optim.model_hooks import ModelHooks
+
+# Installs are queued in batches of consecutive matrices of at least this many bytes: a large
+# matrix is its own batch (its layer waits for it alone), while thousands of small ones (MoE
+# experts) do not cost a queued copy and an event each.
+INSTALL_BATCH_BYTES = 8 << 20
 
 
-class PendingInstalls:
+@dataclass
+class QueuedInstall:
+    """One matrix's install, queued: its copy to the device may still be landing."""
+    matrix: int
+    ticket: Ticket    # the copy of its values (and of its credit rule's rates)
+    # At a window end, for the credit rule's correction: (learning rate, AdamW's step bound) and
+    # the gradients summed since the update was handed off; None: no correction.
+    sizes: tuple[float, float] | None = None
+    count: int = 0
+
+
+class Installs:
     """The queued installs not finished yet, one per matrix (host index), and the models whose
-    forward finishes them."""
+    forward finishes them. `lock` is the optimizer's: finishing from a forward takes it."""
 
-    def __init__(self, finish: Callable[[list[QueuedInstall]], None]):
-        self._finish = finish            # the optimizer's: the pipeline's half, then its own
+    def __init__(self, pipeline: HostPipeline, host_params: list, outside_writes, selector,
+                 lock: threading.RLock):
+        self._pipeline, self._credit = pipeline, pipeline.credit
+        self._host_params, self._outside_writes = host_params, outside_writes
+        self._selector, self._lock = selector, lock
         self._pending: dict[int, QueuedInstall] = {}
         self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hooks
 
-    def __contains__(self, matrix: int) -> bool:
-        return matrix in self._pending
+    # -- queue ----------------------------------------------------------------------------------
+    def queue_update(self, sizes: dict[int, tuple[float, float]] | None = None) -> list[int]:
+        """Wait for the host's update in flight (if any) and queue its install; with `sizes` (a
+        window end: index -> (learning rate, step bound)), finishing corrects the values of the
+        matrices the credit rule moves for the gradients summed since the update's hand-off.
+        Returns the matrices queued."""
+        self.finish()   # one install of a matrix at a time
+        flight = self._pipeline.take_update()
+        if flight is None:
+            return []
+        moving = {j.matrix for j in flight.jobs if j.update.moments and self._credit.moves(j.matrix)}
+        queued = self._queue(flight.matrices, moving)
+        num_grads = self._pipeline.num_grads
+        if sizes is not None:
+            for q in queued:
+                if q.matrix in moving and num_grads[q.matrix]:
+                    q.sizes, q.count = sizes[q.matrix], num_grads[q.matrix]
+        self._add(queued)
+        return [q.matrix for q in queued]
 
+    def queue_masters(self, indices: list[int]) -> None:
+        """Queue the install of the host values of `indices` themselves (an update installed with
+        a lookahead leads them, and a credit rule's interim steps moved them since)."""
+        self.finish()
+        self._pipeline.take_masters(indices)
+        self._add(self._queue(indices, set()))
+
+    def _queue(self, indices: list[int], with_rates: set[int]) -> list[QueuedInstall]:
+        self._pipeline.transfers.new_install()
+        queued = [QueuedInstall(i, ticket) for i, ticket in
+                  copy_rows_to_params(self._pipeline, indices, with_rates).items()]
+        self._pipeline.read_by(all_of(*(q.ticket for q in queued)))
+        return queued
+
+    def _add(self, queued: list[QueuedInstall]) -> None:
+        """Installs just queued. Those no attached forward waits for are finished now (a
+        compiled model's forward does not wait: zenflow/optim/model_hooks.py)."""
+        assert not any(q.matrix in self._pending for q in queued), "finish() the last first"
+        self._pending.update((q.matrix, q) for q in queued)
+        waited = set().union(*(h.matrices for h in self._attached.values() if not h.compiled))
+        self.finish([q.matrix for q in queued if q.matrix not in waited])
+
+    # -- finish ---------------------------------------------------------------------------------
     def pending(self, matrices: list[int] | None = None) -> bool:
         """Whether any install of `matrices` (None: any at all) is pending. Takes no lock: one
-        dict read per matrix, which the training thread's add() and finish() never tear."""
+        dict read per matrix, which the training thread's queueing and finishing never tear."""
         if matrices is None:
             return bool(self._pending)
         return any(i in self._pending for i in matrices)
 
-    def add(self, installs: list[QueuedInstall]) -> None:
-        """Installs just queued. Those no attached forward waits for are finished now (a
-        compiled model's forward does not wait: zenflow/optim/installs.py's _before_layer)."""
-        assert not any(q.matrix in self._pending for q in installs), "finish() the last first"
-        self._pending.update((q.matrix, q) for q in installs)
-        waited = set().union(*(h.matrices for h in self._attached.values() if not h.compiled))
-        self.finish([q.matrix for q in installs if q.matrix not in waited])
-
-    def finish(self, matrices=None) -> None:
+    def finish(self, matrices: list[int] | None = None) -> None:
         """Finish the pending installs of `matrices` (default: all) in the order queued."""
         if not self._pending:
             return
@@ -72,13 +127,38 @@ class PendingInstalls:
         if due:
             self._finish(due)
 
-    def attach(self, model: torch.nn.Module, owned: dict[torch.nn.Module, list[int]],
-               finish_in_forward: Callable[[list[int] | None], None]) -> ModelHooks:
+    def _finish(self, installs: list[QueuedInstall]) -> None:
+        pipeline = self._pipeline
+        pipeline.transfers.order_after([q.ticket for q in installs])
+        corrected = [q for q in installs if q.sizes is not None]
+        if corrected:
+            self._credit.correct({q.matrix: pipeline.weights(q.matrix) for q in corrected},
+                                 pipeline.device_sums.sums,
+                                 {q.matrix: q.sizes for q in corrected},
+                                 {q.matrix: q.count for q in corrected})
+        if self._selector.has_chosen:   # the device's own columns are newer than the host's
+            for q in installs:
+                m = self._host_params[q.matrix]
+                if m.k > 0:
+                    m.param_from_selected()
+                    self._credit.device_owns(q.matrix, m.selected.column_indices)
+        self._outside_writes.fingerprint([q.matrix for q in installs])
+
+    def finish_for_forward(self, matrices: list[int] | None) -> None:
+        """finish(), from a forward pre-hook (or the model's state_dict hooks): it may run on
+        autograd's device thread (a forward recomputed in backward), so with nothing of
+        `matrices` pending it returns at once, taking no lock."""
+        if self.pending(matrices):
+            with self._lock, torch.no_grad():
+                self.finish(matrices)
+
+    # -- models ---------------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module, owned: dict[torch.nn.Module, list[int]]) -> ModelHooks:
         """Register `model`'s hooks (once per model): each module of `owned` finishes its
-        matrices before its forward; `finish_in_forward(None)` finishes all."""
+        matrices before its forward."""
         hooks = self._attached.get(model)
         if hooks is None:
-            hooks = ModelHooks(model, owned, finish_in_forward, self._detached)
+            hooks = ModelHooks(model, owned, self.finish_for_forward, self._detached)
             self._attached[model] = hooks
         return hooks
 
@@ -86,97 +166,50 @@ class PendingInstalls:
         self._attached.pop(model, None)
 
 
-class ModelHooks:
-    """The hooks attach() put on one model; `remove()` takes them off (idempotent)."""
+def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
+                        with_rates: set[int] = frozenset()) -> dict[int, Ticket]:
+    """Queue the install buffer's values of `indices` into their parameters, every rank's rows
+    (FSDP2: this rank's shard, which is all it holds), in the order given (the model's, as a
+    forward reads them), with the credit rule's rates for the matrices `with_rates`; returns
+    each one's Ticket (its batch's). NCCL's all-gather of the other ranks' rows runs on the
+    current stream, which waits for the copy first (a rule with rates never splits rows)."""
+    start = time.perf_counter()
+    host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
+    tickets, nbytes = {}, 0
+    batch, batch_pairs, batch_bytes = [], [], 0
+    what = "installing host-updated rows"
 
-    def __init__(self, model: torch.nn.Module, owned: dict[torch.nn.Module, list[int]],
-                 finish: Callable[[list[int] | None], None], on_remove):
-        self.matrices = {i for indices in owned.values() for i in indices}
-        self._model = weakref.ref(model)
-        # The model must not keep a dropped optimizer (and its worker) alive.
-        finish = _weakly(finish)
-        self._on_remove = on_remove
-        # prepend: before any hook of the model's own, which may read the weights.
-        self._traced = _Traced()
-        before = functools.partial(_before_layer, finish, _eager_caller(), self._traced)
-        self._handles = [module.register_forward_pre_hook(
-            functools.partial(before, indices), prepend=True) for module, indices in owned.items()]
-        self._handles.append(model.register_state_dict_pre_hook(lambda *_: finish(None)))
-        # A load writes the weights: a copy landing after it would undo it.
-        register_load_hook = getattr(model, "register_load_state_dict_pre_hook", None) or \
-            model._register_load_state_dict_pre_hook   # torch < 2.5
-        self._handles.append(register_load_hook(lambda *_: finish(None)))
-
-    @property
-    def compiled(self) -> bool:
-        """Whether torch.compile has traced the model's forward: its hooks do nothing there."""
-        return self._traced.compiled
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        model = self._model()
-        if model is not None:
-            self._on_remove(model)
-
-
-class _Traced:
-    """Whether torch.compile has traced a forward of the model: the hooks share this plain
-    object, whose attribute the compiler reads and writes like any other."""
-    compiled = False
-
-
-def _before_layer(finish, eager, traced: _Traced, indices: list[int], module, args) -> None:
-    """A layer's pre-hook: finish its own matrices' installs. Inside a graph torch.compile traces,
-    a hook that finished installs would break the graph at every layer (226 breaks a forward,
-    and no CUDA graph could be captured), so there it does nothing, and the optimizer finishes
-    the installs of a compiled model in the step that queues them (on a GPU that only orders the
-    device's later work after the copies). The first trace finishes what is pending then,
-    eagerly (one graph break, once): nobody knew before that this model is compiled."""
-    if torch.compiler.is_compiling():
-        if not traced.compiled:
-            traced.compiled = True
-            eager(finish, None)
-        return
-    finish(indices)
-
-
-_EAGER: Callable | None = None
-
-
-def _eager_caller() -> Callable:
-    """`call(f, x)` = f(x), run by torch.compile as it is instead of traced into (a graph break).
-    Made at the first attach(): importing the compiler takes about a second."""
-    global _EAGER
-    if _EAGER is None:
-        _EAGER = torch.compiler.disable(lambda f, x: f(x))
-    return _EAGER
-
-
-def _weakly(method) -> Callable:
-    """`method` (bound), without keeping its object alive: a no-op once it is collected."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args):
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-    return call
-
-
-def owners(model: torch.nn.Module, matrices: dict[torch.Tensor, int],
-           sharded: bool) -> dict[torch.nn.Module, list[int]]:
-    """Module -> the matrices (host indices, from `matrices`: parameter -> index) it holds
-    directly. A tied weight belongs to each module that holds it. `sharded` (FSDP2): none, so
-    every install is finished in the step that queues it: FSDP's own hooks all-gather the weights
-    before their modules' forward, and the module whose forward is called first need not be the
-    model attached (a LightningModule's training_step calls its layers, not itself)."""
-    if sharded:
-        return {}
-    owned: dict[torch.nn.Module, list[int]] = {}
-    for module in model.modules():
-        held = [matrices[p] for p in module._parameters.values() if p is not None and p in matrices]
-        if held:
-            owned.setdefault(module, []).extend(held)
-    return {module: sorted(set(indices)) for module, indices in owned.items()}
+    def queue_batch() -> None:
+        nonlocal batch, batch_pairs, batch_bytes, nbytes
+        ticket = transfers.to_device(batch_pairs)
+        tickets.update((j, ticket) for j in batch)
+        nbytes += batch_bytes
+        batch, batch_pairs, batch_bytes = [], [], 0
+    for i in indices:
+        param = host_view(local(pipe.params[i]).data)
+        values = host.install(i)
+        if partition.splits_rows and partition.on_device:
+            # NCCL: this rank's rows to the device, then all ranks gather there.
+            own = partition.own_rows_buffer(param.shape[0], param)
+            # Its ticket still says when the install buffer may be overwritten: the device
+            # waits for the copy now, the host's next update only once it has been read.
+            tickets[i] = transfers.to_device([(own[: values.shape[0]], values)])
+            transfers.order_after([tickets[i]])
+            partition.gather_rows_into(param, own, what)
+            nbytes += values.numel() * values.element_size()
+            continue
+        if partition.splits_rows:  # gloo: every rank's rows, gathered in host memory
+            values = partition.gather_rows(values, param.shape[0], what)
+        pairs = [(param, values)]
+        if i in with_rates:
+            pairs += pipe.credit.install_pairs(i, host.rate(i))
+        batch.append(i)
+        batch_pairs += pairs
+        batch_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+        if batch_bytes >= INSTALL_BATCH_BYTES:
+            queue_batch()
+    if batch:
+        queue_batch()
+    pipe.timer.moved(h2d=nbytes)
+    pipe.timer.offload(time.perf_counter() - start)
+    return tickets

@@ -42,7 +42,6 @@ from typing import Literal
 
 import torch
 
-from zenflow.adamw import step_bound
 from zenflow.config.settings import (
     ADAMW_DEFAULTS,
     DEFAULTS,
@@ -53,16 +52,18 @@ from zenflow.config.settings import (
 )
 from zenflow.distributed import Partition, environment_without_group, row_sharding_group
 from zenflow.host.cores import local_rank_share, split_cores
+from zenflow.host.credit import credit_for
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
+from zenflow.host.transfers import uses_cuda
 from zenflow.optim import param_checks as _checks
 from zenflow.optim import state as state_format
 from zenflow.optim.clipping import StepScale, gradient_norms, read_flags, step_scale
 from zenflow.optim.device_adam import group_hyperparameters
-from zenflow.optim.installs import ModelHooks, PendingInstalls, owners
+from zenflow.optim.installs import Installs
+from zenflow.optim.model_hooks import ModelHooks, owners
+from zenflow.optim.outside_writes import OutsideWrites
 from zenflow.optim.params import (
-    HostParam,
-    OutsideWrites,
     built_layout,
     device_state_bytes,
     device_update,
@@ -87,19 +88,6 @@ def _serialized(method):
         with self.__dict__["_lock"]:
             return method(self, *args, **kwargs)
     return locked
-
-
-def host_update_hyperparameters(group: dict, num_grads: int, settings: ZenFlowSettings,
-                                delayed: bool, moments: bool = False) -> tuple:
-    """(lr, beta1, beta2, eps, weight_decay, lookahead) of a window's host update of a matrix in
-    `group` that summed `num_grads` gradients (docs/semantics.md, "Window end"); `moments`: the
-    matrix takes deferred_credit "moments" (its sums are on the device). Only an update
-    installed one window later (`delayed`) leads with the lookahead: nothing else is stale."""
-    lr, *rest = group_hyperparameters(group)
-    if settings.deferred_credit == "window" or moments:
-        lr *= num_grads
-    # "moments" answers the delay with the device's interim steps instead of a lookahead.
-    return (lr, *rest, settings.install_lookahead if delayed and not moments else 0.0)
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
@@ -257,14 +245,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self.settings.worker and self._host_params:
             cores = local_rank_share(sorted(os.sched_getaffinity(0)))
             worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
+        budget = self.settings.device_sum_budget
+        credit = credit_for(self.settings.deferred_credit, budget, uses_cuda(self.device),
+                            self._partition.splits_rows)
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
                                       self.device, self.settings.overlap_step, worker_cores,
-                                      self._timer, self._NAME,
-                                      device_sum_budget=self.settings.device_sum_budget,
+                                      self._timer, self._NAME, device_sum_budget=budget,
                                       device_sum_dtype=getattr(torch,
                                                                self.settings.device_sum_dtype),
-                                      moments=self.settings.deferred_credit == "moments",
-                                      lock=self._lock)
+                                      credit=credit, lock=self._lock)
         self._closed = False
         self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
                                         self.device, self.settings.importance, schedule)
@@ -276,17 +265,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._unsettled: list[tuple[int, StepScale]] = []
         self._agreement = DelayedAgreement(self._partition)
         self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
-                                             self._pipeline, self._NAME,
-                                             lambda: self._selector.has_chosen)
-        self._installs = PendingInstalls(self._finish)
+                                             self._pipeline, self._selector, self._NAME)
+        self._installs = Installs(self._pipeline, self._host_params, self._outside_writes,
+                                  self._selector, self._lock)
 
-    def _learning_rates(self) -> dict[int, tuple[float, float]] | None:
-        """Each host matrix's (learning rate, AdamW's step bound), where "moments" matrices may
-        take device steps."""
-        if not self._pipeline.moments:
-            return None
-        return {m.host_index: (float(m.group["lr"]), step_bound(*m.group["betas"]))
-                for m in self._host_params}
+    def _step_sizes(self) -> dict[int, tuple[float, float]] | None:
+        """Each host matrix's (learning rate, AdamW's step bound) for the credit rule's interim
+        steps and corrections, as its group holds them now (None: the rule takes none)."""
+        return self._pipeline.credit.step_sizes({m.host_index: m.group for m in self._host_params})
 
     @property
     def _runner(self):
@@ -365,7 +351,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         chosen = self._selector.has_chosen
         staged = {m.host_index: grads[m.param] for m in self._host_params
                   if m.param in grads and m.host_owns_columns(chosen)}
-        self._pipeline.stage(staged, scale.coef, self._learning_rates())
+        self._pipeline.stage(staged, scale.coef, self._step_sizes())
         if not reads_now:
             self._unsettled.append((count.step, scale))
         device_update(self._host_params if chosen else [], self._vector_params, grads, scale)
@@ -398,7 +384,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not all(kept for kept, _, _ in flags):
             # A skipped step's inf/NaN may be in the device's sums, which count for nothing now
             # (and a saved state must hold finite ones).
-            self._pipeline.device_sums.clear()
+            self._pipeline.clear_sums()
             self.counters.window_spoiled = True
         for (step, _), (kept, overflow, loss_scale) in zip(unsettled, flags):
             if kept:
@@ -454,13 +440,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Install the previous window's host update, hand this window's sums to the host, and
         with `synchronous` install that too before returning."""
         self._outside_writes.adopt_data_writes()
-        installed = self._install_in_flight(self._learning_rates())
-        self._pipeline.end_window([host_update_hyperparameters(
-            m.group, self._pipeline.num_grads[m.host_index], self.settings, not synchronous,
-            self._pipeline.moves(m.host_index)) for m in self._host_params])
+        installed = self._installs.queue_update(self._step_sizes())
+        self._pipeline.end_window([group_hyperparameters(m.group) for m in self._host_params],
+                                  delayed=not synchronous,
+                                  lookahead=self.settings.install_lookahead)
         if synchronous:
-            installed += self._install_in_flight()
-        # An install takes its fingerprint when it is finished (_finish): now, or in a forward.
+            installed += self._installs.queue_update()
+        # An install takes its fingerprint when it is finished: now, or in a forward.
         done = set(installed)
         self._outside_writes.fingerprint([m.host_index for m in self._host_params
                                           if m.host_index not in done])
@@ -470,39 +456,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.counters.num_windows += 1
         self._decided("flush")
 
-    def _install_in_flight(self, lrs: dict[int, tuple[float, float]] | None = None) -> list[int]:
-        """Wait for the host update in flight (if any) and queue its install (at a window end,
-        with the learning rates `lrs`, corrected for the gradients since its hand-off); each
-        matrix is finished before it is read (zenflow/optim/installs.py). Returns the matrices
-        it installs."""
-        self._installs.finish()   # one install of a matrix at a time
-        installs = self._pipeline.install(lrs)
-        self._installs.add(installs)
-        return [q.matrix for q in installs]
-
-    def _finish(self, installs) -> None:
-        """Once its copy may be read: correct a matrix's installed values ("moments"), write the
-        device's own, newer columns back over them, and fingerprint it."""
-        self._pipeline.finish(installs)
-        matrices = [q.matrix for q in installs]
-        self._write_selected_over(matrices)
-        self._outside_writes.fingerprint(matrices)
-
-    def _write_selected_over(self, installed: list[int]) -> None:
-        for i in installed:
-            m: HostParam = self._host_params[i]
-            if self._selector.has_chosen and m.k > 0:
-                m.param_from_selected()
-                if self._pipeline.moves(i):   # the device steps its own columns fully
-                    self._pipeline.device_sums.rates[i].index_fill_(
-                        1, m.selected.column_indices, 0.0)
-
     def _select_columns(self, grads) -> None:
         plan = self._selector.plan(self.counters.step, grads)
         if plan is None:
             return
         if not plan.first:
-            self._install_in_flight()  # state can only move once the host is drained
+            self._installs.queue_update()  # state can only move once the host is drained
             self._installs.finish()
         self._selector.select(plan, self.counters.step)
         self._outside_writes.fingerprint()
@@ -523,15 +482,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._installs.finish()
         self._outside_writes.adopt()
         self._outside_writes.adopt_data_writes()
-        self._install_in_flight()
+        self._installs.queue_update()
         if ((self.settings.install_lookahead and self.settings.overlap_step
-             and self.counters.num_windows) or self._pipeline.device_sums.rates):
+             and self.counters.num_windows) or self._pipeline.credit.interim_taken):
             # The installed weights lead the host's values by the lookahead, or the device has
-            # stepped them since ("moments"): show the values.
+            # stepped them since (a credit rule's interim steps): show the values.
             chosen = self._selector.has_chosen
-            self._installs.finish()
-            self._installs.add(self._pipeline.install_masters(
-                [m.host_index for m in self._host_params if m.host_owns_columns(chosen)]))
+            self._installs.queue_masters(
+                [m.host_index for m in self._host_params if m.host_owns_columns(chosen)])
         self._installs.finish()
         self._outside_writes.fingerprint()
 
@@ -556,26 +514,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             f"whose forward reads this optimizer's parameters), got "
                             f"{type(model).__name__}")
         matrices = {m.param: m.host_index for m in self._host_params}
-        return self._installs.attach(model, owners(model, matrices, self._partition.rows_are_local),
-                                     self._finish_installs)
-
-    def _finish_installs(self, matrices: list[int] | None) -> None:
-        """Finish the pending installs of `matrices` (None: all); from a forward pre-hook too,
-        which may run on autograd's device thread (a forward recomputed in backward): with
-        nothing of `matrices` pending it returns at once, taking no lock."""
-        if self._installs.pending(matrices):
-            self._finish_pending(matrices)
-
-    @_serialized
-    @torch.no_grad()
-    def _finish_pending(self, matrices: list[int] | None) -> None:
-        self._installs.finish(matrices)
+        return self._installs.attach(model, owners(model, matrices, self._partition.rows_are_local))
 
     def wait_for_install(self) -> None:
         """Make every installed value readable now (an attached model's forward waits for each
         layer's by itself): later device work waits for the copies in flight, and the Python
         thread only where the "device" is the CPU. Cheap when nothing is in flight."""
-        self._finish_installs(None)
+        self._installs.finish_for_forward(None)
 
     # ------------------------------------------------------------------ lifecycle
     @_serialized
@@ -667,8 +612,8 @@ def optimizer_stats(opt: ZenFlowAdamW) -> dict:
         "pinned_bytes": opt._pipeline.pinned_bytes(),
         "device_sum_matrices": len(opt._pipeline.device_sums.sums),
         "host_sum_matrices": len(opt._host_params) - len(opt._pipeline.device_sums.sums),
-        "device_sum_bytes": opt._pipeline.device_sums.nbytes(),
-        "moments_matrices": len(opt._pipeline.device_sums.rates),
+        "device_sum_bytes": opt._pipeline.device_sums.nbytes() + opt._pipeline.credit.nbytes(),
+        "moments_matrices": sum(map(opt._pipeline.credit.moves, range(len(opt._host_params)))),
         # host-summed gradients whose copy started in backward / waited for step()
         "early_copies": opt._pipeline.early_copies.early,
         "late_copies": opt._pipeline.early_copies.late,

@@ -119,7 +119,7 @@ class StateParts:
     pipeline: Any              # zenflow.host.pipeline.HostPipeline
     selector: Any              # zenflow.optim.selector.ColumnSelector
     window: Any                # zenflow.optim.windows.WindowRule
-    outside_writes: Any        # zenflow.optim.params.OutsideWrites
+    outside_writes: Any        # zenflow.optim.outside_writes.OutsideWrites
     topk_ratio: float
     overlap_step: bool
     world_size: int

@@ -17,7 +17,7 @@ import torch
 
 from zenflow.host.arena import available_host_bytes
 from zenflow.host.buffers import rate_dtype
-from zenflow.host.device_sums import choose_placement, takes_moments
+from zenflow.host.credit import choose_placement, takes_moments
 from zenflow.optim.importance import num_selected
 from zenflow.tools import estimate_memory as memory
 from zenflow.tools import estimate_terms as cost

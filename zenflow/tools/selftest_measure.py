@@ -12,13 +12,13 @@ import torch
 
 from zenflow.adamw import adamw_
 from zenflow.host.arena import Arena, available_host_bytes
-from zenflow.host.buffers import HostJob, HostLayout, HostState
+from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate
 from zenflow.host.commands import Accumulate, Update
 from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.transfers import Transfers, uses_cuda
 from zenflow.host.worker import WorkerHostRunner
 from zenflow.optim.clipping import gradient_norms
-from zenflow.optim.params import column_bit_sums
+from zenflow.optim.outside_writes import column_bit_sums
 
 GIB = 1 << 30
 
@@ -87,8 +87,8 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
         return runner.busy_seconds - before
 
     def updates(runner, moments: bool) -> list[float]:
-        return [timed(runner, Update(0, (HostJob(0, i + 1, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01,
-                                                 moments=moments),)))
+        return [timed(runner, Update(0, (HostJob(0, i + 1, 1, HostUpdate(
+                   1e-3, 0.9, 0.999, 1e-8, 0.01, moments=moments)),)))
                 for i in range(repeats + 1)][1:]
     runner = WorkerHostRunner(host, cores)
     try:
