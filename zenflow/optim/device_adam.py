@@ -133,7 +133,7 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
 
     `matrices` holds (param, grad, columns, group) and `vectors` (param, grad, state, group);
     entries without a gradient are left out by the caller, exactly as torch.optim skips them.
-    `scale` (a `zenflow.optim.clipping.StepScale`) multiplies every gradient; on a step it marks
+    `scale` (a `zenflow.optim.step_scale.StepScale`) multiplies every gradient; on a step it marks
     skipped, nothing changes: the counts advance by its kept flag and the fused kernel, handed
     its skip flag as torch.optim hands GradScaler's found_inf, leaves the state alone.
     """

@@ -58,14 +58,12 @@ from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import uses_cuda
 from zenflow.optim import param_checks as _checks
 from zenflow.optim import state as state_format
-from zenflow.optim.clipping import StepScale, gradient_norms, read_flags, step_scale
 from zenflow.optim.device_adam import group_hyperparameters
 from zenflow.optim.installs import Installs
 from zenflow.optim.model_hooks import ModelHooks, owners
 from zenflow.optim.outside_writes import OutsideWrites
 from zenflow.optim.params import (
     built_layout,
-    device_state_bytes,
     device_update,
     importance_split,
     present_gradients,
@@ -74,6 +72,8 @@ from zenflow.optim.params import (
 from zenflow.optim.selection_schedule import SelectionSchedule
 from zenflow.optim.selector import ColumnSelector
 from zenflow.optim.state import StepCounters
+from zenflow.optim.stats import optimizer_stats
+from zenflow.optim.step_scale import Skips, gradient_norms, step_scale
 from zenflow.optim.windows import DelayedAgreement, StepPeriod, window_for
 
 log = logging.getLogger("zenflow")
@@ -160,20 +160,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                  # torch.optim.AdamW's flags (see the docstring).
                  maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None):
+        # The knobs, as the signature above named them (every one a ZenFlowSettings field).
+        knobs = {name: value for name, value in locals().items()
+                 if name in ZenFlowSettings.model_fields}
         self._closed = True          # until the worker exists, close() has nothing to do
         self._lock = threading.RLock()
         check_torch_adamw_flags(self._NAME, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 capturable=capturable, differentiable=differentiable, fused=fused)
-        self.settings = ZenFlowSettings.from_arguments(
-            self._NAME, topk_ratio=topk_ratio, select_strategy=select_strategy,
-            select_interval=select_interval, update_interval=update_interval,
-            full_warm_up_rounds=full_warm_up_rounds, overlap_step=overlap_step,
-            max_grad_norm=max_grad_norm, importance=importance, deferred_credit=deferred_credit,
-            install_lookahead=install_lookahead, steps_per_epoch=steps_per_epoch,
-            pt_reserved_cores_perc=pt_reserved_cores_perc,
-            reselect_threshold=reselect_threshold, auto_ratio=auto_ratio,
-            auto_update_bounds=auto_update_bounds, device_sum_budget=device_sum_budget,
-            device_sum_dtype=device_sum_dtype, worker=worker)
+        self.settings = ZenFlowSettings.from_arguments(self._NAME, **knobs)
         schedule = SelectionSchedule.for_settings(self.settings, self._NAME)
         self._window = window_for(self.settings)
         environment_without_group(self._NAME, process_group)
@@ -187,21 +181,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._partition = Partition.from_group(shard_group or process_group, self.device,
                                                rows_are_local=shard_group is not None)
         if shard_group is None:   # replicas (DDP) must agree; shards differ by design
-            self._check_replicas_agree()
+            _checks.replicas_agree(self._NAME, [p for g in self.param_groups for p in g["params"]],
+                                   self._partition)
         self._build(schedule)
-
-    def _check_replicas_agree(self) -> None:
-        """Data parallel: every rank must start from the same weights, or the ranks train apart
-        (each installs its own rows of every matrix). One checksum collective says."""
-        params = [p for g in self.param_groups for p in g["params"]]
-        first = self._partition.first_disagreement(params, "checking the replicas agree")
-        if first is not None:
-            raise ValueError(
-                f"{self._NAME}: params[{first}] (shape {tuple(params[first].shape)}) differs "
-                f"between the {self._partition.world_size} ranks: every rank must start from the "
-                "same weights. Seed the model identically on every rank, wrap it in "
-                "DistributedDataParallel (which broadcasts rank 0's weights) or broadcast them "
-                "before building the optimizer; zenflow.initialize does it for you")
 
     def __repr__(self) -> str:
         """torch's listing of the param groups, with ZenFlow's settings first."""
@@ -260,9 +242,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self.counters = StepCounters()
         self.decisions: list[tuple[int, str]] = []  # (step, "select"|"reselect"|"flush")
         self._step_period = StepPeriod()
-        self._consecutive_skips = 0
-        # Steps of this window whose kept flags are still on the device, settled at its end.
-        self._unsettled: list[tuple[int, StepScale]] = []
+        self._skips = Skips(self.counters, self._NAME)
         self._agreement = DelayedAgreement(self._partition)
         self._outside_writes = OutsideWrites(self._host_params, self._vector_params,
                                              self._pipeline, self._selector, self._NAME)
@@ -338,13 +318,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         count = self.counters
         warming_up = count.step < self.settings.full_warm_up_rounds
         reads_now = warming_up or count.window_steps == 0
-        if reads_now:   # selecting columns needs finite gradients: decide the skip now
-            (kept, overflow, loss_scale), = read_flags([scale])
-            if not kept:
-                self._skipped(count.step, overflow, loss_scale, counted=False)
-                self._timer.end(skipped=True)
-                return
-            self._consecutive_skips = 0
+        # selecting columns needs finite gradients: a window's first step decides its skip now
+        if reads_now and not self._skips.read_now(count.step, scale):
+            self._timer.end(skipped=True)
+            return
         if not warming_up and count.window_steps == 0:
             self._outside_writes.adopt_data_writes()
             self._select_columns(grads)
@@ -353,7 +330,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                   if m.param in grads and m.host_owns_columns(chosen)}
         self._pipeline.stage(staged, scale.coef, self._step_sizes())
         if not reads_now:
-            self._unsettled.append((count.step, scale))
+            self._skips.defer(count.step, scale)
         device_update(self._host_params if chosen else [], self._vector_params, grads, scale)
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
@@ -376,39 +353,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return
 
     def _settle_skips(self) -> None:
-        """Read the kept flags of the steps inside this window so far in one read: count and log
-        the skipped ones, and mark the window spoiled (saved with the counters, so that a state
-        saved mid-window resumes to the same end: the window is dropped when it ends)."""
-        unsettled, self._unsettled = self._unsettled, []
-        flags = read_flags([scale for _, scale in unsettled])
-        if not all(kept for kept, _, _ in flags):
-            # A skipped step's inf/NaN may be in the device's sums, which count for nothing now
-            # (and a saved state must hold finite ones).
+        """Read the kept flags of the steps inside this window so far (zenflow/optim/step_scale.py); a
+        skipped one spoils the window (saved with the counters, so that a state saved mid-window
+        resumes to the same end: the window is dropped when it ends), and its inf/NaN may be in
+        the device's sums, which count for nothing now (and a saved state must hold finite ones)."""
+        if self._skips.settle():
             self._pipeline.clear_sums()
             self.counters.window_spoiled = True
-        for (step, _), (kept, overflow, loss_scale) in zip(unsettled, flags):
-            if kept:
-                self._consecutive_skips = 0
-            else:
-                self._skipped(step, overflow, loss_scale, counted=True)
-
-    def _skipped(self, step: int, amp_overflow: bool, loss_scale: float, counted: bool) -> None:
-        """Count and log the skip of step `step`; `counted`: it was a step of its window (one
-        inside a window, found at the window's end), not undone."""
-        self.counters.skipped_steps += 1
-        self._consecutive_skips += 1
-        n = self._consecutive_skips
-        what = "skipped, and its window's deferred gradients dropped" if counted else "skipped"
-        if amp_overflow:
-            # Ordinary mixed-precision life: GradScaler found inf/NaN at this scale and lowers it.
-            # DeepSpeed logs these at INFO with the new scale; so do we.
-            log.info("%s: gradient overflow at loss scale %g: step %d %s; GradScaler lowers "
-                     "the scale (to %g with its default backoff_factor 0.5)", self._NAME,
-                     loss_scale, step, what, loss_scale * 0.5)
-        elif n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
-            log.warning("%s: step %d %s: the gradients are not finite (%d consecutive "
-                        "skipped steps, %d in all)", self._NAME, step, what, n,
-                        self.counters.skipped_steps)
 
     def _window_ends(self) -> bool:
         if self._selector.reselection_due_at(self.counters.step + 1):
@@ -578,7 +529,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         afterwards count as changed outside the optimizer and become the master values."""
         self._installs.finish()
         state_format.load(self, self._state_parts(), state_dict)
-        self._unsettled = []       # steps of the window the loaded state replaces
+        self._skips.forget()       # steps of the window the loaded state replaces
         self._agreement.forget()
 
     def _state_parts(self) -> state_format.StateParts:
@@ -588,39 +539,3 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self.settings.topk_ratio, self.settings.overlap_step, self._partition.world_size,
             self._partition.rank, sharded=self._partition.rows_are_local,
             replica_rows=self._partition.splits_rows)
-
-
-def optimizer_stats(opt: ZenFlowAdamW) -> dict:
-    """What ZenFlowAdamW.stats() returns."""
-    host_numel = sum(m.param.numel() for m in opt._host_params)
-    numel = host_numel + sum(v.param.numel() for v in opt._vector_params)
-    dev = device_state_bytes(opt._host_params, opt._vector_params)
-    return {
-        "steps": opt.counters.step,
-        "skipped_steps": opt.counters.skipped_steps,
-        "windows": opt.counters.num_windows,
-        "reselections": opt._selector.num_reselections,
-        "update_interval": opt.settings.update_interval,
-        "last_window_steps": opt._window.last_interval,
-        "retained_importance": opt._selector.schedule.last_retained,
-        "world_size": opt._partition.world_size,
-        "collective_bytes_sent": dict(opt._partition.bytes_sent),
-        "host_busy_s": opt._runner.busy_seconds,
-        "worker": opt.settings.worker and bool(opt._host_params),
-        "host_bytes": opt._pipeline.host.nbytes(),
-        "host_bytes_per_param": opt._pipeline.host.nbytes() / max(1, host_numel),
-        "pinned_bytes": opt._pipeline.pinned_bytes(),
-        "device_sum_matrices": len(opt._pipeline.device_sums.sums),
-        "host_sum_matrices": len(opt._host_params) - len(opt._pipeline.device_sums.sums),
-        "device_sum_bytes": opt._pipeline.device_sums.nbytes() + opt._pipeline.credit.nbytes(),
-        "moments_matrices": sum(map(opt._pipeline.credit.moves, range(len(opt._host_params)))),
-        # host-summed gradients whose copy started in backward / waited for step()
-        "early_copies": opt._pipeline.early_copies.early,
-        "late_copies": opt._pipeline.early_copies.late,
-        # what the device waited for the last finished install (attach() hides most of it)
-        "last_install_wait_s": opt._pipeline.transfers.last_install_wait_seconds,
-        "device_state_bytes": dev,
-        "device_state_bytes_per_param": dev / max(1, numel),
-        **opt._timer.summary(),
-    }
-

@@ -100,3 +100,16 @@ def parameters(owner: str, params: list[torch.Tensor]) -> torch.device:
         if p.is_sparse or not p.is_contiguous():
             _fail(owner, f"{where} must be a dense contiguous tensor")
     return device
+
+
+def replicas_agree(owner: str, params: list[torch.Tensor], partition) -> None:
+    """Data parallel: every rank must start from the same weights, or the ranks train apart
+    (each installs its own rows of every matrix). One checksum collective says."""
+    first = partition.first_disagreement(params, "checking the replicas agree")
+    if first is not None:
+        raise ValueError(
+            f"{owner}: params[{first}] (shape {tuple(params[first].shape)}) differs "
+            f"between the {partition.world_size} ranks: every rank must start from the "
+            "same weights. Seed the model identically on every rank, wrap it in "
+            "DistributedDataParallel (which broadcasts rank 0's weights) or broadcast them "
+            "before building the optimizer; zenflow.initialize does it for you")

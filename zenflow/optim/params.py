@@ -136,7 +136,7 @@ def device_update(host_params: list[HostParam], vector_params: list[VectorParam]
                   scale) -> None:
     """AdamW on the device: the selected columns of `host_params` and every vector (those without
     a gradient this step are left alone, as torch.optim does), scaled by `scale` (a
-    zenflow.optim.clipping.StepScale: nothing changes on a step it skips)."""
+    zenflow.optim.step_scale.StepScale: nothing changes on a step it skips)."""
     matrices = [(m.local, grads[m.param], m.selected, m.group) for m in host_params
                 if m.k > 0 and m.param in grads]
     vectors = [(v.local, grads[v.param], v.state, v.group) for v in vector_params
@@ -176,7 +176,7 @@ def importance_split(present: list[HostParam], norms: dict, scale,
                      partition=None) -> tuple[float, int, float, int] | None:
     """(squared norm, columns) of the deferred and of the selected columns of the matrices
     `present` this step, for the auto window; None when the step was skipped (`scale`, a
-    zenflow.optim.clipping.StepScale, says so in the same read). The device update has just
+    zenflow.optim.step_scale.StepScale, says so in the same read). The device update has just
     gathered and clipped the selected columns, so their norms take no extra pass over the
     gradients; `norms` holds each
     whole gradient's norm before clipping. Where each rank holds some rows of every gradient

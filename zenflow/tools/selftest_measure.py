@@ -17,8 +17,8 @@ from zenflow.host.commands import Accumulate, Update
 from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.transfers import Transfers, uses_cuda
 from zenflow.host.worker import WorkerHostRunner
-from zenflow.optim.clipping import gradient_norms
 from zenflow.optim.outside_writes import column_bit_sums
+from zenflow.optim.step_scale import gradient_norms
 
 GIB = 1 << 30
 

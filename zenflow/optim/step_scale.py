@@ -1,9 +1,21 @@
-"""The step's gradient norms and clipping factor (docs/semantics.md, "Clipping")."""
+"""The step's scale and whether it is kept (docs/semantics.md, "Clipping" and "Skips").
+
+`step_scale` computes, as device tensors, what a step multiplies its gradients by (1 / the loss
+scale times the clipping factor) and whether it is kept: a step whose gradients are not finite, or
+in which GradScaler found inf or NaN, changes no state. `Skips` reads those flags: a step strictly
+inside a window reads nothing back from the device (its flag travels to every kernel) and is
+settled at the window's end in one read with the others; a window with a skipped step is dropped.
+A window's first step (and a warm-up step) reads its flag at once, since selecting columns needs
+finite gradients: a skip found there is undone entirely, as if step() had not been called.
+"""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("zenflow")
 
 
 def gradient_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -71,3 +83,61 @@ def step_scale(norms: list[torch.Tensor], max_grad_norm: float | None,
     coef = torch.where(kept, factor, torch.zeros_like(total))
     kept = kept.float()
     return StepScale(coef, kept, 1.0 - kept, overflow, loss_scale)
+
+
+class Skips:
+    """The kept flags of a window's steps not read yet, and the count and log of skips.
+    `counters` is the optimizer's StepCounters (skipped_steps is saved with them)."""
+
+    def __init__(self, counters, owner: str):
+        self.counters, self.owner = counters, owner
+        self._unsettled: list[tuple[int, StepScale]] = []
+        self._consecutive = 0
+
+    def read_now(self, step: int, scale: StepScale) -> bool:
+        """Read step `step`'s flag now (one read); whether it is kept. A skip is counted, but
+        not as a step of its window: the caller undoes the step."""
+        (kept, overflow, loss_scale), = read_flags([scale])
+        if kept:
+            self._consecutive = 0
+        else:
+            self._count(step, overflow, loss_scale, counted=False)
+        return kept
+
+    def defer(self, step: int, scale: StepScale) -> None:
+        """A step inside a window: its flag is read at settle()."""
+        self._unsettled.append((step, scale))
+
+    def settle(self) -> bool:
+        """Read the flags deferred so far, in one read: count and log the skipped steps.
+        Returns whether any was skipped (its window is then spoiled: dropped at its end)."""
+        unsettled, self._unsettled = self._unsettled, []
+        flags = read_flags([scale for _, scale in unsettled])
+        for (step, _), (kept, overflow, loss_scale) in zip(unsettled, flags):
+            if kept:
+                self._consecutive = 0
+            else:
+                self._count(step, overflow, loss_scale, counted=True)
+        return not all(kept for kept, _, _ in flags)
+
+    def forget(self) -> None:
+        """The window's steps so far are replaced (a state was loaded)."""
+        self._unsettled = []
+
+    def _count(self, step: int, amp_overflow: bool, loss_scale: float, counted: bool) -> None:
+        """Count and log the skip of step `step`; `counted`: it was a step of its window (one
+        inside a window, found at the window's end), not undone."""
+        self.counters.skipped_steps += 1
+        self._consecutive += 1
+        n = self._consecutive
+        what = "skipped, and its window's deferred gradients dropped" if counted else "skipped"
+        if amp_overflow:
+            # Ordinary mixed-precision life: GradScaler found inf/NaN at this scale and lowers it.
+            # DeepSpeed logs these at INFO with the new scale; so do we.
+            log.info("%s: gradient overflow at loss scale %g: step %d %s; GradScaler lowers "
+                     "the scale (to %g with its default backoff_factor 0.5)", self.owner,
+                     loss_scale, step, what, loss_scale * 0.5)
+        elif n & (n - 1) == 0:   # 1, 2, 4, 8, ...: loud at first, then rate-limited
+            log.warning("%s: step %d %s: the gradients are not finite (%d consecutive "
+                        "skipped steps, %d in all)", self.owner, step, what, n,
+                        self.counters.skipped_steps)
