@@ -48,6 +48,7 @@ from zenflow.host.commands import Accumulate, Update
 from zenflow.host.credit import Credit
 from zenflow.host.device_sums import DeviceSums
 from zenflow.host.early_copies import EarlyCopies
+from zenflow.host.placement import SumPlacement
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
 from zenflow.host.worker_link import Command, WorkerLink
@@ -110,10 +111,8 @@ class HostPipeline:
         self.link = WorkerLink(self.host, worker_cores, timer)
 
         self.device = device
-        self.device_sum_budget = device_sum_budget
+        self.placement = SumPlacement(device_sum_budget)
         self.device_sums = DeviceSums(self.transfers, device_sum_dtype)
-        self._sums_placed = False   # decided at the first step (the budget may need its peak)
-        self._memory_warned = False
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
         self._start_over()
@@ -144,45 +143,6 @@ class HostPipeline:
         self.link.check()
 
     # -- one step -------------------------------------------------------------------------------
-    def _place_sums(self) -> None:
-        """Decide which matrices sum on the device, and which of those the credit rule keeps
-        its own device state for (the budget's "auto" reads the device's peak memory so far, so
-        this runs at the first step, after the first backward)."""
-        budget = self.device_sum_budget
-        if budget == "auto":
-            budget = self.transfers.spare_device_bytes()
-        matrices = self.layout.matrices
-        summed, moving = self.credit.place([m.numel for m in matrices], int(budget),
-                                           self.device_sums.dtype.itemsize,
-                                           [m.dtype for m in matrices])
-        self.device_sums.allocate({i: (matrices[i].rows, matrices[i].cols) for i in summed},
-                                  self.device, fp32=set(moving))
-        self.credit.allocate({i: (matrices[i].rows, matrices[i].cols, matrices[i].dtype)
-                              for i in moving}, self.device)
-        for i in summed:   # a window restored before the first step summed on the host so far
-            if self.num_grads[i]:
-                self.device_sums.sums[i].copy_(self.host.fp32(f"grad_sum{self._sum_slot}", i))
-        self.early_copies.stop_watching(summed)
-        self._lock_copied_spans(summed)
-        self._sums_placed = True
-        log.info("window sums of %d of %d matrices on the device (%.2f GiB of a budget of "
-                 "%.2f GiB); the rest on the host; deferred_credit %r on %d of them",
-                 len(summed), len(matrices), self.device_sums.nbytes() / 2**30,
-                 int(budget) / 2**30, self.credit.name, len(moving) if moving else len(matrices))
-
-    def _lock_copied_spans(self, on_device: list[int]) -> None:
-        """Page-lock what the copies of this placement touch, and nothing else: the staging
-        buffers over the matrices summed on the host (their gradients cross every step), and
-        the sum buffers over those summed on the device (their sums, and under "moments" their
-        squares, cross at window ends). Every sum on the device: no staging buffer is locked."""
-        placed = set(on_device)
-        on_host = [i for i in range(len(self.params)) if i not in placed]
-        spans = [view for s in range(self.layout.staging_slots)
-                 for view in self.host.span(f"staging{s}", on_host)]
-        spans += [view for s in range(self.layout.sum_slots)
-                  for view in self.host.span(f"grad_sum{s}", on_device)]
-        self.transfers.pin(spans)
-
     def stage(self, grads: dict[int, torch.Tensor], coef: torch.Tensor,
               sizes: dict[int, tuple[float, float]] | None = None) -> None:
         """This step's gradient rows of parameters `grads` (index -> gradient), times `coef` (the
@@ -192,8 +152,8 @@ class HostPipeline:
         with `coef`, to a staging buffer that accumulate() hands to the host. Every gradient
         counts in num_grads; drop_window() drops a window with a skipped step."""
         start = time.perf_counter()
-        if not self._sums_placed:
-            self._place_sums()
+        if not self.placement.placed:
+            self.placement.place(self)
         on_device = {i: host_view(g)[self.rows[i]] for i, g in grads.items()
                      if i in self.device_sums}
         if on_device:
@@ -278,22 +238,6 @@ class HostPipeline:
         self.device_sums.clear()
         self.credit.clear()
 
-    def _watch_device_memory(self) -> None:
-        """With device_sum_budget="auto" the sums were placed for the first step's activations
-        (with room for them to double); a longer batch since may have taken that room. Say so
-        once, at a window end, while there is still a margin: 5% of the device."""
-        if self.device_sum_budget != "auto" or self._memory_warned or not self.device_sums.sums:
-            return
-        peak, total = self.transfers.device_memory()
-        if peak > 0.95 * total:
-            self._memory_warned = True
-            log.warning("the device's peak memory has reached %.1f of %.1f GiB since the window "
-                        "sums were placed (device_sum_budget='auto': %.2f GiB of sums, placed for "
-                        "the first step's activations); a longer batch could now run out of "
-                        "device memory. Set device_sum_budget to fewer bytes (0: every sum on "
-                        "the host) or shorten the longest batch.", peak / 2**30, total / 2**30,
-                        self.device_sums.nbytes() / 2**30)
-
     def end_window(self, adamw: list[tuple[float, float, float, float, float]], delayed: bool,
                    lookahead: float) -> bool:
         """Hand the window's sums to the host: each parameter that got a gradient takes the host
@@ -302,7 +246,7 @@ class HostPipeline:
         Returns whether any parameter did. The caller installs the previous window's update
         first (take_update()), per the overlap rule."""
         assert self.in_flight is None, "take_update() the previous window first"
-        self._watch_device_memory()
+        self.placement.watch(self)
         jobs = []
         for i, n in enumerate(self.num_grads):
             if n:
