@@ -143,7 +143,7 @@ def test_lightning_automatic_optimization_with_checkpointing(tmp_path, autograd_
     trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(tmp_path),
-                        callbacks=[ZenFlowLightningCallback()])
+                        callbacks=[ZenFlowLightningCallback(attach=True)])
     try:
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
         assert module.optimizer.counters.step == 16 and len(autograd_thread) == 16

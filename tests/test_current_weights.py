@@ -39,10 +39,9 @@ def make_engine():
 
 
 def raw_weights(engine) -> dict:
-    """The weights training runs on right now (parameters() is not hooked, state_dict() is). The
-    engine attaches its model, so a window end's install may still be landing on the copy thread
-    after step(): wait for it, as the next forward would (reading parameters() outside a forward
-    is a read that must, docs/semantics.md)."""
+    """The weights training runs on right now (parameters() is not hooked, state_dict() is).
+    The engine finishes its installs in step(); a script that attaches its model waits for them
+    before such a read (docs/semantics.md), as this does."""
     wait_for_install = getattr(engine.optimizer, "wait_for_install", None)
     if wait_for_install is not None:
         wait_for_install()

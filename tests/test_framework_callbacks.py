@@ -57,7 +57,7 @@ def trainer_with_recorder(out_dir, with_callback: bool):
         save_strategy="steps", save_steps=6, per_device_train_batch_size=4,
         per_device_eval_batch_size=8, report_to=[], use_cpu=True, seed=0, logging_steps=100,
         disable_tqdm=True, dataloader_num_workers=0)
-    callbacks = ([ZenFlowTrainerCallback()] if with_callback else []) + [recorder]
+    callbacks = ([ZenFlowTrainerCallback(attach=True)] if with_callback else []) + [recorder]
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(),
                                    eval_dataset=TokenDataset(n=8, seed=1),
                                    optimizers=(opt, None), callbacks=callbacks)
@@ -116,7 +116,7 @@ class LitRecorder(L.Callback):
 def lit_fit_recorded(root, with_callback: bool):
     from zenflow.integrations import ZenFlowLightningCallback
     module, recorder = LitWithValidation(), LitRecorder()
-    callbacks = ([ZenFlowLightningCallback()] if with_callback else []) + [recorder]
+    callbacks = ([ZenFlowLightningCallback(attach=True)] if with_callback else []) + [recorder]
     trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(root),

@@ -217,3 +217,23 @@ def test_the_rank_vote_ends_a_window_one_step_after_every_rank_was_ready():
     # both ready at step 2: the window ends at step 3 on both; both again at 5: ends at 6
     assert ends[0] == ends[1] == [False, False, False, True, False, False, True]
     assert DelayedAgreement(ranks.rank(0)).ends(False, forced=True)   # max_steps: at once
+
+
+def test_windows_dropped_one_after_the_other_are_warned_about(caplog):
+    """An overflow in every window drops every window's deferred gradients: the host's columns
+    do not train. Each skip alone is ordinary (INFO for GradScaler's); windows dropped in a row
+    are a WARNING, at 2 and 4 in a row, and not for a lone dropped window."""
+    import logging
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    opt = zenflow.ZenFlowAdamW([w], topk_ratio=0.25, update_interval=2, worker=False)
+    with caplog.at_level(logging.INFO, logger="zenflow"):
+        for t in range(12):
+            w.grad = torch.randn(8, 6)
+            # a lone overflow in the first window, then one in each of the last four
+            overflow = t == 1 or (t >= 5 and t % 2 == 1)
+            opt.found_inf = torch.ones(()) if overflow else None
+            opt.step()
+    opt.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "2 windows in a row" in warnings[0] \
+        and "4 windows in a row" in warnings[1], warnings

@@ -360,3 +360,48 @@ def test_small_address_space_limit_is_a_clear_error_and_leaks_no_memfd(tmp_path)
         print("OK")
     """, tmp_path)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+
+
+def test_close_takes_the_attached_models_hooks_off():
+    """A model trained again under a new optimizer (a sweep, a notebook) carries no hook of a
+    closed one's: 200 cycles leave none behind."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    hooks_before = (len(model[0]._forward_pre_hooks), len(model._state_dict_pre_hooks))
+    for _ in range(200):
+        opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, worker=False)
+        opt.attach(model)
+        opt.close()
+    assert (len(model[0]._forward_pre_hooks), len(model._state_dict_pre_hooks)) == hooks_before
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "abc", "-3", "inf"])
+def test_a_bad_worker_timeout_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=f"ZENFLOW_WORKER_TIMEOUT_S must be a positive, finite "
+                                         f"number of seconds .* got '{value}'"):
+        worker._wait_timeout({"ZENFLOW_WORKER_TIMEOUT_S": value})
+    assert worker._wait_timeout({"ZENFLOW_WORKER_TIMEOUT_S": "90"}) == 90.0
+    assert worker._wait_timeout({}) == 1800.0
+
+
+@pytest.mark.parametrize("attach", [False, True])
+def test_a_model_deep_copied_right_after_a_step_is_the_trained_model(attach):
+    """An EMA or teacher copy taken right after step(): without attach every install is finished
+    in the step; with it, the copy follows wait_for_install(), attach's contract. The copy's
+    forward runs, equals the model's, and its weights are its own."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1,
+                              worker=False) as opt:
+        if attach:
+            opt.attach(model)
+        for _ in range(3):
+            model(torch.randn(2, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if attach:
+            opt.wait_for_install()
+        teacher = copy.deepcopy(model)
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(teacher(x), model(x), rtol=0, atol=0)
+        model(torch.randn(2, 8)).square().mean().backward()
+        opt.step()
+        assert not torch.equal(teacher[0].weight, model[0].weight)

@@ -118,7 +118,7 @@ def test_readme_links_stay_inside_the_repository(doc):
 def test_readme_is_short_and_says_the_limits_first():
     text = README.read_text()
     assert len(text.splitlines()) <= 220, "README.md is for reading top to bottom: move detail to docs/"
-    assert text.index("Nothing has run on a GPU") < text.index("## "), "the limits belong on the first screen"
+    assert text.index("One GPU has run it") < text.index("## "), "the limits belong on the first screen"
 
 
 # --- python blocks ---------------------------------------------------------------------------------

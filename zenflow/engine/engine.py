@@ -145,10 +145,9 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
         self._weight_sync = WeightSync(
             model, self.synchronize, self._agreement,
             defers_updates=getattr(self.optimizer, "overlap_step", False) is True)
-        # Each layer's forward waits only for its own weights' install (ZenFlowAdamW.attach);
-        # weights the optimizer does not hold itself (fp32 masters) have nothing to wait for.
-        self._install_hooks = (self.optimizer.attach(model) if self._masters is None and
-                               isinstance(self.optimizer, core_optimizers()) else None)
+        # Installs are finished in engine.step() (the optimizer's default): a client script may
+        # read the weights anywhere after it (an EMA, a clamp, a copy). One that reads them only
+        # in the model's forward may attach: engine.optimizer.attach(engine.module).
 
     # --- training -----------------------------------------------------------------------------
 
@@ -278,8 +277,6 @@ class ZenFlowEngine(DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
             if self._agreement.waiting_in in comm.barrier_watchers:
                 comm.barrier_watchers.remove(self._agreement.waiting_in)
         self._weight_sync.remove()
-        if self._install_hooks is not None:
-            self._install_hooks.remove()
         close = getattr(self.optimizer, "close", None)
         if close is not None:
             close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import signal
 import socket
@@ -46,7 +47,23 @@ _CLOSE_TIMEOUT_S = 5.0  # how long close() waits for a clean exit before killing
 # stopped or starved worker becomes an error naming it, never a silent hang. Host updates of the
 # largest models take seconds, so the limit is generous; ZENFLOW_WORKER_TIMEOUT_S changes it.
 _WARN_AFTER_S = 60.0
-_WAIT_TIMEOUT_S = float(os.environ.get("ZENFLOW_WORKER_TIMEOUT_S", 1800))
+
+
+def _wait_timeout(environ=os.environ) -> float:
+    """ZENFLOW_WORKER_TIMEOUT_S, checked: a positive, finite number of seconds (default 1800)."""
+    text = environ.get("ZENFLOW_WORKER_TIMEOUT_S", "1800")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"ZENFLOW_WORKER_TIMEOUT_S must be a positive, finite number of "
+                         f"seconds (how long a wait on the host worker may see no progress), "
+                         f"got {text!r}")
+    return value
+
+
+_WAIT_TIMEOUT_S = _wait_timeout()
 
 
 # ---------------------------------------------------------------------------- the parent's side

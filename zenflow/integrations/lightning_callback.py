@@ -1,7 +1,9 @@
 """A Lightning `Callback` that installs ZenFlow's in-flight host update before validation, test
-and prediction, at the end of training, and in every checkpoint Lightning writes, and when
-training starts attaches the LightningModule to the optimizer (`ZenFlowAdamW.attach`: each
-layer's forward waits only for its own weights' install). Needs lightning (or
+and prediction, at the end of training, and in every checkpoint Lightning writes; with
+`attach=True`, when training starts it also attaches the LightningModule to the optimizer
+(`ZenFlowAdamW.attach`: each block's forward waits only for its own weights' install, and code
+that reads the weights between a step and the next forward, such as Lightning's
+StochasticWeightAveraging, calls `wait_for_install()` first). Needs lightning (or
 pytorch_lightning)."""
 from __future__ import annotations
 
@@ -18,7 +20,12 @@ from zenflow.integrations.find import find_optimizers
 
 
 class ZenFlowLightningCallback(Callback):
-    """`lightning.pytorch.Trainer(..., callbacks=[ZenFlowLightningCallback()])`."""
+    """`lightning.pytorch.Trainer(..., callbacks=[ZenFlowLightningCallback()])`; `attach`: see
+    the module doc (off by default: every read after a step sees the installed weights)."""
+
+    def __init__(self, attach: bool = False):
+        super().__init__()
+        self.attach = attach
 
     @staticmethod
     def _sync(trainer) -> bool:
@@ -28,8 +35,9 @@ class ZenFlowLightningCallback(Callback):
         return bool(optimizers)
 
     def on_train_start(self, trainer, pl_module):
-        for optimizer in find_optimizers(list(trainer.optimizers)):
-            optimizer.attach(pl_module)
+        if self.attach:
+            for optimizer in find_optimizers(list(trainer.optimizers)):
+                optimizer.attach(pl_module)
 
     def on_validation_start(self, trainer, pl_module):
         self._sync(trainer)

@@ -23,6 +23,7 @@ installs are finished in the step that queues them, as without attach.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -34,6 +35,8 @@ from zenflow.distributed import local
 from zenflow.host.pipeline import HostPipeline, host_view
 from zenflow.host.transfers import Ticket, all_of
 from zenflow.optim.model_hooks import ModelHooks
+
+log = logging.getLogger("zenflow")
 
 # Installs are queued in batches of consecutive matrices of at least this many bytes: a large
 # matrix is its own batch (its layer waits for it alone), while thousands of small ones (MoE
@@ -103,7 +106,8 @@ class Installs:
         compiled model's forward does not wait: zenflow/optim/model_hooks.py)."""
         assert not any(q.matrix in self._pending for q in queued), "finish() the last first"
         self._pending.update((q.matrix, q) for q in queued)
-        waited = set().union(*(h.matrices for h in self._attached.values() if not h.compiled))
+        waited = set().union(*(h.matrices for h in self._attached.values()
+                               if not h.finishes_in_step))
         self.finish([q.matrix for q in queued if q.matrix not in waited])
 
     # -- finish ---------------------------------------------------------------------------------
@@ -144,6 +148,23 @@ class Installs:
                     self._credit.device_owns(q.matrix, m.selected.column_indices)
         self._outside_writes.fingerprint([q.matrix for q in installs])
 
+    def check_forward_reads(self, read: list[int]) -> None:
+        """At step(), before finishing what is still pending: a pending install of a matrix the
+        forward read (`read`: the matrices with a gradient now) was read unfinished, since no
+        hook finished it (the model compiled after attach(), a weight one unit holds and another
+        reads). Say so, once per model, and finish that model's installs in the step from now
+        on."""
+        missed = {i for i in read if i in self._pending}
+        for hooks in list(self._attached.values()):
+            if hooks.matrices & missed and not hooks.finishes_in_step:
+                hooks.missed_reads = True
+                log.warning("%d weight(s) of an attached model were read by its forward before "
+                            "their install was finished (its hooks did not run for them: the "
+                            "model compiled after attach(), or a weight one block holds and "
+                            "another reads); that forward read the previous window's values. "
+                            "Its installs are finished in step() from now on.",
+                            len(hooks.matrices & missed))
+
     def finish_for_forward(self, matrices: list[int] | None) -> None:
         """finish(), from a forward pre-hook (or the model's state_dict hooks): it may run on
         autograd's device thread (a forward recomputed in backward), so with nothing of
@@ -164,6 +185,12 @@ class Installs:
 
     def _detached(self, model: torch.nn.Module) -> None:
         self._attached.pop(model, None)
+
+    def detach_all(self) -> None:
+        """Take every attached model's hooks off (the optimizer closes: a model trained again,
+        under a new optimizer, must not carry this one's hooks)."""
+        for hooks in list(self._attached.values()):
+            hooks.remove()
 
 
 def copy_rows_to_params(pipe: HostPipeline, indices: list[int],

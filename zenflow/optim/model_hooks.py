@@ -1,10 +1,10 @@
 """When an attached model's layers wait for their installs (ZenFlowAdamW.attach).
 
-A matrix that a module of the model owns (holds in `module._parameters`; a tied weight has several
-owners, and each one's forward waits for it) is finished in a forward pre-hook of its owner, as
-late as possible; on a GPU the copies of the later layers overlap the forward of the earlier
-ones. The model's state_dict() and load_state_dict() finish every install first. What finishing
-is, and the rest of an install's life, is zenflow/optim/installs.py's.
+The model is cut into units (install_units): the blocks of its repeated layers, and outside them
+the model's children. Each unit finishes the installs of every matrix inside it in a forward
+pre-hook, as late as possible; on a GPU the copies of the later blocks overlap the forward of the
+earlier ones. The model's state_dict() and load_state_dict() finish every install first. What
+finishing is, and the rest of an install's life, is zenflow/optim/installs.py's.
 
 A hook runs wherever the forward runs: on CUDA a forward that activation checkpointing recomputes
 runs on autograd's device thread, so a hook with nothing to finish takes no lock
@@ -26,6 +26,7 @@ class ModelHooks:
     def __init__(self, model: torch.nn.Module, owned: dict[torch.nn.Module, list[int]],
                  finish: Callable[[list[int] | None], None], on_remove):
         self.matrices = {i for indices in owned.values() for i in indices}
+        self.missed_reads = False   # see Installs.check_forward_reads
         self._model = weakref.ref(model)
         # The model must not keep a dropped optimizer (and its worker) alive.
         finish = _weakly(finish)
@@ -45,6 +46,12 @@ class ModelHooks:
     def compiled(self) -> bool:
         """Whether torch.compile has traced the model's forward: its hooks do nothing there."""
         return self._traced.compiled
+
+    @property
+    def finishes_in_step(self) -> bool:
+        """Whether this model's installs are finished in the step that queues them, not in its
+        forward: it is compiled, or a forward of it read an install its hooks did not finish."""
+        return self.compiled or self.missed_reads
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -99,18 +106,46 @@ def _weakly(method) -> Callable:
     return call
 
 
-def owners(model: torch.nn.Module, matrices: dict[torch.Tensor, int],
-           sharded: bool) -> dict[torch.nn.Module, list[int]]:
-    """Module -> the matrices (host indices, from `matrices`: parameter -> index) it holds
-    directly. A tied weight belongs to each module that holds it. `sharded` (FSDP2): none, so
-    every install is finished in the step that queues it: FSDP's own hooks all-gather the weights
-    before their modules' forward, and the module whose forward is called first need not be the
-    model attached (a LightningModule's training_step calls its layers, not itself)."""
+def install_units(model: torch.nn.Module, matrices: dict[torch.Tensor, int],
+                  sharded: bool) -> dict[torch.nn.Module, list[int]]:
+    """Module -> the matrices (host indices, from `matrices`: parameter -> index) finished in its
+    forward pre-hook. The units are the model's blocks, the layers of its outermost repeated
+    stack (a ModuleList or Sequential holding two or more parameter-holding modules of one class:
+    a transformer's layers, the Linears of an MLP), for every matrix held anywhere inside one; and
+    for every other matrix the model's child that holds it (the model itself for its own). A
+    unit's forward may read its weights however it likes: nn.MultiheadAttention reads
+    out_proj.weight without calling out_proj, a block may call F.linear(h, self.b.weight) before
+    self.b. The contract left is that a weight is read in the forward of the unit that holds it
+    (a weight one block holds and another reads, or a parent reads before calling the unit, is
+    not covered). Calling children, not the model: a LightningModule's training_step calls its
+    layers, not itself. A tied weight belongs to each unit that holds it. `sharded` (FSDP2): no
+    unit, so every install is finished in the step that queues it: FSDP's own hooks all-gather
+    the weights before their modules' forward."""
     if sharded:
         return {}
-    owned: dict[torch.nn.Module, list[int]] = {}
-    for module in model.modules():
-        held = [matrices[p] for p in module._parameters.values() if p is not None and p in matrices]
+    units: dict[torch.nn.Module, list[int]] = {}
+    placed: set[int] = set()
+    for block in _blocks(model):
+        held = [matrices[p] for p in block.parameters() if p in matrices]
         if held:
-            owned.setdefault(module, []).extend(held)
-    return {module: sorted(set(indices)) for module, indices in owned.items()}
+            units.setdefault(block, []).extend(held)
+            placed.update(held)
+    children = [model, *model.children()]
+    for unit in children:
+        params = unit.parameters(recurse=unit is not model) if unit is not model else \
+            unit._parameters.values()
+        held = [matrices[p] for p in params if p is not None and p in matrices
+                and matrices[p] not in placed]
+        if held:
+            units.setdefault(unit, []).extend(held)
+    return {unit: sorted(set(indices)) for unit, indices in units.items()}
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of the outermost repeated stacks under `module` (itself included)."""
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+        held = list(dict.fromkeys(c for c in module.children()
+                                  if next(c.parameters(), None) is not None))
+        if len(held) >= 2 and len({type(c) for c in held}) == 1:
+            return held
+    return [block for child in module.children() for block in _blocks(child)]

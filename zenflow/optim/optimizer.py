@@ -60,7 +60,7 @@ from zenflow.optim import param_checks as _checks
 from zenflow.optim import state as state_format
 from zenflow.optim.device_adam import group_hyperparameters
 from zenflow.optim.installs import Installs
-from zenflow.optim.model_hooks import ModelHooks, owners
+from zenflow.optim.model_hooks import ModelHooks, install_units
 from zenflow.optim.outside_writes import OutsideWrites
 from zenflow.optim.params import (
     built_layout,
@@ -298,7 +298,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def _step(self) -> None:
         if self._closed:
             raise RuntimeError(f"{self._NAME}: step() after close()")
-        self._installs.finish()   # an attached forward may have left some (zenflow/optim/installs.py)
+        if self._installs.pending():   # an attached forward may have left some: were they read?
+            self._installs.check_forward_reads(
+                [m.host_index for m in self._host_params if m.param.grad is not None])
+            self._installs.finish()
         self._pipeline.check()  # a dead worker fails this step, not only the next window end
         # GradScaler.unscale_ rewrites gradients without bumping their versions; scaler.step()
         # then hands found_inf but no grad_scale (the scale is out of the gradients already).
@@ -343,6 +346,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if not warming_up:
                 log.debug("step %d: end window: %s", count.step, self._window.reason)
             self._settle_skips()
+            self._skips.window_ended(dropped=count.window_spoiled)
             if count.window_spoiled:   # a skipped step inside it: its gradients are dropped
                 self._pipeline.drop_window()
                 count.window_spoiled = False
@@ -446,26 +450,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ installs and the model
     def attach(self, model: torch.nn.Module) -> ModelHooks:
-        """Let `model`'s forward wait for installs layer by layer (opt-in; once per model).
+        """Let `model`'s forward wait for installs block by block (opt-in; once per model).
 
         Without it, the device waits at the end of the step() that ends a window for the whole
         copy of the host's update into the parameters before the next forward can start (on one
-        H100 with Llama-2-7B, 12.5 GB over PCIe: about 0.25 s). With it, each module that holds
-        parameters of this optimizer waits, in a forward pre-hook, only for the copy of its own
-        (a tied weight: each of its modules waits), so the copies of later layers overlap the
-        forward of earlier ones; every other reader of the weights still sees the installed
-        values: step(), synchronize(), state_dict(), load_state_dict(), close(), and the
-        model's state_dict() and load_state_dict() finish every install first. Code that reads
-        or writes the weights outside the model's forward (an EMA of the weights, a
-        `layer.weight` read without calling the layer) calls `wait_for_install()` first.
-        zenflow.initialize, ZenFlowLightningCallback and ZenFlowTrainerCallback attach their
-        model. Returns a handle whose `remove()` takes the hooks off; nothing else changes."""
+        H100 with Llama-2-7B, 12.5 GB over PCIe: about 0.25 s a window), and every read of a
+        weight after step() sees the installed values. With it, each block of the model's
+        repeated layers (and each of its other children) waits, in a forward pre-hook, only for
+        the copies of the weights inside it, so the copies of later blocks overlap the forward of
+        earlier ones (zenflow/optim/model_hooks.py says what a unit is). The contract: between a
+        step() and the next forward, code that reads or writes the weights outside the model's
+        forward (an EMA of the weights, copy.deepcopy(model), parameters_to_vector, a
+        `.data` clamp) calls `wait_for_install()` first. step(), synchronize(), state_dict(),
+        load_state_dict(), close() and the model's state_dict() and load_state_dict() finish
+        every install by themselves. A forward that read a weight whose install its hooks did
+        not finish (the model compiled after attach, a weight one unit holds and another reads)
+        is found at the next step(): a warning says so, and that model's installs are finished in
+        the step from then on. Returns a handle whose `remove()` takes the hooks off."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"{self._NAME}.attach: model must be a torch.nn.Module (the model "
                             f"whose forward reads this optimizer's parameters), got "
                             f"{type(model).__name__}")
         matrices = {m.param: m.host_index for m in self._host_params}
-        return self._installs.attach(model, owners(model, matrices, self._partition.rows_are_local))
+        return self._installs.attach(
+            model, install_units(model, matrices, self._partition.rows_are_local))
 
     def wait_for_install(self) -> None:
         """Make every installed value readable now (an attached model's forward waits for each
@@ -484,6 +492,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         its worker when the runner itself is collected, and at interpreter exit."""
         if not getattr(self, "_closed", True):
             self._installs.finish()   # the copies read host memory that close() releases
+            self._installs.detach_all()
             self._closed = True
             self._pipeline.close()
 

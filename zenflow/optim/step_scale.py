@@ -93,6 +93,7 @@ class Skips:
         self.counters, self.owner = counters, owner
         self._unsettled: list[tuple[int, StepScale]] = []
         self._consecutive = 0
+        self._dropped_in_a_row = 0   # windows ended dropped, one after the other
 
     def read_now(self, step: int, scale: StepScale) -> bool:
         """Read step `step`'s flag now (one read); whether it is kept. A skip is counted, but
@@ -119,6 +120,20 @@ class Skips:
             else:
                 self._count(step, overflow, loss_scale, counted=True)
         return not all(kept for kept, _, _ in flags)
+
+    def window_ended(self, dropped: bool) -> None:
+        """A window ended, `dropped` for a skipped step in it. Windows dropped one after the other
+        mean the deferred columns are not training at all (GradScaler's overflows, say, one in
+        every window), which the steps' own messages (INFO for an overflow) do not say: a
+        WARNING does, at 2, 4, 8, ... in a row."""
+        self._dropped_in_a_row = self._dropped_in_a_row + 1 if dropped else 0
+        n = self._dropped_in_a_row
+        if n >= 2 and n & (n - 1) == 0:
+            log.warning("%s: %d windows in a row were dropped for a skipped step in each: the "
+                        "columns the host updates have not trained since. Steps overflow too "
+                        "often for the window (a loss scale that never settles, or non-finite "
+                        "gradients); shorter windows (update_interval) or a lower initial loss "
+                        "scale keep some windows whole", self.owner, n)
 
     def forget(self) -> None:
         """The window's steps so far are replaced (a state was loaded)."""
