@@ -191,7 +191,7 @@ def test_a_forward_that_waits_per_layer_waits_for_what_it_does_not_hide():
     settings = dict(gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,
                     measured=FIGURES, device_sum_budget=10 ** 12, deferred_credit="mean")
     whole = estimate(shapes, torch.bfloat16, attached=False, **settings)["seconds"]
-    layered = estimate(shapes, torch.bfloat16, **settings)["seconds"]
+    layered = estimate(shapes, torch.bfloat16, attached=True, **settings)["seconds"]
     assert whole["install_wait_s"] == pytest.approx(2 * P_mat / 25e9)
     assert layered["install_wait_s"] == pytest.approx(
         2 * P_mat / 25e9 - 0.5 * (P_mat - 32000 * 4096) / P_mat)

@@ -177,7 +177,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              fwd_bwd_s: float | None = None, measured: dict | None = None, target: str = "cuda",
              source: str = "", device_sum_budget: int | str = "auto",
              activation_bytes: int = 0, fsdp: int | None = None,
-             deferred_credit: str = "moments", attached: bool = True,
+             deferred_credit: str = "moments", attached: bool = False,
              device_sum_dtype: str = "float32") -> dict:
     """The estimate as a dict (see estimate_report.format_report); `shapes` is [(name, shape),
     ...]. `fsdp`: also the bytes per rank of the model sharded that many ways with FSDP2
@@ -186,9 +186,9 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     after its peak, here the weights, gradients, device state, reserve and `activation_bytes`,
     less a tenth of its memory; 0 on a CPU device). `deferred_credit`: the optimizer's; "moments"
     applies to the matrices summed on the device, on one GPU (data-parallel replicas take
-    "mean"). `attached`: the model is attached to the optimizer (`ZenFlowAdamW.attach`, which
-    zenflow.initialize and the framework callbacks do), so each layer's forward waits only for
-    its own install; else the step waits for the whole install. `device_sum_dtype`: the
+    "mean"). `attached`: the model is attached to the optimizer (`ZenFlowAdamW.attach`, or the
+    framework callbacks' attach=True), so each block's forward waits only for its own install;
+    else (the default, as zenflow.initialize runs) the step waits for the whole install. `device_sum_dtype`: the
     optimizer's ("bfloat16": half the bytes of every device sum not under "moments", which the
     host widens once per window)."""
     _check_arguments(gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, topk_ratio=topk_ratio,

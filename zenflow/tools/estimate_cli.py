@@ -42,10 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZenFlow device_sum_dtype (default: the optimizer's, float32)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ZenFlow overlap_step")
-    p.add_argument("--attach", action=argparse.BooleanOptionalAction, default=True,
-                   help="the model is attached to the optimizer (opt.attach(model); "
-                        "zenflow.initialize and the framework callbacks do it): each layer's "
-                        "forward waits only for its own install")
+    p.add_argument("--attach", action=argparse.BooleanOptionalAction, default=False,
+                   help="the model is attached to the optimizer (opt.attach(model), or the "
+                        "framework callbacks' attach=True): each block's forward waits only for "
+                        "its own install (default: off, as zenflow.initialize and the callbacks "
+                        "run: the step waits for the whole install)")
     p.add_argument("--fwd-bwd-seconds", type=_above_zero, default=None,
                    help="forward+backward seconds per step on one GPU: the window and the step times "
                         "follow from it (without it they are shown at 0.25-2 s)")
