@@ -189,8 +189,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     "mean"). `attached`: the model is attached to the optimizer (`ZenFlowAdamW.attach`, or the
     framework callbacks' attach=True), so each block's forward waits only for its own install;
     else (the default, as zenflow.initialize runs) the step waits for the whole install.
-    `device_sum_dtype`: the optimizer's ("bfloat16": half the bytes of every device sum not under "moments", which the
-    host widens once per window)."""
+    `device_sum_dtype`: the optimizer's ("bfloat16": half the bytes of every device sum not
+    under "moments", which the host widens once per window)."""
     _check_arguments(gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, topk_ratio=topk_ratio,
                      update_interval=update_interval, fwd_bwd_s=fwd_bwd_s, target=target,
                      device_sum_budget=device_sum_budget, activation_bytes=activation_bytes,
