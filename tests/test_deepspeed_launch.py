@@ -330,3 +330,42 @@ def test_a_save_on_rank_0_learns_within_seconds_that_the_other_ranks_exited(tmp_
     assert "rank(s) 1 ended without calling it (the process exited)" in zero["save_error"]
     assert zero["save_s"] < 30, zero["save_s"]   # rank 1's exit itself takes a second or two
     assert not (tmp_path / "ckpt" / "latest").exists()
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-1"])
+def test_a_bad_master_port_is_refused_by_name(tmp_path, port):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    parser = cli.argparse.ArgumentParser()
+    launch_tool.add_arguments(parser)
+    with pytest.raises(ValueError, match=f"--master_port must be a TCP port in 1..65535, got {port}"):
+        launch_tool.command(parser.parse_args(["--master_port", port, str(script)]))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_reaches_its_processes(tmp_path, signum):
+    """A scheduler's SIGTERM (or Ctrl-C) to `zenflow launch` goes on to the training process,
+    whose handler runs, and the launcher returns its exit status: no process is orphaned."""
+    script = tmp_path / "train.py"
+    marker = tmp_path / "handled"
+    script.write_text(
+        "import signal, sys, time\n"
+        f"signal.signal({int(signum)}, lambda s, f: (open({str(marker)!r}, 'w').write(str(s)), "
+        "sys.exit(7)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(TESTS.parent))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.Popen([sys.executable, "-m", "zenflow", "launch", "--no_local_rank",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 7
+        assert marker.read_text() == str(int(signum))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

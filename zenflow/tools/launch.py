@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -75,6 +76,8 @@ def command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     if args.num_gpus == 0 or args.num_gpus < -1:
         raise ValueError(f"--num_gpus must be a positive count or -1 (one per GPU), got "
                          f"{args.num_gpus}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise ValueError(f"--master_port must be a TCP port in 1..65535, got {args.master_port}")
     if args.node_rank >= args.num_nodes:
         raise ValueError(f"--node_rank {args.node_rank} is outside --num_nodes {args.num_nodes}")
     if not os.path.isfile(args.user_script):
@@ -106,4 +109,23 @@ def run(args: argparse.Namespace) -> int:
     if args.bind_cores_to_rank:
         print(f"zenflow launch: {BIND_CORES_NOTE}", file=sys.stderr, flush=True)
     print(f"zenflow launch: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    return run_forwarding_signals(cmd, env)
+
+
+def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
+    """Run `cmd` and return its exit status; a SIGTERM, SIGINT or SIGHUP sent to this launcher
+    (a scheduler ending the job, Ctrl-C) goes on to it, and this waits for it to end (torchrun
+    passes it to its workers and waits for them), so no training process is orphaned, and the
+    checkpoint a SIGTERM handler writes is written."""
+    child = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, forward) for signum in forwarded}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
