@@ -236,3 +236,40 @@ def test_a_row_that_saw_no_gradient_moves_at_most_lr_per_step():
     opt.step()    # the window's last: an install corrected for its 2 gradients, then handed off
     assert w.detach()[3].abs().max() <= 0.2 * (1 + 1e-6)
     opt.close()
+
+
+def test_a_window_summed_on_the_host_resumes_under_moments_with_sane_steps():
+    """A state saved mid-window where the matrix's sums were on the host (no squares summed),
+    loaded where it takes "moments" (another device budget, another world size): the window's
+    second moment is estimated from its sum (each gradient taken as the window's mean), not read
+    as zero squares, so its steps stay within twice the uninterrupted run's largest (zero
+    squares made its window-end step 2.4 times it here, 60 times in the field)."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(16, 12, generator=gen) * 0.1
+    grads = [torch.randn(16, 12, generator=gen) for _ in range(16)]
+    kw = dict(lr=1e-3, topk_ratio=0.25, update_interval=4, overlap_step=True, worker=False,
+              deferred_credit="moments", select_strategy="step", select_interval=1000)
+
+    def largest_steps(resumed: bool) -> float:
+        w = torch.nn.Parameter(start.clone())
+        opt = zenflow.ZenFlowAdamW([w], device_sum_budget=0 if resumed else ALL, **kw)
+        for g in grads[:2]:   # mid-window: 2 gradients summed (on the host, if resumed)
+            w.grad = g.clone()
+            opt.step()
+        if resumed:
+            state = opt.state_dict()
+            opt.close()
+            w = torch.nn.Parameter(w.detach().clone())
+            opt = zenflow.ZenFlowAdamW([w], device_sum_budget=ALL, **kw)
+            opt.load_state_dict(state)
+        largest = 0.0
+        for g in grads[2:]:
+            before = w.detach().clone()
+            w.grad = g.clone()
+            opt.step()
+            opt.wait_for_install()
+            largest = max(largest, float((w.detach() - before).abs().max()))
+        opt.close()
+        return largest
+
+    assert largest_steps(resumed=True) < 2 * largest_steps(resumed=False)

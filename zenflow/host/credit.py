@@ -175,8 +175,10 @@ class Credit:
         shaped `like`)."""
         return torch.zeros_like(like), torch.zeros_like(like)
 
-    def load(self, i: int, squares: torch.Tensor, rate: torch.Tensor) -> None:
-        """Restore what saved() returned (before the first step: kept until allocate())."""
+    def load(self, i: int, squares: torch.Tensor, rate: torch.Tensor, grad_sum: torch.Tensor,
+             num_grads: int) -> None:
+        """Restore what saved() returned (before the first step: kept until allocate()), beside
+        the window's `grad_sum` of `num_grads` gradients."""
 
 
 class WindowCredit(Credit):
@@ -309,7 +311,13 @@ class MomentsCredit(Credit):
             return tuple(t.to(torch.float32, copy=True) for t in self._restored[i])
         return super().saved(i, like)
 
-    def load(self, i, squares, rate):
+    def load(self, i, squares, rate, grad_sum, num_grads):
+        if num_grads and not squares.any() and grad_sum.any():
+            # Saved where this matrix took another rule (its sums on the host, or another
+            # placement): no squares were summed. Taking zero squares for the window's second
+            # moment would make its host step huge; take each gradient as the window's mean
+            # (the least the squares can be), as a state older than the squares does.
+            squares = grad_sum.float().square() / num_grads
         if i in self.rates:
             self.squares[i].copy_(squares)
             self.rates[i].copy_(rate)

@@ -87,7 +87,7 @@ def load(pipe, state: dict) -> list[HostJob] | None:
             pipe.device_sums.sums[i].copy_(s["grad_sum"])
         else:
             pipe.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
-        pipe.credit.load(i, s["grad_sq_sum"], s["rate"])
+        pipe.credit.load(i, s["grad_sq_sum"], s["rate"], s["grad_sum"], s["num_grads"])
         pipe.host_step[i], pipe.num_grads[i] = s["host_step"], s["num_grads"]
     if state["in_flight"] is None:
         return None
