@@ -41,6 +41,7 @@ from zenflow.engine.deepspeed_api import DeepSpeedEngineAPI, grad_norm
 from zenflow.engine.engine_checkpoints import EngineCheckpoints
 from zenflow.engine.fp32_masters import FP32Masters, trainable_param_groups
 from zenflow.engine.fsdp import check_sharding
+from zenflow.engine.gradient_averaging import average_gradients
 from zenflow.engine.loss_scaler import LossScaler
 from zenflow.engine.rank_agreement import StepAgreement
 from zenflow.engine.weight_sync import WeightSync
@@ -48,28 +49,6 @@ from zenflow.engine.weight_sync import WeightSync
 log = logging.getLogger("zenflow.engine")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# Gradients are averaged across ranks this many bytes at a time: one flat temporary per bucket,
-# never one of the whole model (12.5 GiB for a 7B model in bf16), as DDP buckets them.
-GRADIENT_BUCKET_BYTES = 256 << 20
-
-
-def gradient_buckets(grads: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """`grads` in order, grouped by dtype into runs of at most `bucket_bytes` (a larger gradient
-    makes a bucket of its own)."""
-    buckets: list[list[torch.Tensor]] = []
-    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        bucket, size = open_bucket.get(g.dtype, ([], 0))
-        if bucket and size + nbytes > bucket_bytes:
-            buckets.append(bucket)
-            bucket, size = [], 0
-        bucket.append(g)
-        open_bucket[g.dtype] = (bucket, size + nbytes)
-    buckets += [bucket for bucket, _ in open_bucket.values() if bucket]
-    return buckets
 
 
 class ZenFlowEngine(EngineCheckpoints, DeepSpeedEngineAPI, EngineConstruction, torch.nn.Module):
@@ -202,13 +181,7 @@ class ZenFlowEngine(EngineCheckpoints, DeepSpeedEngineAPI, EngineConstruction, t
         if not partition.active or self._fsdp2 or isinstance(
                 self.module, torch.nn.parallel.DistributedDataParallel):
             return
-        grads = [p.grad for p in self._params if p.grad is not None]
-        for bucket in gradient_buckets(grads, GRADIENT_BUCKET_BYTES):
-            flat = partition.sum_(torch.cat([g.reshape(-1) for g in bucket]),
-                                  "averaging gradients")
-            flat /= partition.world_size
-            for g, averaged in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(averaged.view_as(g))
+        average_gradients(partition, [p.grad for p in self._params if p.grad is not None])
 
     def _optimizer_step(self) -> None:
         self._average_gradients()
