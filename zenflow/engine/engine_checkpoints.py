@@ -6,8 +6,9 @@ What each file of a checkpoint holds: model_states.pt the synchronized weights; 
 the counters, schedule, loss scale, fp32 masters, RNG, config, client state and the weights
 training runs on until the in-flight update lands; optimizer_states.pt (one process) or
 rank<N>_states.pt (data parallel: each rank's share of the host state, and its RNG). The
-directory itself is written and read atomically by zenflow/engine/checkpoint.py; an FSDP2
-model's goes through torch.distributed.checkpoint (checkpoint_dcp.py).
+directory itself is written atomically by zenflow/engine/checkpoint.py and read back by
+checkpoint_read.py; an FSDP2 model's goes through torch.distributed.checkpoint
+(checkpoint_dcp.py).
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ import numpy as np
 import torch
 
 from zenflow.compat.deepspeed import comm
-from zenflow.engine.checkpoint import check_tag, load_object, read_checkpoint, write_checkpoint
+from zenflow.engine.checkpoint import check_tag, write_checkpoint
 from zenflow.engine.checkpoint_dcp import load_fsdp2_checkpoint, save_fsdp2_checkpoint
+from zenflow.engine.checkpoint_read import load_object, read_checkpoint
 from zenflow.engine.checkpoint_shards import write_sharded_checkpoint
 from zenflow.engine.deepspeed_api import frozen_parameter_names
 from zenflow.engine.weight_sync import synchronized_state
