@@ -197,7 +197,7 @@ def _plant(path: Path, name: str, obj):
     torch.save(obj, path / name)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"][name] = {"size": (path / name).stat().st_size,
-                               "sha256": checkpoint._sha256(path / name)}
+                               "sha256": checkpoint.file_sha256(path / name)}
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 

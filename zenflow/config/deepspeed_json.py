@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from zenflow.config.loading import ConfigError, load_config_dict, validation_problems
 from zenflow.config.scheduler_sections import (
-    _SCHEDULER_PARAMS,
+    SCHEDULER_PARAMS,
     SchedulerSection,
     WarmupCosineLRParams,
     WarmupDecayLRParams,
@@ -88,7 +88,7 @@ def optimizer_kwargs(cfg: ZenFlowConfig) -> dict:
 def scheduler_kwargs(cfg: ZenFlowConfig) -> tuple[str, dict] | None:
     if cfg.scheduler is None:
         return None
-    params = cfg.scheduler.params or _SCHEDULER_PARAMS[cfg.scheduler.type]()
+    params = cfg.scheduler.params or SCHEDULER_PARAMS[cfg.scheduler.type]()
     return cfg.scheduler.type, params.model_dump()
 
 

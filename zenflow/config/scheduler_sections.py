@@ -9,7 +9,7 @@ from pydantic import ValidationError, model_validator
 
 from zenflow.config.loading import validation_problems
 from zenflow.config.rules import Fraction, Iteration, LearningRate, PosInt
-from zenflow.config.section import _Section
+from zenflow.config.section import Section
 
 WarmupType = Literal["log", "linear"]
 
@@ -23,7 +23,7 @@ def _schedule_fits(params) -> None:
                          f"({params.warmup_num_steps}{default}), got {params.total_num_steps}")
 
 
-class WarmupLRParams(_Section):
+class WarmupLRParams(Section):
     warmup_min_lr: LearningRate = 0.0
     warmup_max_lr: LearningRate | None = None  # None: the optimizer's lr
     warmup_num_steps: PosInt = 1000
@@ -48,7 +48,7 @@ class WarmupDecayLRParams(WarmupLRParams):
         return self
 
 
-class WarmupCosineLRParams(_Section):
+class WarmupCosineLRParams(Section):
     total_num_steps: PosInt
     warmup_min_ratio: Fraction = 0.0
     warmup_num_steps: PosInt = 1000
@@ -62,11 +62,11 @@ class WarmupCosineLRParams(_Section):
         return self
 
 
-_SCHEDULER_PARAMS = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
+SCHEDULER_PARAMS = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
                      "WarmupCosineLR": WarmupCosineLRParams}
 
 
-class SchedulerSection(_Section):
+class SchedulerSection(Section):
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
     params: WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams | None = None
 
@@ -76,14 +76,14 @@ class SchedulerSection(_Section):
         # Validate params against the schema of the named schedule only, so that errors name
         # that schedule's keys and not a union of all three.
         kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind in _SCHEDULER_PARAMS:
+        if isinstance(kind, str) and kind in SCHEDULER_PARAMS:
             params = data.get("params")
             if params is None:  # absent or null: the schedule's defaults, which may not suffice
                 params = {}
             if not isinstance(params, dict):
                 raise ValueError(f"@params must be an object, got {params!r:.100}")
             try:
-                parsed = _SCHEDULER_PARAMS[kind].model_validate(params)
+                parsed = SCHEDULER_PARAMS[kind].model_validate(params)
             except ValidationError as exc:
                 raise ValueError("@params." + "; params.".join(validation_problems(exc))) from None
             data = dict(data, params=parsed)

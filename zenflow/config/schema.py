@@ -28,12 +28,12 @@ from zenflow.config.rules import (
     WeightDecay,
 )
 from zenflow.config.scheduler_sections import SchedulerSection, WarmupLRParams
-from zenflow.config.section import _Section
+from zenflow.config.section import Section
 from zenflow.config.settings import ADAMW_DEFAULTS, AdamWHyperparameters, ZenFlowSettings
 from zenflow.config.zero_sections import ZenFlowSection, ZeroSection
 
 
-class AdamParams(_Section):
+class AdamParams(Section):
     """optimizer.params: the AdamWHyperparameters fields, with DeepSpeed's defaults (its
     weight_decay is 0; torch's, the constructors' default, is 0.01)."""
 
@@ -57,12 +57,12 @@ class AdamParams(_Section):
                                     weight_decay=self.weight_decay)
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(Section):
     type: Literal["Adam", "AdamW", "adam", "adamw"]
     params: AdamParams = AdamParams()
 
 
-class FP16Section(_Section):
+class FP16Section(Section):
     enabled: Flag = False
     loss_scale: LossScale = 0.0  # 0 means dynamic loss scaling
     initial_scale_power: Exponent = 16
@@ -75,7 +75,7 @@ class FP16Section(_Section):
     _ignored = ("auto_cast", "fp16_master_weights_and_grads")
 
 
-class BF16Section(_Section):
+class BF16Section(Section):
     enabled: Flag = False
     immediate_grad_update: Any = None
     check_grad_overflow: Any = None
@@ -90,7 +90,7 @@ _IGNORED_TOP = ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_
                 "memory_breakdown", "activation_checkpointing", "data_types", "seed")
 
 
-class CheckpointSection(_Section):
+class CheckpointSection(Section):
     """DeepSpeed's checkpoint block: what to do when the ranks pass different tags to
     save_checkpoint (rank 0's is used, as in DeepSpeed); any case, as DeepSpeed reads it."""
 
@@ -108,7 +108,7 @@ class CheckpointSection(_Section):
         return data
 
 
-class ZenFlowConfig(_Section):
+class ZenFlowConfig(Section):
     """The whole config, after DeepSpeed's batch-size rule has filled in the missing sizes."""
 
     train_batch_size: PosInt | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     """A config block: unknown keys are errors; `_ignored` lists keys accepted but unused."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
@@ -18,6 +18,6 @@ class _Section(BaseModel):
         out = [f"{prefix}{k}" for k in self._ignored if k in self.model_fields_set]
         for name in self.model_fields_set:
             value = getattr(self, name)
-            if isinstance(value, _Section):
+            if isinstance(value, Section):
                 out += value.ignored_keys(f"{prefix}{name}.")
         return out

@@ -19,13 +19,13 @@ from zenflow.config.rules import (
     UpdateInterval,
     select_interval_fits_strategy,
 )
-from zenflow.config.section import _Section
+from zenflow.config.section import Section
 from zenflow.config.settings import DEFAULTS, ZenFlowSettings
 
 # ---------------------------------------------------------------------------------------------
 # zero_optimization.zenflow: every key DeepSpeed 0.19 accepts.
 
-class ZenFlowSection(_Section):
+class ZenFlowSection(Section):
     """The keys of DeepSpeed's zenflow block: each is the ZenFlowSettings field of that name,
     checked by the same rule. A key left out takes DeepSpeed 0.19's default, so that a DeepSpeed
     config trains here as it does under DeepSpeed: ZenFlowSettings' default, except for
@@ -70,7 +70,7 @@ class ZenFlowSection(_Section):
         return ZenFlowSettings(**self.model_dump(exclude={"offload"}), max_grad_norm=max_grad_norm)
 
 
-class OffloadOptimizerSection(_Section):
+class OffloadOptimizerSection(Section):
     device: Literal["none", "cpu"] = "none"
     pin_memory: Flag = False
     # Tuning knobs of DeepSpeed's own CPU/NVMe offload path.
@@ -91,7 +91,7 @@ class OffloadOptimizerSection(_Section):
         return data
 
 
-class ZeroSection(_Section):
+class ZeroSection(Section):
     stage: Annotated[int, Field(strict=True)] = 0
     offload_optimizer: OffloadOptimizerSection | None = None
     offload_param: dict | None = None

@@ -38,7 +38,7 @@ _STAGED = re.compile(r"^\.(?P<tag>.+)\.(?P<kind>tmp|new|old|shares)-[0-9a-f]{32}
 MAX_TAG_BYTES = 255 - 41
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -65,7 +65,7 @@ def _check_file_name(name) -> str:
     return name
 
 
-def _check_entry_name(name) -> str:
+def check_entry_name(name) -> str:
     """A checkpoint file's name in the manifest: a plain file name, or a plain file name inside
     one plain subdirectory (torch.distributed.checkpoint's files, whose index is '.metadata')."""
     if isinstance(name, str) and name.count("/") == 1:
@@ -112,7 +112,7 @@ def _leftovers(save_dir: Path, tag: str) -> dict[str, list[Path]]:
     return out
 
 
-def _recover(save_dir: Path, tag: str, keep: Path | None = None) -> None:
+def recover_tag(save_dir: Path, tag: str, keep: Path | None = None) -> None:
     """Finish or undo an interrupted save of `tag` (the caller holds the tag's lock).
 
     If the tag directory is missing, the newest complete new version takes its name (roll
@@ -210,7 +210,7 @@ def _write_latest(save_dir: Path, tag: str) -> None:
 
 def file_entry(path: Path) -> dict:
     """The manifest entry of a file written by other means (torch.distributed.checkpoint)."""
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def save_file(path: Path, obj: Any) -> dict:
@@ -218,7 +218,7 @@ def save_file(path: Path, obj: Any) -> dict:
     its manifest entry, for write_checkpoint's `prewritten`."""
     _check_file_name(path.name)
     _save_object(path, obj)
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, Any],
@@ -241,14 +241,14 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
     for name in objects:
         _check_file_name(name)
     for name in prewritten:
-        _check_entry_name(name)
+        check_entry_name(name)
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / tag
     # the folders the other ranks wrote into (a file in a subdirectory: its parent's parent)
     shares = {Path(src).parents[name.count("/")] for name, (src, _) in prewritten.items()}
     with TagLock(save_dir, tag):
-        _recover(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
+        recover_tag(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
         ident = uuid.uuid4().hex
         tmp = save_dir / f".{tag}.tmp-{ident}"
         try:
@@ -256,7 +256,7 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
             files = {}
             for name, obj in objects.items():
                 _save_object(tmp / name, obj)
-                files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+                files[name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
             for name, (src, entry) in prewritten.items():
                 if not Path(src).is_file() or Path(src).stat().st_size != entry["size"]:
                     raise CheckpointError(f"{str(src)!r}, written by another rank, is missing or "
@@ -288,6 +288,6 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
             if old is not None:
                 shutil.rmtree(old)
         except BaseException:
-            _recover(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
+            recover_tag(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
             raise
     return final

@@ -18,10 +18,10 @@ from zenflow.engine.checkpoint import (
     FORMAT,
     LATEST,
     MANIFEST,
-    _check_entry_name,
-    _recover,
-    _sha256,
+    check_entry_name,
     check_tag,
+    file_sha256,
+    recover_tag,
 )
 from zenflow.engine.checkpoint_lock import CheckpointError, TagLock
 
@@ -67,7 +67,7 @@ def _manifest(path: Path) -> dict:
         raise _bad_manifest(path, f"meta must be an object, got {type(meta).__name__}")
     for name, entry in files.items():
         try:
-            _check_entry_name(name)
+            check_entry_name(name)
         except ValueError as exc:
             raise _bad_manifest(path, str(exc)) from None
         if not isinstance(entry, dict):
@@ -101,7 +101,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
         if size != expected["size"]:
             raise CheckpointError(f"checkpoint {str(path)!r} is truncated or damaged: {name} has "
                                   f"{size} bytes, the manifest says {expected['size']}")
-        if _sha256(file) != expected["sha256"]:
+        if file_sha256(file) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {str(path)!r} is damaged: the SHA-256 of {name} "
                                   f"does not match the manifest")
     return manifest
@@ -140,7 +140,7 @@ def read_checkpoint(load_dir: str | os.PathLike, tag: str | None, names: list[st
     if not os.path.lexists(path) and load_dir.is_dir():
         with TagLock(load_dir, tag, optional=True) as lock:
             if lock.fd is not None:
-                _recover(load_dir, tag)  # finish an overwrite that a crash interrupted
+                recover_tag(load_dir, tag)  # finish an overwrite that a crash interrupted
     # A shared lock: a save of this tag cannot swap the directory mid-read; other readers can.
     with TagLock(load_dir, tag, optional=True, shared=True):
         manifest = verify_checkpoint(path)

@@ -22,7 +22,7 @@ import torch
 
 from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_chunk_
 from zenflow.host.arena import Arena, Region
-from zenflow.host.layout import HostJob, HostLayout, _dtype_name
+from zenflow.host.layout import HostJob, HostLayout, dtype_name
 from zenflow.host.layout import HostUpdate as HostUpdate  # host/credit.py imports it from here
 from zenflow.host.layout import rate_dtype as rate_dtype  # host/credit.py imports it from here
 from zenflow.host.numa import share_bounds
@@ -233,7 +233,7 @@ class HostState:
         by_view: dict[str, list[tuple[int, int]]] = {}
         for i in matrices:
             m = self.layout.matrices[i]
-            name = buffer if fp32 else f"{buffer}_{_dtype_name(m.dtype)}"
+            name = buffer if fp32 else f"{buffer}_{dtype_name(m.dtype)}"
             start = m.offset if fp32 else m.typed_offset
             by_view.setdefault(name, []).append((start, start + m.numel))
         return [self.arena.views[name][min(a for a, _ in runs):max(b for _, b in runs)]
@@ -241,7 +241,7 @@ class HostState:
 
     def _typed(self, buffer: str, i: int) -> torch.Tensor:
         m = self.layout.matrices[i]
-        flat = self.arena.views[f"{buffer}_{_dtype_name(m.dtype)}"]
+        flat = self.arena.views[f"{buffer}_{dtype_name(m.dtype)}"]
         return flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
 
     def _runs(self, matrices: list[int]) -> list[tuple[int, int, torch.dtype]]:
@@ -259,7 +259,7 @@ class HostState:
 
     def _typed_run(self, buffer: str, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = next(g[1] for g in self.layout.groups if g[0] == dtype)
-        flat = self.arena.views[f"{buffer}_{_dtype_name(dtype)}"]
+        flat = self.arena.views[f"{buffer}_{dtype_name(dtype)}"]
         return flat[offset - start:offset - start + numel]
 
     # -- the arithmetic -----------------------------------------------------------------------

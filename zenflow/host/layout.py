@@ -84,7 +84,7 @@ class HostMatrix:
         return self.rows * self.cols
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -100,7 +100,7 @@ class HostLayout:
     def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
               staging_slots: int = 1, rates: bool = False) -> HostLayout:
         """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
-        order = sorted(range(len(shapes)), key=lambda i: (_dtype_name(shapes[i][2]), i))
+        order = sorted(range(len(shapes)), key=lambda i: (dtype_name(shapes[i][2]), i))
         placed: dict[int, HostMatrix] = {}
         groups, offset = [], 0
         for i in order:
@@ -128,11 +128,11 @@ class HostLayout:
         for dtype, _, numel in self.groups:
             out += [(name, dtype, numel) for name in self._typed_names(dtype)]
             if self.rates:
-                out.append((f"rate_{_dtype_name(dtype)}", rate_dtype(dtype), numel))
+                out.append((f"rate_{dtype_name(dtype)}", rate_dtype(dtype), numel))
         return out
 
     def _typed_names(self, dtype: torch.dtype) -> list[str]:
-        name = _dtype_name(dtype)
+        name = dtype_name(dtype)
         return [*(f"staging{s}_{name}" for s in range(self.staging_slots)), f"install_{name}"]
 
     def dma_regions(self) -> list[str]:
@@ -140,7 +140,7 @@ class HostLayout:
         depends on where the sums are placed: install_regions() and HostState.span())."""
         return ["step_coef", *(name for dtype, _, _ in self.groups
                 for name in [*self._typed_names(dtype),
-                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
+                             *([f"rate_{dtype_name(dtype)}"] if self.rates else [])])]
 
     def install_regions(self) -> list[str]:
         """The buffers that every window's copies read or write whatever the sums' placement
@@ -148,8 +148,8 @@ class HostLayout:
         The staging and sum buffers are locked once the sums are placed, where their copies
         run (zenflow/host/pipeline.py)."""
         return ["step_coef", *(name for dtype, _, _ in self.groups
-                for name in [f"install_{_dtype_name(dtype)}",
-                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
+                for name in [f"install_{dtype_name(dtype)}",
+                             *([f"rate_{dtype_name(dtype)}"] if self.rates else [])])]
 
 def rate_dtype(param_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the AdamW rates of a parameter of `param_dtype`: bf16 for 16-bit weights

@@ -42,7 +42,7 @@ import torch
 from zenflow.adamw import FP32_STATE
 from zenflow.config.settings import AdamWHyperparameters
 from zenflow.distributed import is_sharded, local, sharded_like
-from zenflow.optim.state_versions import FORMAT_VERSION, _current, _with_squares
+from zenflow.optim.state_versions import FORMAT_VERSION, migrated, with_squares
 from zenflow.saved_state import check_like, check_saved_tensors
 
 
@@ -230,7 +230,7 @@ def _check_ranks(parts: StateParts, saved: dict, through_dcp: bool) -> None:
 
 def _check(parts: StateParts, state_dict: dict) -> dict:
     section, through_dcp = _section(state_dict)
-    saved = _current(section)
+    saved = migrated(section)
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(
             isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
@@ -260,7 +260,7 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     for m in parts.host_params:
         piece = pieces[m.param] = _local(_saved_piece(states.get(key[m.param]), "host", m.param))
         if not saved.get("squares_saved", True) and isinstance(piece.get("host"), dict):
-            piece = pieces[m.param] = {**piece, "host": _with_squares(piece["host"])}
+            piece = pieces[m.param] = {**piece, "host": with_squares(piece["host"])}
         what = f"the selected columns of the parameter of shape {tuple(m.param.shape)}"
         m.selected.check_state_dict(piece.get("device"), what)
         if saved["selection"]["has_chosen"]:

@@ -27,7 +27,7 @@ def _from_v2(saved: dict) -> dict:
 
 def _from_v3(saved: dict) -> dict:
     # Version 4 saves each matrix's sum of squares and device rates (deferred_credit="moments");
-    # the host pieces of older states get them when checked (`_with_squares`).
+    # the host pieces of older states get them when checked (`with_squares`).
     return {**saved, "squares_saved": False}
 
 
@@ -42,7 +42,7 @@ _MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2, 3: _
                                                   4: _from_v4}
 
 
-def _with_squares(host_piece: dict) -> dict:
+def with_squares(host_piece: dict) -> dict:
     """A host piece of a state older than version 4 with the squares as if every gradient of its
     window were the window's mean, and no rates (the device takes no interim steps until the
     next install)."""
@@ -55,7 +55,7 @@ def _with_squares(host_piece: dict) -> dict:
             "rate": None if squares is None else torch.zeros_like(squares)}
 
 
-def _current(saved: dict) -> dict:
+def migrated(saved: dict) -> dict:
     """The "zenflow" section `saved` in this version's format, migrated step by step."""
     version = saved.get("format_version", 1)
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
