@@ -43,7 +43,8 @@ def _child(args) -> dict:
     import torch
 
     from zenflow.host import buffers
-    from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate
+    from zenflow.host.buffers import HostState
+    from zenflow.host.layout import HostJob, HostLayout, HostUpdate
 
     torch.set_num_threads(args.cores)
     cols = max(1, args.params // ROWS)

@@ -36,6 +36,7 @@ import torch
 import zenflow
 from zenflow.tools.bench import cli, harness, plots
 from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
+from zenflow.tools.bench.report import format_table
 from zenflow.tools.bench.systems import BUILDERS
 
 SYSTEMS = ["adamw", "offload", "zenflow-sync", "zenflow", "zenflow-defaults", "zenflow-moments"]
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     report["zenflow_step_profile_s"] = profile_zenflow_step(spec)
 
     print()
-    print(harness.format_table(report))
+    print(format_table(report))
     print("\nstall per step (OffloadAdamW: all of step()):")
     for name, row in report["stall"].items():
         stall = "-" if row["stall_s"] is None else f"{row['stall_s'] * 1e3:7.1f} ms"

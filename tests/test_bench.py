@@ -7,6 +7,7 @@ import torch
 
 from zenflow.tools.bench import cli, harness
 from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
+from zenflow.tools.bench.report import window_means
 from zenflow.tools.bench.systems import SYSTEMS, system_unavailable_reason
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--vocab-size", "64",
@@ -58,7 +59,7 @@ def test_rounds_rotate_the_order_of_systems():
 
 
 def test_window_means_use_whole_windows_only():
-    assert harness.window_means([1, 3, 2, 2, 9], 2) == [2.0, 2.0]
+    assert window_means([1, 3, 2, 2, 9], 2) == [2.0, 2.0]
 
 
 def _png_size(path):

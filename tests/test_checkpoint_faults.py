@@ -14,13 +14,9 @@ import test_checkpoint as tc
 import torch
 
 from zenflow.engine import checkpoint
-from zenflow.engine.checkpoint import (
-    CheckpointError,
-    read_checkpoint,
-    verify_checkpoint,
-    write_checkpoint,
-)
+from zenflow.engine.checkpoint import CheckpointError, write_checkpoint
 from zenflow.engine.checkpoint_lock import TagLock
+from zenflow.engine.checkpoint_read import read_checkpoint, verify_checkpoint
 
 STAGES = ["written", "staged", "retired", "committed", "latest"]
 # Which version the tag holds after an overwrite stopped at each stage: before the old
@@ -201,7 +197,7 @@ def _plant(path: Path, name: str, obj):
     torch.save(obj, path / name)
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"][name] = {"size": (path / name).stat().st_size,
-                               "sha256": checkpoint._sha256(path / name)}
+                               "sha256": checkpoint.file_sha256(path / name)}
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from zenflow.engine import checkpoint
-from zenflow.engine.checkpoint import read_checkpoint, write_checkpoint
+from zenflow.engine.checkpoint import write_checkpoint
 from zenflow.engine.checkpoint_lock import CheckpointError, TagLock
+from zenflow.engine.checkpoint_read import read_checkpoint
 
 BIG = {"w": torch.arange(1 << 20, dtype=torch.float32)}   # 4 MiB: torch writes it in pieces
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from zenflow.distributed import Partition
-from zenflow.engine.checkpoint import CheckpointError, read_checkpoint
+from zenflow.engine.checkpoint import CheckpointError
+from zenflow.engine.checkpoint_read import read_checkpoint
 from zenflow.engine.checkpoint_shards import write_sharded_checkpoint
 
 

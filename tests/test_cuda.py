@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zenflow.tools import selftest_checks, selftest_gpu
+from zenflow.tools import selftest_checks, selftest_gpu, selftest_transfers
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -18,7 +18,7 @@ def ctx():
 
 @pytest.mark.parametrize("sums", ["host", "device", "bf16 device"])
 def test_a_step_inside_a_window_never_waits_for_the_device(ctx, sums):
-    check = selftest_checks.no_syncs_inside_a_window(ctx, sums)
+    check = selftest_transfers.no_syncs_inside_a_window(ctx, sums)
     assert check.status == "pass", check.detail
 
 
@@ -38,5 +38,5 @@ def test_a_refused_page_lock_is_cleared_and_dropped_locks_are_released(ctx):
 
 
 def test_async_transfers_equal_synchronous_ones_bit_for_bit(ctx):
-    check = selftest_checks.transfers(ctx)[0]
+    check = selftest_transfers.transfers(ctx)[0]
     assert check.status == "pass", check.detail

@@ -11,7 +11,7 @@ import weakref
 import torch
 
 import zenflow
-from zenflow.engine.engine import gradient_buckets
+from zenflow.engine.gradient_averaging import gradient_buckets
 from zenflow.host import page_locks
 from zenflow.host.page_locks import PageLocks
 from zenflow.host.transfers import Transfers

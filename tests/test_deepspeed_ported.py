@@ -32,7 +32,7 @@ import zenflow as deepspeed  # the one changed line of a DeepSpeed test
 from zenflow import comm as dist
 from zenflow import get_accelerator
 from zenflow.config.deepspeed_json import ConfigError, parse_config
-from zenflow.config.schema import OffloadOptimizerSection, ZenFlowSection, ZeroSection
+from zenflow.config.zero_sections import OffloadOptimizerSection, ZenFlowSection, ZeroSection
 
 STAGE3 = ("ZeRO stage 3 maps onto FSDP2: the model must be wrapped with fully_shard before "
           "initialize (tests/test_fsdp2_engine.py); these cases hand an unsharded model")

@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_
 from zenflow.host import buffers
-from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate, landing_of, widen_
+from zenflow.host.buffers import HostState, landing_of, widen_
+from zenflow.host.layout import HostJob, HostLayout, HostUpdate
 
 SHAPES = [(37, 129, torch.bfloat16), (3, 7, torch.bfloat16), (0, 5, torch.bfloat16),
           (300, 333, torch.bfloat16), (64, 65, torch.float32), (129, 31, torch.float32),

@@ -135,8 +135,9 @@ def test_install_does_not_wait_for_this_steps_copy():
 def test_waiting_for_everything_waits_for_an_update_that_finishes_last():
     """The worker runs an update beside later accumulates, so "done" replies arrive out of
     order; waiting for everything must not return when only the last command is done."""
-    from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate
+    from zenflow.host.buffers import HostState
     from zenflow.host.commands import Accumulate, Update
+    from zenflow.host.layout import HostJob, HostLayout, HostUpdate
     from zenflow.host.worker import WorkerHostRunner
     host = HostState.allocate(HostLayout.build([(2048, 4096, torch.float32), (4, 4, torch.float32)],
                                                sum_slots=2))

@@ -171,7 +171,7 @@ def _trained(steps: int = 5):
 
 
 def test_the_state_carries_its_format_version_and_an_unversioned_one_still_loads():
-    from zenflow.optim.state import FORMAT_VERSION
+    from zenflow.optim.state_versions import FORMAT_VERSION
     model, opt = _trained()
     saved = opt.state_dict()
     assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 5

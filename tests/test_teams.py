@@ -11,8 +11,9 @@ import torch
 from test_host_update import JOBS, SHAPES, _host, _results, _update_in_passes
 
 from zenflow.host import buffers, numa
-from zenflow.host.buffers import HostLayout, HostState
+from zenflow.host.buffers import HostState
 from zenflow.host.commands import Update
+from zenflow.host.layout import HostLayout
 from zenflow.host.teams import NodeTeams
 from zenflow.host.worker import WorkerHostRunner
 

@@ -19,9 +19,10 @@ import torch
 from conftest import sigint_as_in_a_terminal
 
 import zenflow
-from zenflow.host.buffers import HostJob, HostLayout, HostState, HostUpdate
+from zenflow.host.buffers import HostState
 from zenflow.host.commands import Update
 from zenflow.host.cores import split_cores
+from zenflow.host.layout import HostJob, HostLayout, HostUpdate
 from zenflow.host.worker import WorkerHostRunner
 from zenflow.optim.reference import ReferenceZenFlow
 

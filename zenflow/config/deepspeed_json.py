@@ -3,8 +3,8 @@
 A config is validated completely before any work starts. Every problem is reported as a
 `key.path message, got value` line, e.g.
 `zero_optimization.zenflow.topk_ratio must be between 0 and 1, got 1.5`.
-Reading (`config_input`: files, dicts, encodings, duplicate keys) and the schema
-(`config_schema`: blocks and defaults, its values checked by the rules in `rules` that the
+Reading (`loading`: files, dicts, encodings, duplicate keys) and the schema (`schema` and the
+blocks beside it: blocks and defaults, its values checked by the rules in `rules` that the
 optimizer constructors use too) live in their own modules; the names are re-exported here.
 
 Keys that DeepSpeed accepts but that change nothing here (logging, communication tuning,
@@ -18,21 +18,15 @@ import os
 from pydantic import ValidationError
 
 from zenflow.config.loading import ConfigError, load_config_dict, validation_problems
-from zenflow.config.schema import (
-    _SCHEDULER_PARAMS,
-    AdamParams,
-    BF16Section,
-    FP16Section,
-    OffloadOptimizerSection,
-    OptimizerSection,
+from zenflow.config.scheduler_sections import (
+    SCHEDULER_PARAMS,
     SchedulerSection,
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
-    ZenFlowConfig,
-    ZenFlowSection,
-    ZeroSection,
 )
+from zenflow.config.schema import AdamParams, BF16Section, FP16Section, OptimizerSection, ZenFlowConfig
+from zenflow.config.zero_sections import OffloadOptimizerSection, ZenFlowSection, ZeroSection
 
 __all__ = ["ConfigError", "load_config_dict", "parse_config", "optimizer_kwargs",
            "scheduler_kwargs", "resolved_settings", "world_size_from_env", "AdamParams",
@@ -94,7 +88,7 @@ def optimizer_kwargs(cfg: ZenFlowConfig) -> dict:
 def scheduler_kwargs(cfg: ZenFlowConfig) -> tuple[str, dict] | None:
     if cfg.scheduler is None:
         return None
-    params = cfg.scheduler.params or _SCHEDULER_PARAMS[cfg.scheduler.type]()
+    params = cfg.scheduler.params or SCHEDULER_PARAMS[cfg.scheduler.type]()
     return cfg.scheduler.type, params.model_dump()
 
 

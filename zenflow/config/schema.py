@@ -1,4 +1,7 @@
-"""The DeepSpeed-style JSON config's schema: every block, its defaults and its bounds.
+"""The DeepSpeed-style JSON config's schema: every block, its defaults and its bounds. The whole
+config (ZenFlowConfig) and its small blocks (optimizer, fp16, bf16, checkpoint) are here; the
+zero_optimization block is in zero_sections.py, the scheduler block in scheduler_sections.py,
+and what every block is in section.py.
 
 Each problem is raised as a ValueError whose text follows the key path (or, for a check on a
 whole block, starts with `@key`); `zenflow.config.deepspeed_json.parse_config` turns them into ConfigError
@@ -8,182 +11,29 @@ must not silently fall back to a default.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import model_validator
 
-from zenflow.config.loading import validation_problems
 from zenflow.config.rules import (
     Betas,
-    DeferredCredit,
     Eps,
     Exponent,
     Flag,
-    Fraction,
-    Iteration,
     LearningRate,
-    Lookahead,
     LossScale,
     MinLossScale,
     NonNegFloat,
-    NonNegInt,
     PosInt,
-    SelectInterval,
-    SelectStrategy,
-    UpdateInterval,
     WeightDecay,
-    select_interval_fits_strategy,
 )
-from zenflow.config.settings import ADAMW_DEFAULTS, DEFAULTS, AdamWHyperparameters, ZenFlowSettings
+from zenflow.config.scheduler_sections import SchedulerSection, WarmupLRParams
+from zenflow.config.section import Section
+from zenflow.config.settings import ADAMW_DEFAULTS, AdamWHyperparameters, ZenFlowSettings
+from zenflow.config.zero_sections import ZenFlowSection, ZeroSection
 
 
-class _Section(BaseModel):
-    """A config block: unknown keys are errors; `_ignored` lists keys accepted but unused."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-    _ignored: tuple[str, ...] = ()
-
-    def ignored_keys(self, prefix: str = "") -> list[str]:
-        """Dotted paths of keys that were given but have no effect here."""
-        out = [f"{prefix}{k}" for k in self._ignored if k in self.model_fields_set]
-        for name in self.model_fields_set:
-            value = getattr(self, name)
-            if isinstance(value, _Section):
-                out += value.ignored_keys(f"{prefix}{name}.")
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
-# zero_optimization.zenflow: every key DeepSpeed 0.19 accepts.
-
-class ZenFlowSection(_Section):
-    """The keys of DeepSpeed's zenflow block: each is the ZenFlowSettings field of that name,
-    checked by the same rule. A key left out takes DeepSpeed 0.19's default, so that a DeepSpeed
-    config trains here as it does under DeepSpeed: ZenFlowSettings' default, except for
-    select_strategy, update_interval, overlap_step and auto_ratio (marked).
-
-    The keys mean what DeepSpeed means (its zenflow_config.py and runtime/zenflow/engine.py);
-    where they do not, the comment says so and docs/deepspeed.md lists it under "Deliberate
-    differences"."""
-
-    # DeepSpeed's `offload` moves the selected columns' state to the host; ours is ~10% of the
-    # model in fp32 on the device, so the key is accepted and has no effect.
-    _ignored = ("offload",)
-
-    # [0, 1], DeepSpeed's Field(ge=0.0, le=1.0); 0 and 1 are well defined here (all columns on
-    # the host; plain AdamW), where DeepSpeed's "auto" update criterion divides by zero.
-    topk_ratio: Fraction = DEFAULTS.topk_ratio
-    # "auto" (DeepSpeed's default): reselect once per epoch when initialize knows the epoch
-    # length (training_data), else select once and warn; "step"/"epoch": every select_interval
-    # steps/epochs, whatever the windows; "drift" is ours (reselect when the selection drifts).
-    select_strategy: SelectStrategy = "auto"    # DeepSpeed's default
-    select_interval: SelectInterval = DEFAULTS.select_interval
-    update_interval: UpdateInterval = "auto"    # DeepSpeed's default
-    overlap_step: Flag = False                  # DeepSpeed's default
-    offload: Flag = False
-    # [0, 1] as DeepSpeed's Field(ge=0.0, le=1.0); null (ours) means no importance threshold.
-    auto_ratio: Fraction | None = 0.99          # DeepSpeed's default
-    full_warm_up_rounds: NonNegInt = DEFAULTS.full_warm_up_rounds
-    # Set, it means what DeepSpeed's means (that share of the cores for the training process);
-    # left out, the worker takes every core but two (ours, not DeepSpeed's 0.5: settings.py).
-    pt_reserved_cores_perc: Fraction | None = DEFAULTS.pt_reserved_cores_perc
-    # DeepSpeed fills it in from the dataloader ("should not be set by users"); so does
-    # initialize (from training_data), unless the config sets it.
-    steps_per_epoch: PosInt | None = DEFAULTS.steps_per_epoch
-    # Ours, not DeepSpeed's (docs/semantics.md, "Window end").
-    deferred_credit: DeferredCredit = DEFAULTS.deferred_credit
-    install_lookahead: Lookahead = DEFAULTS.install_lookahead
-
-    _fits_the_strategy = field_validator("select_interval")(select_interval_fits_strategy)
-
-    def settings(self, max_grad_norm: float | None) -> ZenFlowSettings:
-        """The optimizer's settings: these keys, the clipping norm, and defaults for the rest."""
-        return ZenFlowSettings(**self.model_dump(exclude={"offload"}), max_grad_norm=max_grad_norm)
-
-
-class OffloadOptimizerSection(_Section):
-    device: Literal["none", "cpu"] = "none"
-    pin_memory: Flag = False
-    # Tuning knobs of DeepSpeed's own CPU/NVMe offload path.
-    buffer_count: Any = None
-    fast_init: Any = None
-    pipeline_read: Any = None
-    pipeline_write: Any = None
-    ratio: Any = None
-    nvme_path: Any = None
-    _ignored = ("buffer_count", "fast_init", "pipeline_read", "pipeline_write", "ratio", "nvme_path")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_nvme(cls, data):
-        if isinstance(data, dict) and data.get("device") == "nvme":
-            raise ValueError("@device is 'nvme', which is not supported: "
-                             "allowed are 'cpu' (offload to host memory) and 'none'")
-        return data
-
-
-class ZeroSection(_Section):
-    stage: Annotated[int, Field(strict=True)] = 0
-    offload_optimizer: OffloadOptimizerSection | None = None
-    offload_param: dict | None = None
-    zenflow: ZenFlowSection | None = None
-    # Communication and memory-layout tuning of DeepSpeed's ZeRO implementation.
-    contiguous_gradients: Any = None
-    overlap_comm: Any = None
-    reduce_scatter: Any = None
-    reduce_bucket_size: Any = None
-    allgather_partitions: Any = None
-    allgather_bucket_size: Any = None
-    round_robin_gradients: Any = None
-    elastic_checkpoint: Any = None
-    load_from_fp32_weights: Any = None
-    sub_group_size: Any = None
-    ignore_unused_parameters: Any = None
-    cpu_offload: Any = None
-    # Stage 3's tuning of DeepSpeed's own parameter partitioning; here FSDP2 shards (and
-    # prefetches) the parameters, tuned by fully_shard's own arguments.
-    stage3_max_live_parameters: Any = None
-    stage3_max_reuse_distance: Any = None
-    stage3_prefetch_bucket_size: Any = None
-    stage3_param_persistence_threshold: Any = None
-    stage3_gather_16bit_weights_on_model_save: Any = None
-    stage3_gather_fp16_weights_on_model_save: Any = None
-    _ignored = ("contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-                "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
-                "elastic_checkpoint", "load_from_fp32_weights", "sub_group_size",
-                "ignore_unused_parameters", "cpu_offload", "stage3_max_live_parameters",
-                "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
-                "stage3_gather_fp16_weights_on_model_save")
-
-    @model_validator(mode="after")
-    def _supported_stage(self):
-        # Stage 3 (sharded parameters) is FSDP2 here: initialize checks that the model is
-        # sharded with fully_shard (docs/fsdp2.md).
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"@stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        if self.offload_param is not None:
-            raise ValueError("@offload_param offloads the parameters themselves, which is not "
-                             "supported: zenflow offloads the optimizer (offload_optimizer); "
-                             "shard the parameters with FSDP2 (stage 3) instead")
-        if self.cpu_offload:
-            raise ValueError("@cpu_offload is DeepSpeed's deprecated spelling; use "
-                             "offload_optimizer: {\"device\": \"cpu\"}")
-        return self
-
-    @property
-    def offload_device(self) -> str:
-        return self.offload_optimizer.device if self.offload_optimizer else "none"
-
-
-class AdamParams(_Section):
+class AdamParams(Section):
     """optimizer.params: the AdamWHyperparameters fields, with DeepSpeed's defaults (its
     weight_decay is 0; torch's, the constructors' default, is 0.01)."""
 
@@ -207,91 +57,12 @@ class AdamParams(_Section):
                                     weight_decay=self.weight_decay)
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(Section):
     type: Literal["Adam", "AdamW", "adam", "adamw"]
     params: AdamParams = AdamParams()
 
 
-WarmupType = Literal["log", "linear"]
-
-
-def _schedule_fits(params) -> None:
-    """total_num_steps covers the warm-up (DeepSpeed only warns and then divides by a negative
-    length)."""
-    if params.total_num_steps < params.warmup_num_steps:
-        default = "" if "warmup_num_steps" in params.model_fields_set else ", its default"
-        raise ValueError(f"@total_num_steps must be >= warmup_num_steps "
-                         f"({params.warmup_num_steps}{default}), got {params.total_num_steps}")
-
-
-class WarmupLRParams(_Section):
-    warmup_min_lr: LearningRate = 0.0
-    warmup_max_lr: LearningRate | None = None  # None: the optimizer's lr
-    warmup_num_steps: PosInt = 1000
-    warmup_type: WarmupType = "log"
-    last_batch_iteration: Iteration = -1
-
-    @model_validator(mode="after")
-    def _min_below_max(self):
-        if self.warmup_max_lr is not None and self.warmup_min_lr > self.warmup_max_lr:
-            raise ValueError(f"@warmup_min_lr must be <= warmup_max_lr ({self.warmup_max_lr!r}), "
-                             f"got {self.warmup_min_lr!r}")
-        return self
-
-
-class WarmupDecayLRParams(WarmupLRParams):
-    warmup_max_lr: LearningRate = 0.001  # DeepSpeed's default for this schedule
-    total_num_steps: PosInt
-
-    @model_validator(mode="after")
-    def _decay_after_warmup(self):
-        _schedule_fits(self)
-        return self
-
-
-class WarmupCosineLRParams(_Section):
-    total_num_steps: PosInt
-    warmup_min_ratio: Fraction = 0.0
-    warmup_num_steps: PosInt = 1000
-    cos_min_ratio: Fraction = 0.0001
-    warmup_type: WarmupType = "log"
-    last_batch_iteration: Iteration = -1
-
-    @model_validator(mode="after")
-    def _decay_after_warmup(self):
-        _schedule_fits(self)
-        return self
-
-
-_SCHEDULER_PARAMS = {"WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
-                     "WarmupCosineLR": WarmupCosineLRParams}
-
-
-class SchedulerSection(_Section):
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
-    params: WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _params_for_type(cls, data):
-        # Validate params against the schema of the named schedule only, so that errors name
-        # that schedule's keys and not a union of all three.
-        kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind in _SCHEDULER_PARAMS:
-            params = data.get("params")
-            if params is None:  # absent or null: the schedule's defaults, which may not suffice
-                params = {}
-            if not isinstance(params, dict):
-                raise ValueError(f"@params must be an object, got {params!r:.100}")
-            try:
-                parsed = _SCHEDULER_PARAMS[kind].model_validate(params)
-            except ValidationError as exc:
-                raise ValueError("@params." + "; params.".join(validation_problems(exc))) from None
-            data = dict(data, params=parsed)
-        return data
-
-
-class FP16Section(_Section):
+class FP16Section(Section):
     enabled: Flag = False
     loss_scale: LossScale = 0.0  # 0 means dynamic loss scaling
     initial_scale_power: Exponent = 16
@@ -304,7 +75,7 @@ class FP16Section(_Section):
     _ignored = ("auto_cast", "fp16_master_weights_and_grads")
 
 
-class BF16Section(_Section):
+class BF16Section(Section):
     enabled: Flag = False
     immediate_grad_update: Any = None
     check_grad_overflow: Any = None
@@ -319,7 +90,7 @@ _IGNORED_TOP = ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_
                 "memory_breakdown", "activation_checkpointing", "data_types", "seed")
 
 
-class CheckpointSection(_Section):
+class CheckpointSection(Section):
     """DeepSpeed's checkpoint block: what to do when the ranks pass different tags to
     save_checkpoint (rank 0's is used, as in DeepSpeed); any case, as DeepSpeed reads it."""
 
@@ -337,7 +108,7 @@ class CheckpointSection(_Section):
         return data
 
 
-class ZenFlowConfig(_Section):
+class ZenFlowConfig(Section):
     """The whole config, after DeepSpeed's batch-size rule has filled in the missing sizes."""
 
     train_batch_size: PosInt | None = None

@@ -16,7 +16,7 @@ it does; add the keyword to `ZenFlowAdamW.__init__` with the default `DEFAULTS.<
 it on to `from_arguments` (tests/test_settings.py checks that the constructor lists exactly these
 fields, with their defaults and types); read it in the optimizer as `self.settings.<name>`. If
 DeepSpeed's JSON block should accept it too, add the key to `ZenFlowSection` in
-zenflow/config/schema.py. Torch-free, like the config.
+zenflow/config/zero_sections.py. Torch-free, like the config.
 
 `check_torch_adamw_flags` and `unknown_keyword_error` are the constructors' answers to arguments
 that are not knobs: torch.optim.AdamW's flags, and names that are not arguments at all.

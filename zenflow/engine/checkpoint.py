@@ -8,7 +8,8 @@ overwritten is first renamed away and deleted only after the new one holds its n
 Saves of one tag hold a lock (`checkpoint_lock.TagLock`), so concurrent savers take turns. A
 crash at any point leaves either the previous checkpoint or the complete new one (an
 interrupted overwrite is finished or undone by the next save or load of that tag), and a
-directory that was damaged later (truncated copy, missing file) fails verification on load.
+directory that was damaged later (truncated copy, missing file) fails verification on load
+(zenflow/engine/checkpoint_read.py reads checkpoints back).
 
 Every file is read with torch.load(weights_only=True) and written only if such a load accepts
 it: a checkpoint holds tensors and plain data, and loading one never runs code.
@@ -19,7 +20,6 @@ import errno
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import uuid
@@ -36,10 +36,9 @@ FORMAT = "zenflow-checkpoint/1"
 _STAGED = re.compile(r"^\.(?P<tag>.+)\.(?P<kind>tmp|new|old|shares)-[0-9a-f]{32}$")
 # The staging names add 41 bytes to a tag (".<tag>.shares-<32 hex>"); a name has at most 255.
 MAX_TAG_BYTES = 255 - 41
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -66,7 +65,7 @@ def _check_file_name(name) -> str:
     return name
 
 
-def _check_entry_name(name) -> str:
+def check_entry_name(name) -> str:
     """A checkpoint file's name in the manifest: a plain file name, or a plain file name inside
     one plain subdirectory (torch.distributed.checkpoint's files, whose index is '.metadata')."""
     if isinstance(name, str) and name.count("/") == 1:
@@ -113,7 +112,7 @@ def _leftovers(save_dir: Path, tag: str) -> dict[str, list[Path]]:
     return out
 
 
-def _recover(save_dir: Path, tag: str, keep: Path | None = None) -> None:
+def recover_tag(save_dir: Path, tag: str, keep: Path | None = None) -> None:
     """Finish or undo an interrupted save of `tag` (the caller holds the tag's lock).
 
     If the tag directory is missing, the newest complete new version takes its name (roll
@@ -211,7 +210,7 @@ def _write_latest(save_dir: Path, tag: str) -> None:
 
 def file_entry(path: Path) -> dict:
     """The manifest entry of a file written by other means (torch.distributed.checkpoint)."""
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def save_file(path: Path, obj: Any) -> dict:
@@ -219,7 +218,7 @@ def save_file(path: Path, obj: Any) -> dict:
     its manifest entry, for write_checkpoint's `prewritten`."""
     _check_file_name(path.name)
     _save_object(path, obj)
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, Any],
@@ -242,14 +241,14 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
     for name in objects:
         _check_file_name(name)
     for name in prewritten:
-        _check_entry_name(name)
+        check_entry_name(name)
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     final = save_dir / tag
     # the folders the other ranks wrote into (a file in a subdirectory: its parent's parent)
     shares = {Path(src).parents[name.count("/")] for name, (src, _) in prewritten.items()}
     with TagLock(save_dir, tag):
-        _recover(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
+        recover_tag(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
         ident = uuid.uuid4().hex
         tmp = save_dir / f".{tag}.tmp-{ident}"
         try:
@@ -257,7 +256,7 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
             files = {}
             for name, obj in objects.items():
                 _save_object(tmp / name, obj)
-                files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+                files[name] = {"size": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
             for name, (src, entry) in prewritten.items():
                 if not Path(src).is_file() or Path(src).stat().st_size != entry["size"]:
                     raise CheckpointError(f"{str(src)!r}, written by another rank, is missing or "
@@ -289,129 +288,6 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
             if old is not None:
                 shutil.rmtree(old)
         except BaseException:
-            _recover(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
+            recover_tag(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
             raise
     return final
-
-
-def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> str:
-    load_dir = Path(load_dir)
-    if tag is not None:
-        return check_tag(tag)
-    latest = load_dir / LATEST
-    if not latest.is_file():
-        raise CheckpointError(f"no checkpoint to load: {str(latest)!r} does not exist "
-                              f"(pass tag= to load a specific checkpoint)")
-    try:
-        return check_tag(latest.read_bytes().decode("utf-8").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise CheckpointError(f"{str(latest)!r} must hold the name of a checkpoint directory, "
-                              f"got {latest.read_bytes()[:80]!r}") from None
-
-
-def _bad_manifest(path: Path, problem: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {str(path)!r} has an unreadable {MANIFEST}: {problem}; "
-                           f"refusing to load it")
-
-
-def _manifest(path: Path) -> dict:
-    """Read and check the structure of `<path>/manifest.json`."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, absurd nesting
-        raise _bad_manifest(path, f"not valid JSON ({type(exc).__name__}: {str(exc)[:200]})") \
-            from None
-    if not isinstance(manifest, dict):
-        raise _bad_manifest(path, f"it must hold a JSON object, got {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
-        raise _bad_manifest(path, f"format must be {FORMAT!r}, got {manifest.get('format')!r}")
-    files, meta = manifest.get("files"), manifest.get("meta", {})
-    if not isinstance(files, dict):
-        raise _bad_manifest(path, f"files must be an object mapping file names to their size and "
-                                  f"sha256, got {type(files).__name__}")
-    if not isinstance(meta, dict):
-        raise _bad_manifest(path, f"meta must be an object, got {type(meta).__name__}")
-    for name, entry in files.items():
-        try:
-            _check_entry_name(name)
-        except ValueError as exc:
-            raise _bad_manifest(path, str(exc)) from None
-        if not isinstance(entry, dict):
-            raise _bad_manifest(path, f"files[{name!r}] must be an object with size and sha256, "
-                                      f"got {entry!r:.80}")
-        size, digest = entry.get("size"), entry.get("sha256")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise _bad_manifest(path, f"files[{name!r}].size must be a byte count (an integer "
-                                      f">= 0), got {size!r:.80}")
-        if not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-            raise _bad_manifest(path, f"files[{name!r}].sha256 must be 64 hex digits, got "
-                                      f"{digest!r:.80}")
-    return dict(manifest, meta=meta)
-
-
-def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Check the manifest against the files on disk; return the manifest or raise."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
-    if not (path / MANIFEST).is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST} "
-                              f"(the save was interrupted or the directory was not written by "
-                              f"zenflow); refusing to load it")
-    manifest = _manifest(path)
-    for name, expected in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {name} is missing")
-        size = file.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(f"checkpoint {str(path)!r} is truncated or damaged: {name} has "
-                                  f"{size} bytes, the manifest says {expected['size']}")
-        if _sha256(file) != expected["sha256"]:
-            raise CheckpointError(f"checkpoint {str(path)!r} is damaged: the SHA-256 of {name} "
-                                  f"does not match the manifest")
-    return manifest
-
-
-def load_object(path: str | os.PathLike, map_location=None) -> Any:
-    """torch.load with weights_only=True: tensors and plain data only, never code.
-
-    Anything else (a pickled callable, a foreign class) is refused with a CheckpointError
-    before a single object of the file is built.
-    """
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"unsupported (GLOBAL [^ ]+|[^\n]*)", str(exc), re.IGNORECASE)
-        what = found.group(0) if found else str(exc).splitlines()[0]
-        raise CheckpointError(f"{str(path)!r} holds something other than tensors and plain data "
-                              f"({what}); zenflow loads checkpoints with weights_only=True and "
-                              f"never runs code from them; refusing to load it") from None
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"{str(path)!r} is not a readable torch.save file: "
-                              f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-                              ) from None
-
-
-def read_checkpoint(load_dir: str | os.PathLike, tag: str | None, names: list[str],
-                    map_location=None) -> tuple[Path, dict, dict[str, Any]]:
-    """Verify `<load_dir>/<tag>` (tag from `latest` when None) and load the named files.
-
-    Every file is read with weights_only=True (see load_object); the checksums catch damage,
-    the weights-only loader refuses anything that could run code.
-    """
-    load_dir = Path(load_dir)
-    tag = resolve_tag(load_dir, tag)
-    path = load_dir / tag
-    if not os.path.lexists(path) and load_dir.is_dir():
-        with TagLock(load_dir, tag, optional=True) as lock:
-            if lock.fd is not None:
-                _recover(load_dir, tag)  # finish an overwrite that a crash interrupted
-    # A shared lock: a save of this tag cannot swap the directory mid-read; other readers can.
-    with TagLock(load_dir, tag, optional=True, shared=True):
-        manifest = verify_checkpoint(path)
-        missing = [n for n in names if n not in manifest["files"]]
-        if missing:
-            raise CheckpointError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}")
-        objects = {n: load_object(path / n, map_location=map_location) for n in names}
-    return path, manifest, objects

@@ -1,4 +1,6 @@
-"""Host side of ZenFlow: where each matrix lives in the host buffers, and the arithmetic on them.
+"""The host's arithmetic on its buffers: `HostState`, typed views of the buffers of one
+optimizer (laid out as zenflow/host/layout.py says), the window sums' accumulation and the host
+AdamW update, chunk by chunk.
 
 The host keeps each matrix at full width [rows, in] (rows: this rank's share). It updates all
 columns each window and the optimizer installs only the columns the host owns: a device-owned
@@ -7,24 +9,6 @@ it. Full width costs ~10% more host arithmetic than keeping only the unselected 
 gradient reaches the host as whole rows (one contiguous copy) and accumulating it is one
 streaming add instead of a column scatter.
 
-Buffers, all flat views of one `Arena`:
-
-    master, exp_avg, exp_avg_sq    fp32, every matrix back to back
-    grad_sum{slot}                 fp32; one per window in flight (two with overlap)
-    staging{slot}_{dtype}          the parameters' dtype: gradients on their way to the sums
-    step_coef                      fp32, one per staging slot: the factor of the gradients in
-                                   that slot (0 for a skipped step), copied with them
-    install_{dtype}                the parameters' dtype: new values on their way to the device
-    rate_{dtype}                   with deferred_credit="moments": each value's AdamW rate,
-                                   1 / (sqrt(v_hat) + eps), on its way to the device (bf16 for
-                                   16-bit parameters: fp16 cannot hold 1 / eps)
-
-A matrix whose window sums the device keeps ("moments") sends its sum of squares too: into the
-other sum slot, which only host-summed matrices fill during a window (the layout has two slots
-then), so the squares cost the host no memory.
-
-Matrices are laid out grouped by dtype, so each dtype's part of an fp32 buffer lines up with its
-staging and install buffers and a whole group is accumulated or converted in one flat pass.
 `HostState` is plain data plus the arena; the worker process rebuilds it from the arena's file
 descriptor and the layout, so the same code runs in or out of the training process.
 """
@@ -33,16 +17,17 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
 
 import torch
 
-from zenflow.adamw import FP32_STATE, adam_rate, adamw_, adamw_lookahead, adamw_moments_chunk_
+from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_chunk_
 from zenflow.host.arena import Arena, Region
+from zenflow.host.layout import HostJob, HostLayout, dtype_name
+from zenflow.host.layout import HostUpdate as HostUpdate  # host/credit.py imports it from here
+from zenflow.host.layout import rate_dtype as rate_dtype  # host/credit.py imports it from here
 from zenflow.host.numa import share_bounds
 
 _CHUNK = 1 << 20  # elements per pass of a dtype-converting add: the fp32 temporary stays in cache
-FP32_KINDS = FP32_STATE   # the fp32 buffers every matrix has
 # Elements each thread takes per chunk of the host update. The update does all of a chunk's work
 # (AdamW, the rate, the install value) before the next chunk, so the chunk's bytes come from memory
 # once and every later touch finds them in the core's cache: 256K elements are 4 MiB of fp32 state
@@ -55,123 +40,6 @@ PIECE = 1 << 18
 # AdamW rounds its scalar tail differently from its SIMD body, so a chunk must end where the whole
 # run's vectors would (every SIMD width divides 64); then the results are one call per run's.
 _VECTOR_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class HostUpdate:
-    """A window's host AdamW of one matrix, as its deferred-credit rule set it
-    (zenflow/host/credit.py): the hyperparameters, and how the window counts."""
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
-    moments: bool = False    # the window counts as its gradients' AdamW steps; squares summed
-
-
-class HostJob(NamedTuple):
-    """One matrix's host update for one window (everything the worker needs, nothing else)."""
-    matrix: int          # index into HostLayout.matrices
-    step: int            # the matrix's host step count after this update
-    num_grads: int       # gradients summed in the buffer; the update uses their mean
-    update: HostUpdate
-    widen: bool = False  # the sum arrived narrow (bf16, from the device): widen it first
-
-    def saved(self) -> list:
-        """The job as a saved state holds it: [matrix, step, num_grads, lr, beta1, beta2, eps,
-        weight_decay, lookahead, moments] (zenflow/host/pipeline_state.py checks it)."""
-        u = self.update
-        return [self.matrix, self.step, self.num_grads, u.lr, u.beta1, u.beta2, u.eps,
-                u.weight_decay, u.lookahead, u.moments]
-
-    @classmethod
-    def from_saved(cls, values: list) -> HostJob:
-        """saved()'s list (a state of format 3 or older has no moments: it is False)."""
-        matrix, step, num_grads, *hyper = values
-        return cls(matrix, step, num_grads, HostUpdate(*hyper))
-
-
-@dataclass(frozen=True)
-class HostMatrix:
-    """Where one matrix (this rank's rows of it) sits in the host buffers."""
-    rows: int
-    cols: int
-    dtype: torch.dtype    # the parameter's dtype: staging and install buffers use it
-    offset: int           # first element in the fp32 buffers
-    typed_offset: int     # first element in its dtype's staging and install buffers
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class HostLayout:
-    matrices: tuple[HostMatrix, ...]        # in the order the optimizer numbers them
-    groups: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, fp32 offset, numel), contiguous
-    sum_slots: int
-    staging_slots: int = 1
-    rates: bool = False      # deferred_credit="moments": a rate buffer per dtype
-
-    @classmethod
-    def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
-              staging_slots: int = 1, rates: bool = False) -> HostLayout:
-        """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
-        order = sorted(range(len(shapes)), key=lambda i: (_dtype_name(shapes[i][2]), i))
-        placed: dict[int, HostMatrix] = {}
-        groups, offset = [], 0
-        for i in order:
-            rows, cols, dtype = shapes[i]
-            if not groups or groups[-1][0] != dtype:
-                groups.append([dtype, offset, 0])
-            group = groups[-1]
-            placed[i] = HostMatrix(rows, cols, dtype, offset, group[2])
-            group[2] += rows * cols
-            offset += rows * cols
-        if rates and sum_slots < 2:
-            raise ValueError("rates (deferred_credit='moments') need two sum slots: the squares "
-                             "of device-summed matrices go into the slot the window does not read")
-        return cls(tuple(placed[i] for i in range(len(shapes))),
-                   tuple(tuple(g) for g in groups), sum_slots, staging_slots, rates)
-
-    @property
-    def numel(self) -> int:
-        return sum(g[2] for g in self.groups)
-
-    def regions(self) -> list[tuple[str, torch.dtype, int]]:
-        fp32 = [*FP32_KINDS, *(f"grad_sum{s}" for s in range(self.sum_slots))]
-        out = [(name, torch.float32, self.numel) for name in fp32]
-        out.append(("step_coef", torch.float32, self.staging_slots))
-        for dtype, _, numel in self.groups:
-            out += [(name, dtype, numel) for name in self._typed_names(dtype)]
-            if self.rates:
-                out.append((f"rate_{_dtype_name(dtype)}", rate_dtype(dtype), numel))
-        return out
-
-    def _typed_names(self, dtype: torch.dtype) -> list[str]:
-        name = _dtype_name(dtype)
-        return [*(f"staging{s}_{name}" for s in range(self.staging_slots)), f"install_{name}"]
-
-    def dma_regions(self) -> list[str]:
-        """Every buffer that device copies may read or write (which of them are page-locked
-        depends on where the sums are placed: install_regions() and HostState.span())."""
-        return ["step_coef", *(name for dtype, _, _ in self.groups
-                for name in [*self._typed_names(dtype),
-                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
-
-    def install_regions(self) -> list[str]:
-        """The buffers that every window's copies read or write whatever the sums' placement
-        (the install's values and rates, and the steps' factors): page-locked from the start.
-        The staging and sum buffers are locked once the sums are placed, where their copies
-        run (zenflow/host/pipeline.py)."""
-        return ["step_coef", *(name for dtype, _, _ in self.groups
-                for name in [f"install_{_dtype_name(dtype)}",
-                             *([f"rate_{_dtype_name(dtype)}"] if self.rates else [])])]
 
 
 def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch.Tensor) -> None:
@@ -305,11 +173,6 @@ def _chunk(run: _Run, a: int, b: int) -> None:
         run.install[a:b].copy_(x)
 
 
-def rate_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the AdamW rates of a parameter of `param_dtype`: bf16 for 16-bit weights
-    (fp16 overflows at 1 / eps), fp32 for the others."""
-    return torch.bfloat16 if param_dtype.itemsize == 2 else torch.float32
-
 
 class HostState:
     """Typed views of the host buffers of one optimizer, and the host arithmetic over them."""
@@ -370,7 +233,7 @@ class HostState:
         by_view: dict[str, list[tuple[int, int]]] = {}
         for i in matrices:
             m = self.layout.matrices[i]
-            name = buffer if fp32 else f"{buffer}_{_dtype_name(m.dtype)}"
+            name = buffer if fp32 else f"{buffer}_{dtype_name(m.dtype)}"
             start = m.offset if fp32 else m.typed_offset
             by_view.setdefault(name, []).append((start, start + m.numel))
         return [self.arena.views[name][min(a for a, _ in runs):max(b for _, b in runs)]
@@ -378,7 +241,7 @@ class HostState:
 
     def _typed(self, buffer: str, i: int) -> torch.Tensor:
         m = self.layout.matrices[i]
-        flat = self.arena.views[f"{buffer}_{_dtype_name(m.dtype)}"]
+        flat = self.arena.views[f"{buffer}_{dtype_name(m.dtype)}"]
         return flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
 
     def _runs(self, matrices: list[int]) -> list[tuple[int, int, torch.dtype]]:
@@ -396,7 +259,7 @@ class HostState:
 
     def _typed_run(self, buffer: str, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = next(g[1] for g in self.layout.groups if g[0] == dtype)
-        flat = self.arena.views[f"{buffer}_{_dtype_name(dtype)}"]
+        flat = self.arena.views[f"{buffer}_{dtype_name(dtype)}"]
         return flat[offset - start:offset - start + numel]
 
     # -- the arithmetic -----------------------------------------------------------------------

@@ -12,7 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from zenflow.host.buffers import HostJob, HostState
+from zenflow.host.buffers import HostState
+from zenflow.host.layout import HostJob
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from zenflow.host.buffers import FP32_KINDS, HostJob, HostUpdate
+from zenflow.host.layout import FP32_KINDS, HostJob, HostUpdate
 from zenflow.saved_state import check_count, check_saved_tensors
 
 

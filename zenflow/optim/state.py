@@ -28,15 +28,12 @@ state is "reshardable" (so is a single process's, whose tensors are whole), and 
 number of ranks through DCP. A DDP rank's state holds its share of the rows as plain tensors,
 which DCP would take for replicas and keep one of: it loads only as each rank saved it.
 
-Versions. A change to what any part saves bumps FORMAT_VERSION and adds a step to `_MIGRATIONS`
-that turns a state of the version before into the new one, so every older state still loads; a
-state newer than this code is refused, naming both versions. Version 1 is the format before
-versions were written down (no "format_version" key).
+Versions: zenflow/optim/state_versions.py (FORMAT_VERSION, and the step from each version to the
+next).
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -45,6 +42,7 @@ import torch
 from zenflow.adamw import FP32_STATE
 from zenflow.config.settings import AdamWHyperparameters
 from zenflow.distributed import is_sharded, local, sharded_like
+from zenflow.optim.state_versions import FORMAT_VERSION, migrated, with_squares
 from zenflow.saved_state import check_like, check_saved_tensors
 
 
@@ -63,49 +61,6 @@ class StepCounters:
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
             setattr(self, f.name, state[f.name])
-
-
-FORMAT_VERSION = 5
-
-
-def _from_v1(saved: dict) -> dict:
-    return saved   # version 2 only started writing the version down
-
-
-def _from_v2(saved: dict) -> dict:
-    # Version 3 saves FSDP2 shards as DTensors; version 2 saved every rank's rows as plain
-    # tensors, which only a single process's whole tensors make reshardable.
-    return {**saved, "reshardable": saved.get("world_size", 1) == 1}
-
-
-def _from_v3(saved: dict) -> dict:
-    # Version 4 saves each matrix's sum of squares and device rates (deferred_credit="moments");
-    # the host pieces of older states get them when checked (`_with_squares`).
-    return {**saved, "squares_saved": False}
-
-
-def _from_v4(saved: dict) -> dict:
-    # Version 5 counts a window with a skipped step inside, which it drops at its end; older
-    # versions skipped such steps on the spot, so no saved window holds one.
-    return {**saved, "window_spoiled": False}
-
-
-# version v -> the step that turns a "zenflow" section of version v into version v + 1
-_MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2, 3: _from_v3,
-                                                  4: _from_v4}
-
-
-def _with_squares(host_piece: dict) -> dict:
-    """A host piece of a state older than version 4 with the squares as if every gradient of its
-    window were the window's mean, and no rates (the device takes no interim steps until the
-    next install)."""
-    grad_sum, n = host_piece.get("grad_sum"), host_piece.get("num_grads")
-    if not isinstance(grad_sum, torch.Tensor) or not isinstance(n, int) or n <= 0:
-        squares = torch.zeros_like(grad_sum) if isinstance(grad_sum, torch.Tensor) else None
-    else:
-        squares = grad_sum.float().square() / n
-    return {**host_piece, "grad_sq_sum": squares,
-            "rate": None if squares is None else torch.zeros_like(squares)}
 
 
 @dataclass
@@ -210,21 +165,6 @@ def compose(parts: StateParts) -> dict:
     return {"state": state, "param_groups": groups, "zenflow": section}
 
 
-def _current(saved: dict) -> dict:
-    """The "zenflow" section `saved` in this version's format, migrated step by step."""
-    version = saved.get("format_version", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise ValueError(f"'format_version' must be a positive integer, got {version!r}")
-    if version > FORMAT_VERSION:
-        raise ValueError(f"the state has format version {version}, newer than this zenflow reads "
-                         f"(1 to {FORMAT_VERSION}); load it with the zenflow that saved it, or a "
-                         "newer one")
-    while version < FORMAT_VERSION:
-        saved = _MIGRATIONS[version](dict(saved))
-        version += 1
-    return {**saved, "format_version": FORMAT_VERSION}
-
-
 def check(parts: StateParts, state_dict: dict) -> dict:
     """Raise ValueError, naming the optimizer, unless `state_dict` fits; changes nothing. Returns
     what loading reads: the saved "param_groups", the "zenflow" section in this version's format
@@ -290,7 +230,7 @@ def _check_ranks(parts: StateParts, saved: dict, through_dcp: bool) -> None:
 
 def _check(parts: StateParts, state_dict: dict) -> dict:
     section, through_dcp = _section(state_dict)
-    saved = _current(section)
+    saved = migrated(section)
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(
             isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
@@ -320,7 +260,7 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     for m in parts.host_params:
         piece = pieces[m.param] = _local(_saved_piece(states.get(key[m.param]), "host", m.param))
         if not saved.get("squares_saved", True) and isinstance(piece.get("host"), dict):
-            piece = pieces[m.param] = {**piece, "host": _with_squares(piece["host"])}
+            piece = pieces[m.param] = {**piece, "host": with_squares(piece["host"])}
         what = f"the selected columns of the parameter of shape {tuple(m.param.shape)}"
         m.selected.check_state_dict(piece.get("device"), what)
         if saved["selection"]["has_chosen"]:

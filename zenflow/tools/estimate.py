@@ -16,8 +16,8 @@ import math
 import torch
 
 from zenflow.host.arena import available_host_bytes
-from zenflow.host.buffers import rate_dtype
 from zenflow.host.credit import choose_placement, takes_moments
+from zenflow.host.layout import rate_dtype
 from zenflow.optim.importance import num_selected
 from zenflow.tools import estimate_memory as memory
 from zenflow.tools import estimate_terms as cost

@@ -9,7 +9,7 @@ import torch
 
 from zenflow.distributed import Partition
 from zenflow.host.arena import plan
-from zenflow.host.buffers import HostLayout, rate_dtype
+from zenflow.host.layout import HostLayout, rate_dtype
 
 GIB = 1 << 30
 RESERVE_BYTES = int(1.5 * GIB)   # per GPU: the CUDA context, kernels' workspace, allocator slack

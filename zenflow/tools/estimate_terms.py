@@ -20,7 +20,7 @@ class Counts:
     """What the costs count, in parameters of rank 0 (the largest share: ceil(rows / world)
     rows of every matrix) unless a field says otherwise."""
     item: int                # bytes of a weight and of a gradient (the parameters' dtype)
-    rate_item: int           # bytes of a "moments" rate (host/buffers.py rate_dtype)
+    rate_item: int           # bytes of a "moments" rate (host/layout.py rate_dtype)
     sum_item: int            # bytes of a device sum not under "moments" (4 fp32, 2 bf16)
     world: int               # data-parallel ranks on the host
     params: int              # every parameter (all ranks hold all of them on the device)
@@ -78,7 +78,7 @@ def window_sums_d2h_bytes(c: Counts) -> int:
 
 def install_h2d_bytes(c: Counts) -> int:
     """Per window: the host's new values of the rank's rows come up in the weights' dtype, and
-    a "moments" matrix's rates with them (host/buffers.py install_*, rate_*)."""
+    a "moments" matrix's rates with them (host/layout.py install_*, rate_*)."""
     return c.item * c.deferred + c.rate_item * c.device_moments
 
 

@@ -36,6 +36,7 @@ import torch
 
 from zenflow.host.transfers import uses_cuda
 from zenflow.tools import selftest_checks as checks
+from zenflow.tools import selftest_correctness, selftest_transfers, selftest_worker
 from zenflow.tools import selftest_gpu as gpu
 from zenflow.tools import selftest_measure as measure
 from zenflow.tools.selftest_checks import Check
@@ -101,12 +102,12 @@ def _memory(ctx) -> list[Check]:
 
 _RUNNERS = {
     "environment": _environment,
-    "correctness": lambda ctx: checks.correctness(ctx, quick=not ctx.cuda),
-    "equivalences": checks.equivalences,
-    "bf16": checks.bf16,
-    "offload": checks.offload,
-    "transfers": checks.transfers,
-    "worker": checks.worker,
+    "correctness": lambda ctx: selftest_correctness.correctness(ctx, quick=not ctx.cuda),
+    "equivalences": selftest_correctness.equivalences,
+    "bf16": selftest_correctness.bf16,
+    "offload": selftest_correctness.offload,
+    "transfers": selftest_transfers.transfers,
+    "worker": selftest_worker.worker,
     "model": gpu.model,
     "closure": gpu.closure,
     "pagelocks": gpu.pagelocks,

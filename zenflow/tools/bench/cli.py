@@ -146,6 +146,7 @@ def build_spec(args: argparse.Namespace) -> tuple[dict, list[str], int]:
 
 def run(args: argparse.Namespace) -> int:
     from zenflow.tools.bench import harness
+    from zenflow.tools.bench.report import format_table
     try:
         spec, systems, rounds = build_spec(args)
     except ValueError as exc:
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     report = harness.run_benchmark(spec, systems, rounds, child_timeout_s=args.child_timeout)
     print()
-    print(harness.format_table(report))
+    print(format_table(report))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from zenflow.tools.bench.harness import BUSY_KEY, STALL_KEY, counter
+from zenflow.tools.bench.report import BUSY_KEY, STALL_KEY, counter
 
 PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "step": "#C44E52"}
 
