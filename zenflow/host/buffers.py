@@ -23,8 +23,6 @@ import torch
 from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_chunk_
 from zenflow.host.arena import Arena, Region
 from zenflow.host.layout import HostJob, HostLayout, dtype_name
-from zenflow.host.layout import HostUpdate as HostUpdate  # host/credit.py imports it from here
-from zenflow.host.layout import rate_dtype as rate_dtype  # host/credit.py imports it from here
 from zenflow.host.numa import share_bounds
 
 _CHUNK = 1 << 20  # elements per pass of a dtype-converting add: the fp32 temporary stays in cache

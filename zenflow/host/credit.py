@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from zenflow.adamw import step_bound
-from zenflow.host.buffers import HostUpdate, rate_dtype
+from zenflow.host.layout import HostUpdate, rate_dtype
 
 _CHUNK_ELEMENTS = 1 << 26   # the temporaries of one launch of the interim steps: 256 MiB fp32
 
@@ -95,7 +95,7 @@ class Credit:
     index; `moving` rules keep device state for some matrices (`moves(i)`)."""
 
     name = "mean"
-    host_rates = False    # the host layout keeps a rate buffer per dtype (zenflow/host/buffers.py)
+    host_rates = False    # the host layout keeps a rate buffer per dtype (zenflow/host/layout.py)
 
     # -- the host's update ----------------------------------------------------------------------
     def host_update(self, i: int, adamw: tuple[float, float, float, float, float],

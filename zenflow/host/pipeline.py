@@ -43,11 +43,12 @@ import torch
 
 from zenflow.distributed import Partition, local
 from zenflow.host import numa, pipeline_state
-from zenflow.host.buffers import HostJob, HostLayout, HostState, landing_of
+from zenflow.host.buffers import HostState, landing_of
 from zenflow.host.commands import Accumulate, Update
 from zenflow.host.credit import Credit
 from zenflow.host.device_sums import DeviceSums
 from zenflow.host.early_copies import EarlyCopies
+from zenflow.host.layout import HostJob, HostLayout
 from zenflow.host.placement import SumPlacement
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
@@ -97,7 +98,7 @@ class HostPipeline:
         self.transfers = Transfers(device, copy_cores=worker_cores)
         self.credit = credit if credit is not None else Credit()
         # A rule's rates go to the device through the host's rate buffers, and its squares
-        # through the sum slot the window does not fill (zenflow/host/buffers.py).
+        # through the sum slot the window does not fill (zenflow/host/layout.py).
         rates = self.credit.host_rates
         self.layout = HostLayout.build(shapes, sum_slots=2 if overlap or rates else 1,
                                        staging_slots=2 if self.transfers.copies_outlive_step else 1,

@@ -23,6 +23,10 @@ Sections (each a list of checks with a status, a detail and measured numbers; JS
     speed         step time and peak memory against torch.optim.AdamW(fused=True), bf16 (a 1.3B
                   Llama shape on a GPU)
 
+The checks of each section live in selftest_correctness.py (correctness, equivalences, bf16,
+offload), selftest_transfers.py, selftest_worker.py and selftest_gpu.py; what they share
+(`Check`, the context, values and tolerances) in selftest_checks.py.
+
 `run_selftest(transfers=factory)` replaces the transfer path of every optimizer the checks
 build, so a test can hand in a deliberately broken one and see the selftest fail.
 """
