@@ -4,17 +4,13 @@ import random
 
 import pytest
 import torch
-from conftest import MODELS
 
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
 from zenflow.optim.windows import AutoWindow
 
-
-def window_lengths(decisions, warm_up=0):
-    flushes = [step for step, kind in decisions if kind == "flush" and step >= warm_up]
-    starts = [warm_up - 1] + flushes[:-1]
-    return [b - a for a, b in zip(starts, flushes)]
+from helpers.decisions import window_lengths
+from helpers.models import MODELS
 
 
 def train(opt, model, loss_fn, steps):

@@ -3,13 +3,14 @@ save_16bit_model install ZenFlow's in-flight host update, while the saving run i
 exactly as if it had not saved, and a resumed run matches an uninterrupted one."""
 import copy
 
-import engine_toys as toys
 import pytest
 import torch
 
 from zenflow.engine.engine import initialize
 
-# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+import helpers.engine_toys as toys
+
+# Every backward runs on a thread of its own, as CUDA runs it (tests/helpers/autograd_thread.py).
 pytestmark = pytest.mark.usefixtures("autograd_thread")
 
 # The seed block (update_interval 4, overlap_step on) without reselection, which installs early:

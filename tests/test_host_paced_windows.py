@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_adaptive import window_lengths
-from test_real_scale import batch, llama
 
 import zenflow
 from zenflow.config.deepspeed_json import parse_config
 from zenflow.optim.reference import ReferenceZenFlow
 from zenflow.optim.windows import AutoWindow
+
+from helpers.decisions import window_lengths
+from helpers.llama import batch, llama
 
 
 def test_without_a_threshold_a_window_ends_when_the_host_is_ready():

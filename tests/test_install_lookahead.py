@@ -2,12 +2,13 @@
 the host's values stay exact (docs/semantics.md, "Window end")."""
 import pytest
 import torch
-from conftest import MODELS
-from test_reference import SHAPES, random_case, run_pair
-from test_state_dict import KW, run
 
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
+
+from helpers.models import MODELS
+from helpers.reference import SHAPES, random_case, run_pair
+from helpers.state_dict_runs import KW, run
 
 
 @pytest.mark.parametrize("seed", range(200, 216))

@@ -15,7 +15,7 @@ import zenflow
 from zenflow.host import pipeline
 from zenflow.host.transfers import Ticket
 
-# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+# Every backward runs on a thread of its own, as CUDA runs it (tests/helpers/autograd_thread.py).
 pytestmark = pytest.mark.usefixtures("autograd_thread")
 
 ALL = 10 ** 9   # a device_sum_budget that puts every sum on the CPU "device" ("moments" needs it)
@@ -257,7 +257,7 @@ def test_the_windows_are_paced_by_the_measured_install_wait(attach):
 
 
 def test_the_engine_attaches_its_model_until_it_is_closed():
-    from tests.engine_toys import config, make_model, train
+    from helpers.engine_toys import config, make_model, train
     model = make_model()
     engine, opt, _, _ = zenflow.initialize(model=model, config=config("zenflow"))
     assert model in opt._installs._attached

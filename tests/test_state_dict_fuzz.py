@@ -12,9 +12,10 @@ import random
 
 import pytest
 import torch
-from conftest import make_mlp, mlp_loss
 
 import zenflow
+
+from helpers.models import make_mlp, mlp_loss
 
 KW = dict(lr=2e-3, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=5,
           overlap_step=True, max_grad_norm=1.0, worker=False)
