@@ -20,6 +20,7 @@ def train(opt, model, loss_fn, steps):
         opt.step()
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_auto_interval_flushes_sometimes_and_stays_in_bounds(model_name):
     make, loss_fn = MODELS[model_name]
@@ -138,6 +139,7 @@ def test_all_auto_matches_reference_given_decisions(seed):
     opt.close()
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_warm_up_works_with_every_strategy():
     for kwargs in (dict(select_strategy="step", select_interval=3),
                    dict(select_strategy="epoch", select_interval=1, steps_per_epoch=4),

@@ -116,6 +116,7 @@ def test_failed_load_leaves_the_engine_untouched(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in toys.weights(engine.module).items())
 
 
+@pytest.mark.slow   # a child process
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     run = subprocess.run([sys.executable, str(program("checkpoint_crash_while_saving.py")),

@@ -226,6 +226,7 @@ def test_at_least_fifteen_malformed_cases():
     assert len(MALFORMED) >= 15
 
 
+@pytest.mark.slow   # two child processes
 def test_check_config_cli_in_a_subprocess(tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(with_(**SEED_ZERO_BLOCK)))

@@ -68,6 +68,7 @@ def assert_differs(a: dict, b: dict):
     assert any(not torch.equal(a[k], b[k]) for k in a), "nothing was in flight: vacuous test"
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_checkpoint_holds_synchronized_weights_and_saving_changes_nothing(make_engine, tmp_path):
     current = synchronized_after(make_engine, STEPS_IN_FLIGHT)
     saver = make_engine()
@@ -96,6 +97,7 @@ def test_checkpoint_holds_synchronized_weights_and_saving_changes_nothing(make_e
     assert_equal(current, raw_weights(weights_only))
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_eval_mode_no_grad_and_state_dict_read_current_weights(make_engine):
     current = synchronized_after(make_engine, STEPS_IN_FLIGHT)
     for read in ("engine.eval", "module.eval+forward", "no_grad forward", "state_dict"):

@@ -142,6 +142,7 @@ def test_finetune_llama_style_save_on_rank_0_only_fails_within_seconds(tmp_path)
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 
+@pytest.mark.slow   # zenflow launch in a child process
 def test_served_names_and_refused_ones(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     script = program("deepspeed_names.py")
@@ -157,6 +158,7 @@ def test_served_names_and_refused_ones(tmp_path):
     assert "deepspeed.zero is not served by zenflow" in refused[3]
 
 
+@pytest.mark.slow   # two child processes
 def test_importing_zenflow_never_shadows_deepspeed():
     run = subprocess.run([sys.executable, str(program("zenflow_leaves_deepspeed_alone.py"))],
                          capture_output=True, text=True, timeout=120, env=with_root_on_path())
@@ -195,6 +197,7 @@ def test_launch_maps_deepspeed_options_onto_torchrun(tmp_path):
             launch_tool.command(parsed(*argv))
 
 
+@pytest.mark.slow   # zenflow launch in a child process
 def test_launcher_flags_never_take_the_script_name(tmp_path):
     """DeepSpeed's store_true options stay flags: `--bind_cores_to_rank train.py` (DeepSpeedExamples'
     run_ds.sh) runs train.py; a refused flag is refused by its name, not as a missing script."""

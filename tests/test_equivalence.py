@@ -23,6 +23,7 @@ def test_topk_one_is_adamw(model_name, overlap):
     assert_models_close(model, twin)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_topk_zero_interval_one_is_adamw(model_name):
     make, loss_fn = MODELS[model_name]
@@ -94,6 +95,7 @@ def test_lr_scheduler_drives_both_sides():
     assert_models_close(model, twin)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_clipping_matches_clip_grad_norm():
     make, loss_fn = MODELS["transformer_block"]
     model, twin = make(), make()
@@ -111,6 +113,7 @@ def test_clipping_matches_clip_grad_norm():
     assert_models_close(model, twin)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_offload_adamw_is_adamw():
     make, loss_fn = MODELS["transformer_block"]
     model, twin = make(), make()

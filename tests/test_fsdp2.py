@@ -43,6 +43,7 @@ def check_matches_single_process(ranks, world, overlap, moments=False):
                                                    "summing the squared gradient norms"}
 
 
+@pytest.mark.slow   # spawns 2 ranks
 def test_fsdp2_on_two_ranks(tmp_path):
     """One set of 2 ranks: ZenFlowAdamW with and without overlap, OffloadAdamW, bf16 mixed
     precision, the refusals, and a bit-exact resume from each rank's saved shards."""

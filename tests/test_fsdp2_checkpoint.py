@@ -21,6 +21,9 @@ from helpers.fsdp_ranks import (
 from helpers.models import make_mlp
 from helpers.spawn import assert_ok, assert_same, rows_of
 
+# Every test here reads the ranks of one module-wide spawn (its fixture): 2 gloo ranks.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def saved_on_two_ranks(tmp_path_factory):

@@ -7,6 +7,9 @@ from helpers.dist_ranks import single_process_run
 from helpers.fsdp_ranks import STEPS, run_fsdp, single_process_fsdp_reference
 from helpers.spawn import assert_ok, assert_same
 
+# Every test here reads the ranks of one module-wide spawn (its fixture): 2 gloo ranks.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):

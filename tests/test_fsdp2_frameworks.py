@@ -12,6 +12,9 @@ from helpers.spawn import assert_ok, assert_same, spawn_ranks
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
+# Every test here reads the ranks of one module-wide spawn (its fixture): 2 gloo ranks.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):

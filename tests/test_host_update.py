@@ -20,7 +20,8 @@ def _assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("piece", [64, 1 << 10, buffers.PIECE])
+# 64-element pieces: thousands of chunks handed between the threads (seconds, not milliseconds)
+@pytest.mark.parametrize("piece", [pytest.param(64, marks=pytest.mark.slow), 1 << 10, buffers.PIECE])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_one_pass_update_equals_the_update_in_passes(piece, threads, monkeypatch):
     monkeypatch.setattr(buffers, "PIECE", piece)

@@ -297,6 +297,7 @@ def _train_compiled(compiled: bool, steps: int = 8, compile_at: int = 0):
     return [p.detach().clone() for p in model.parameters()], account
 
 
+@pytest.mark.slow   # torch.compile
 def test_a_compiled_attached_model_is_one_graph_and_trains_as_eager():
     """torch.compile traces the layers' pre-hooks: there they do nothing (a hook that finished
     installs broke the graph at every layer, so the model ran eagerly between the breaks), and

@@ -54,6 +54,7 @@ def _in_thread(fn, timeout: float):
     return result[0] if result else "hung"
 
 
+@pytest.mark.slow   # a child process
 def test_forked_child_exiting_leaves_the_parents_worker_alone(tmp_path):
     """A child forked from the training process that exits through sys.exit (atexit hooks and
     collection run) must not close the parent's worker (item 6)."""
@@ -143,6 +144,7 @@ def test_ctrl_c_inside_worker_bookkeeping_then_save(method, ctrl_c_raises):
         opt.close()
 
 
+@pytest.mark.slow   # waits out a deadline
 def test_stopped_worker_is_an_error_naming_it(monkeypatch):
     """A stopped worker makes synchronize() fail after the deadline, saying it is stopped and how
     long it waited, instead of blocking forever (item 10)."""
@@ -166,6 +168,7 @@ def test_stopped_worker_is_an_error_naming_it(monkeypatch):
         opt.close()
 
 
+@pytest.mark.slow   # waits out a deadline
 def test_stopped_fork_server_is_a_clear_error(monkeypatch, capfd):
     """A stopped fork server fails the optimizer's construction with an error naming it, no
     BrokenPipe traceback, and the next optimizer gets a new server (item 10)."""
@@ -289,6 +292,7 @@ def test_memory_limits_read_from_cgroup_v1_and_v2(tmp_path):
     assert arena._cgroup_headroom(str(v2), str(proc)) is None
 
 
+@pytest.mark.slow   # a child process
 def test_small_address_space_limit_is_a_clear_error_and_leaks_no_memfd(tmp_path):
     """`ulimit -v` too small: HostMemoryError naming it, from the check and from the mapping
     itself, with no memory file left open (item 12)."""

@@ -41,6 +41,7 @@ def test_the_model_has_llama_2_7b_matrix_count():
     assert sum(p.ndim >= 2 for p in llama().parameters()) == 226 == LLAMA.num_matrices()
 
 
+@pytest.mark.slow   # the Llama-shaped model (226 matrices)
 @pytest.mark.parametrize("make", [
     lambda p: zenflow.OffloadAdamW(p, lr=1e-3, worker=True),
     lambda p: zenflow.ZenFlowAdamW(p, lr=1e-3, topk_ratio=0.0, update_interval=1,
@@ -63,6 +64,7 @@ def test_llama_shaped_model_through_the_worker_equals_adamw(make):
         opt.close()
 
 
+@pytest.mark.slow   # the Llama-shaped model, 24 steps with the worker
 def test_llama_shaped_model_trains_with_zenflow_defaults():
     model = llama()
     fds = open_fds()
@@ -78,6 +80,7 @@ def test_llama_shaped_model_trains_with_zenflow_defaults():
     assert stats["d2h_bytes_per_step"] == pytest.approx(4 * matrices)
 
 
+@pytest.mark.slow   # the Llama-shaped model
 def test_bf16_gradients_cross_in_bf16():
     model = llama(dtype=torch.bfloat16)
     with zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, update_interval=2) as opt:
@@ -91,6 +94,7 @@ def test_bf16_gradients_cross_in_bf16():
     assert stats["host_bytes_per_param"] == pytest.approx(5 * 4 + 2 * 2)
 
 
+@pytest.mark.slow   # a child process training the Llama-shaped model
 def test_works_under_ulimit_256():
     result = subprocess.run([sys.executable, str(program("open_files_limit.py"))],
                             capture_output=True, text=True, timeout=120, env=with_root_on_path())
@@ -427,6 +431,7 @@ def test_sigterm_to_the_process_group_saves_a_checkpoint_that_resumes_exactly(tm
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow   # 21 workers started
 def test_optimizers_dropped_without_close_leak_no_descriptor():
     import gc
     model = _mlp()

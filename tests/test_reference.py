@@ -14,6 +14,7 @@ def test_matches_reference(seed):
     run_pair(random_case(seed), seed)
 
 
+@pytest.mark.slow   # a sweep of seeds
 def test_sweep_covers_reselection_and_overlap():
     """The sweep is only worth something if its cases exercise the interesting paths."""
     cases = [random_case(s) for s in range(60)]

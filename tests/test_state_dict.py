@@ -11,6 +11,7 @@ from helpers.models import MODELS
 from helpers.state_dict_runs import KW, run
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("resume_at", [5, 7, 10])  # mid-window, window boundary, after reselection
 @pytest.mark.parametrize("warm_up", [0, 2])
@@ -26,6 +27,7 @@ def test_resume_is_bit_exact(overlap, resume_at, warm_up):
     assert resumed_stats["reselections"] == straight_stats["reselections"]
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("credit", ["mean", "moments"])
 @pytest.mark.parametrize("budget", [10 ** 9, "some"], ids=["all-sums-on-device", "some"])
 @pytest.mark.parametrize("resume_at", [5, 7])  # mid-window, window boundary

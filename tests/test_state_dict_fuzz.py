@@ -87,6 +87,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_state_dict_fuzz_refuses_by_name_or_trains_finite(one_thread):
     model = make_mlp()
     opt = zenflow.ZenFlowAdamW(model.parameters(), **KW)
