@@ -8,7 +8,7 @@ import torch
 import zenflow
 
 from helpers.models import MODELS
-from helpers.state_dict_runs import KW, run
+from helpers.state_dict_runs import KW, run, run_once
 
 
 @pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
@@ -18,7 +18,7 @@ from helpers.state_dict_runs import KW, run
 def test_resume_is_bit_exact(overlap, resume_at, warm_up):
     make, loss_fn = MODELS["transformer_block"]
     kwargs = dict(KW, overlap_step=overlap, full_warm_up_rounds=warm_up, max_grad_norm=1.0)
-    straight, straight_stats = run(make, loss_fn, kwargs, steps=20)
+    straight, straight_stats = run_once(make, loss_fn, kwargs, steps=20)
     resumed, resumed_stats = run(make, loss_fn, kwargs, steps=20, resume_at=resume_at)
     assert straight_stats["reselections"] > 0
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
@@ -39,9 +39,9 @@ def test_resume_with_window_sums_on_the_device_is_bit_exact(budget, resume_at, c
         budget = 6_000 if credit == "mean" else 9_000
     on_host = dict(KW, overlap_step=True, max_grad_norm=1.0, deferred_credit=credit)
     kwargs = dict(on_host, device_sum_budget=budget)
-    straight, stats = run(make, loss_fn, kwargs, steps=12)
+    straight, stats = run_once(make, loss_fn, kwargs, steps=12)
     resumed, _ = run(make, loss_fn, kwargs, steps=12, resume_at=resume_at)
-    host_summed, _ = run(make, loss_fn, on_host, steps=12)
+    host_summed, _ = run_once(make, loss_fn, on_host, steps=12)
     assert stats["device_sum_matrices"] > 0
     assert (stats["host_sum_matrices"] > 0) == (budget < 10 ** 9)
     if credit == "mean":

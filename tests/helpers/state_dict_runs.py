@@ -34,3 +34,16 @@ def run(make, loss_fn, opt_kwargs, steps, resume_at=None):
     stats = opt.stats()
     opt.close()
     return model, stats
+
+
+_UNINTERRUPTED: dict = {}
+
+
+def run_once(make, loss_fn, opt_kwargs, steps):
+    """run() without a resume, computed once per (model, settings, steps) in this process: the
+    uninterrupted run that the cases resuming at different steps all compare against (they only
+    read its weights and stats)."""
+    key = (make, loss_fn, tuple(sorted(opt_kwargs.items())), steps)
+    if key not in _UNINTERRUPTED:
+        _UNINTERRUPTED[key] = run(make, loss_fn, opt_kwargs, steps)
+    return _UNINTERRUPTED[key]
