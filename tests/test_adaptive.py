@@ -4,17 +4,13 @@ import random
 
 import pytest
 import torch
-from conftest import MODELS
 
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
 from zenflow.optim.windows import AutoWindow
 
-
-def window_lengths(decisions, warm_up=0):
-    flushes = [step for step, kind in decisions if kind == "flush" and step >= warm_up]
-    starts = [warm_up - 1] + flushes[:-1]
-    return [b - a for a, b in zip(starts, flushes)]
+from helpers.decisions import window_lengths
+from helpers.models import MODELS
 
 
 def train(opt, model, loss_fn, steps):
@@ -24,6 +20,7 @@ def train(opt, model, loss_fn, steps):
         opt.step()
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_auto_interval_flushes_sometimes_and_stays_in_bounds(model_name):
     make, loss_fn = MODELS[model_name]
@@ -142,6 +139,7 @@ def test_all_auto_matches_reference_given_decisions(seed):
     opt.close()
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_warm_up_works_with_every_strategy():
     for kwargs in (dict(select_strategy="step", select_interval=3),
                    dict(select_strategy="epoch", select_interval=1, steps_per_epoch=4),

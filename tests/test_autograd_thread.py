@@ -1,4 +1,5 @@
-"""The hooks with the backward where CUDA runs it: on autograd's own thread (tests/autograd_thread.py).
+"""The hooks with the backward where CUDA runs it: on autograd's own thread
+(tests/helpers/autograd_thread.py).
 
 On a GPU the backward, its hooks and any forward that activation checkpointing recomputes run on
 autograd's device thread while the caller waits in `backward()`. Inside `step(closure)` the

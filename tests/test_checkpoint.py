@@ -1,71 +1,26 @@
 """Checkpoints: a resumed run (in a fresh process) equals an uninterrupted one; damaged or
 half-written checkpoints are refused."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import engine_toys as toys
 import pytest
 import torch
 
 from zenflow.engine.checkpoint import CheckpointError
 from zenflow.engine.engine import initialize
 
-TESTS = str(Path(__file__).resolve().parent)
-FP16 = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 3}
-WARMUP = {"type": "WarmupLR", "params": {"warmup_num_steps": 15, "warmup_max_lr": 1e-2}}
-VARIANTS = {
-    "adamw": dict(kind="adamw", gradient_clipping=1.0),
-    "adamw-fp16-warmup": dict(kind="adamw", fp16=FP16, scheduler=WARMUP),
-    "adamw-bf16": dict(kind="adamw", bf16={"enabled": True}),
-    "offload": dict(kind="offload", gradient_clipping=1.0),
-    "zenflow-overlap": dict(kind="zenflow", scheduler=WARMUP),
-    "zenflow-sync": dict(kind="zenflow-sync", gradient_clipping=1.0),
-}
-
-
-def _config(variant):
-    v = dict(VARIANTS[variant])
-    return toys.config(v.pop("kind"), batch_size=8, micro=4, **v)
-
-
-def _engine(variant, model_seed=0):
-    engine, *_ = initialize(model=toys.make_model(seed=model_seed, dropout=0.1),
-                            config=_config(variant))
-    torch.manual_seed(5)  # dropout draws from here; the checkpoint must carry it across
-    return engine
-
-
-def _counters(engine):
-    return {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
-            "lr": engine.get_lr(), "loss_scale": engine.loss_scale}
-
-
-CHILD = """
-import json, sys, torch
-sys.path.insert(0, {tests!r})
-import test_checkpoint as tc, engine_toys as toys
-for variant in {variants!r}:
-    engine = tc._engine(variant, model_seed=99)  # other initial weights: they must be replaced
-    path, client = engine.load_checkpoint({root!r} + "/" + variant)
-    assert client == {{"note": "step 10"}}, client
-    toys.train(engine, range(10, 20))
-    engine.synchronize()
-    out = {root!r} + "/" + variant + ".resumed"
-    torch.save(toys.weights(engine.module), out + ".pt")
-    json.dump(tc._counters(engine), open(out + ".json", "w"))
-    engine.close()
-"""
+import helpers.engine_toys as toys
+from helpers.checkpoint_variants import VARIANTS, _counters, _engine, _saved
+from helpers.children import program, with_root_on_path
 
 
 @pytest.fixture(scope="module")
 def resumed_runs(tmp_path_factory):
     """Per variant: 20 uninterrupted steps here; 10 steps, a checkpoint, and 10 more steps in
-    one fresh child process that loads each checkpoint (one process for all variants: each
-    python start-up with torch costs seconds)."""
+    one fresh child process that loads each checkpoint (tests/programs/checkpoint_resume.py; one
+    process for all variants: each python start-up with torch costs seconds)."""
     root = tmp_path_factory.mktemp("resume")
     expected = {}
     for variant in VARIANTS:
@@ -80,11 +35,10 @@ def resumed_runs(tmp_path_factory):
         first.save_checkpoint(root / variant, client_state={"note": "step 10"})
         first.close()
         assert (root / variant / "latest").read_text() == "global_step10"
-    code = CHILD.format(tests=TESTS, variants=list(VARIANTS), root=str(root))
     # Same intra-op thread count as here, so that the child's kernels reduce in the same order.
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=600, env=env)
+    env = with_root_on_path(OMP_NUM_THREADS=str(torch.get_num_threads()))
+    run = subprocess.run([sys.executable, str(program("checkpoint_resume.py")), str(root),
+                          *VARIANTS], capture_output=True, text=True, timeout=600, env=env)
     return root, expected, run
 
 
@@ -118,13 +72,6 @@ def test_round_trip_restores_counters_schedule_scaler_and_rng(tmp_path):
     for pa, pb in zip(a.optimizer.state_dict()["state"].values(),
                       b.optimizer.state_dict()["state"].values()):
         assert all(torch.equal(pa[k], pb[k]) for k in pa)
-
-
-def _saved(tmp_path, steps=3):
-    engine = _engine("adamw")
-    toys.train(engine, range(steps))
-    path = Path(engine.save_checkpoint(tmp_path / "ckpt"))
-    return engine, path
 
 
 def test_truncated_file_is_rejected(tmp_path):
@@ -169,24 +116,12 @@ def test_failed_load_leaves_the_engine_untouched(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in toys.weights(engine.module).items())
 
 
-CRASH = """
-import os, sys, torch
-sys.path.insert(0, {tests!r})
-import test_checkpoint as tc, engine_toys as toys
-engine = tc._engine("adamw")
-toys.train(engine, range(3))
-engine.save_checkpoint({ckpt!r})                      # global_step3: complete
-toys.train(engine, range(3, 6))
-# Die at the commit point of the next save: every file is written, nothing is renamed yet.
-os.rename = lambda *a, **k: os._exit(9)
-engine.save_checkpoint({ckpt!r})                      # global_step6: never completes
-"""
-
-
+@pytest.mark.slow   # a child process
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    run = subprocess.run([sys.executable, "-c", CRASH.format(tests=TESTS, ckpt=str(ckpt))],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, str(program("checkpoint_crash_while_saving.py")),
+                          str(ckpt)], capture_output=True, text=True, timeout=300,
+                         env=with_root_on_path())
     assert run.returncode == 9, run.stderr[-3000:]
     assert (ckpt / "latest").read_text() == "global_step3"
     assert not (ckpt / "global_step6").exists()

@@ -7,16 +7,17 @@ import random
 import threading
 from pathlib import Path
 
-import engine_toys as toys
 import numpy as np
 import pytest
-import test_checkpoint as tc
 import torch
 
 from zenflow.engine import checkpoint
 from zenflow.engine.checkpoint import CheckpointError, write_checkpoint
 from zenflow.engine.checkpoint_lock import TagLock
 from zenflow.engine.checkpoint_read import read_checkpoint, verify_checkpoint
+
+import helpers.checkpoint_variants as tc
+import helpers.engine_toys as toys
 
 STAGES = ["written", "staged", "retired", "committed", "latest"]
 # Which version the tag holds after an overwrite stopped at each stage: before the old

@@ -20,6 +20,8 @@ import zenflow
 from zenflow.tools import optional_deps
 from zenflow.tools.cli import SUBCOMMANDS, DefaultsHelpFormatter, main
 
+from helpers.children import program
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,27 +55,11 @@ def test_every_option_has_help_and_states_its_default(command):
         assert "default" in formatter._get_help_string(action).lower(), f"{command} {name}"
 
 
-# A child that asks for every --help and says which of them imported torch.
-_HELP_CHILD = """
-import contextlib, io, sys
-from zenflow.tools.cli import SUBCOMMANDS, main
-for argv in [["--help"]] + [[name, "--help"] for name in SUBCOMMANDS]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            main(argv)
-        except SystemExit as exc:
-            assert exc.code == 0, (argv, exc.code)
-    assert out.getvalue().startswith("usage: zenflow"), (argv, out.getvalue()[:200])
-    print(" ".join(argv), "torch" in sys.modules)
-"""
-
-
 def test_help_imports_no_torch():
     """`zenflow --help` and every `zenflow COMMAND --help` print without importing torch (which
     took them 4-7 s): a command's module imports torch inside run(), not at its top."""
-    run = subprocess.run([sys.executable, "-c", _HELP_CHILD], capture_output=True, text=True,
-                         timeout=120, env=_env())
+    run = subprocess.run([sys.executable, str(program("cli_help_without_torch.py"))],
+                         capture_output=True, text=True, timeout=120, env=_env())
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines == [f"{' '.join(argv)} False" for argv in
@@ -186,12 +172,7 @@ def test_built_wheel_installs_into_a_fresh_venv_offline(tmp_path):
     site = run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     deps = Path(torch.__file__).resolve().parent.parent
     (Path(site.stdout.strip()) / "host_site_packages.pth").write_text(str(deps) + "\n")
-    check = run(str(python), "-c", (
-        "import importlib.resources as r, importlib.metadata as m, zenflow, zenflow.integrations;"
-        f"assert zenflow.__file__.startswith({str(venv)!r}), zenflow.__file__;"
-        "assert r.files('zenflow').joinpath('py.typed').is_file();"
-        "assert zenflow.__version__ == m.version('zenflow-torch');"
-        "print(zenflow.__version__)"), cwd=str(tmp_path))
+    check = run(str(python), str(program("installed_wheel_check.py")), str(venv), cwd=str(tmp_path))
     assert check.returncode == 0, check.stderr[-3000:]
     cli = run(str(venv / "bin" / "zenflow"), "--version", cwd=str(tmp_path))
     assert cli.returncode == 0 and cli.stdout.strip() == f"zenflow {check.stdout.strip()}"

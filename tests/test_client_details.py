@@ -4,12 +4,13 @@ import logging
 import subprocess
 import sys
 
-import engine_toys as toys
 import torch
 
 import zenflow
 from zenflow.engine.engine import initialize
 from zenflow.tools import cli
+
+import helpers.engine_toys as toys
 
 
 def test_grad_scaler_overflow_logs_info_with_the_scale_and_bad_gradients_warn(caplog):

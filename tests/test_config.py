@@ -9,7 +9,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from engine_toys import SEED_ZERO_BLOCK
 
 from zenflow.config.deepspeed_json import (
     ConfigError,
@@ -20,6 +19,8 @@ from zenflow.config.deepspeed_json import (
     resolved_settings,
 )
 from zenflow.tools.cli import main as cli_main
+
+from helpers.engine_toys import SEED_ZERO_BLOCK
 
 BASE = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
@@ -225,6 +226,7 @@ def test_at_least_fifteen_malformed_cases():
     assert len(MALFORMED) >= 15
 
 
+@pytest.mark.slow   # two child processes
 def test_check_config_cli_in_a_subprocess(tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(with_(**SEED_ZERO_BLOCK)))
@@ -351,9 +353,9 @@ def test_dict_config_nested_too_deeply_or_cyclic():
 
 
 def test_initialize_accepts_numpy_scalars_and_refuses_tensors_before_building(tmp_path):
-    from engine_toys import make_model
-
     from zenflow.engine.engine import initialize
+
+    from helpers.engine_toys import make_model
 
     cfg = {"train_batch_size": np.int64(8), "gradient_clipping": np.float32(1.0),
            "optimizer": {"type": "AdamW", "params": {"lr": np.float64(1e-2)}}}

@@ -3,13 +3,14 @@ save_16bit_model install ZenFlow's in-flight host update, while the saving run i
 exactly as if it had not saved, and a resumed run matches an uninterrupted one."""
 import copy
 
-import engine_toys as toys
 import pytest
 import torch
 
 from zenflow.engine.engine import initialize
 
-# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+import helpers.engine_toys as toys
+
+# Every backward runs on a thread of its own, as CUDA runs it (tests/helpers/autograd_thread.py).
 pytestmark = pytest.mark.usefixtures("autograd_thread")
 
 # The seed block (update_interval 4, overlap_step on) without reselection, which installs early:
@@ -66,6 +67,7 @@ def assert_differs(a: dict, b: dict):
     assert any(not torch.equal(a[k], b[k]) for k in a), "nothing was in flight: vacuous test"
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_checkpoint_holds_synchronized_weights_and_saving_changes_nothing(make_engine, tmp_path):
     current = synchronized_after(make_engine, STEPS_IN_FLIGHT)
     saver = make_engine()
@@ -94,6 +96,7 @@ def test_checkpoint_holds_synchronized_weights_and_saving_changes_nothing(make_e
     assert_equal(current, raw_weights(weights_only))
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_eval_mode_no_grad_and_state_dict_read_current_weights(make_engine):
     current = synchronized_after(make_engine, STEPS_IN_FLIGHT)
     for read in ("engine.eval", "module.eval+forward", "no_grad forward", "state_dict"):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import engine_toys as toys
 import pytest
 import torch
 
@@ -18,8 +17,10 @@ from zenflow import comm
 from zenflow.config.deepspeed_json import ConfigError, parse_config
 from zenflow.engine.engine import initialize
 
-TESTS = Path(__file__).resolve().parent
-SCRIPT = TESTS / "ds_getting_started.py"
+import helpers.engine_toys as toys
+from helpers.children import ROOT, program
+
+SCRIPT = program("ds_getting_started.py")
 ZENFLOW_CONFIG = {
     "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
@@ -34,7 +35,7 @@ def run_script(tmp_path, launcher: list[str], ranks: int, init_distributed=True)
     cfg.write_text(json.dumps(ZENFLOW_CONFIG))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(TESTS.parent)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+        [str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env["SKIP_INIT_DISTRIBUTED"] = "0" if init_distributed else "1"

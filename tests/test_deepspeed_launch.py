@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import EVAL_EVERY, single_process_eval_run
-from test_distributed import assert_ok, assert_same, run_ranks
 
 from zenflow.engine.weight_sync import READ_DEADLINE_S
 from zenflow.tools import cli
 from zenflow.tools import launch as launch_tool
 
-TESTS = Path(__file__).resolve().parent
+from helpers.children import ROOT, program, with_root_on_path
+from helpers.dist_ranks import EVAL_EVERY, single_process_eval_run
+from helpers.spawn import assert_ok, assert_same, run_ranks
+
 CONFIG = {
     "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
     "gradient_clipping": 1.0,
@@ -35,12 +36,12 @@ def run_launch(tmp_path, script: str, ranks: int, *script_args: str
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps(CONFIG))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(TESTS.parent)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+        [str(ROOT)] + os.environ.get("PYTHONPATH", "").split(os.pathsep)),
         CUDA_VISIBLE_DEVICES="")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     argv = [sys.executable, "-m", "zenflow", "launch", "--num_gpus", str(ranks),
-            str(TESTS / script), "--deepspeed", "--deepspeed_config", str(cfg),
+            str(program(script)), "--deepspeed", "--deepspeed_config", str(cfg),
             "--out", str(tmp_path / "out"), *script_args]
     # In a session of its own, so that a hang stops torchrun too, not only the launcher
     # (subprocess.run's timeout would leave torchrun and the ranks running). The ranks are in
@@ -141,40 +142,10 @@ def test_finetune_llama_style_save_on_rank_0_only_fails_within_seconds(tmp_path)
     assert not (tmp_path / "ckpt" / "latest").exists()
 
 
+@pytest.mark.slow   # zenflow launch in a child process
 def test_served_names_and_refused_ones(tmp_path):
-    script = tmp_path / "names.py"
-    script.write_text(
-        "import sys\n"
-        "import deepspeed\n"
-        "import deepspeed.comm as dist\n"
-        "from deepspeed.accelerator import get_accelerator\n"
-        "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n"
-        "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n"
-        "from deepspeed.utils import logger\n"
-        "import torch, zenflow\n"
-        "assert deepspeed.initialize is zenflow.initialize and dist is zenflow.comm\n"
-        "assert deepspeed.DeepSpeedEngine is zenflow.ZenFlowEngine\n"
-        "assert get_accelerator().device_name() in ('cpu', 'cuda')\n"
-        "p = [torch.nn.Parameter(torch.ones(2))]\n"
-        "assert type(DeepSpeedCPUAdam(p)) is torch.optim.AdamW\n"
-        "assert type(FusedAdam(p, adam_w_mode=False)) is torch.optim.Adam\n"
-        "groups = {'params': p, 'name': 'parameters'}\n"
-        "assert split_params_into_different_moe_groups_for_optimizer(groups) == [groups]\n"
-        "import importlib.util\n"   # what transformers' and accelerate's DeepSpeed checks call
-        "from zenflow.compat.deepspeed.serve import SERVED\n"
-        "for name in SERVED:\n"
-        "    assert importlib.util.find_spec(name) is not None, name\n"
-        "print('args', sys.argv[1:])\n"
-        "for name in ('deepspeed.runtime.zero', 'deepspeed.pipe', 'deepspeed.nothing'):\n"
-        "    try:\n"
-        "        __import__(name)\n"
-        "    except ModuleNotFoundError as exc:\n"
-        "        print('refused', exc)\n"
-        "try:\n"
-        "    deepspeed.zero\n"
-        "except AttributeError as exc:\n"
-        "    print('refused', exc)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    script = program("deepspeed_names.py")
     run = subprocess.run([sys.executable, "-m", "zenflow", "launch", str(script), "--x"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -187,22 +158,14 @@ def test_served_names_and_refused_ones(tmp_path):
     assert "deepspeed.zero is not served by zenflow" in refused[3]
 
 
+@pytest.mark.slow   # two child processes
 def test_importing_zenflow_never_shadows_deepspeed():
-    code = ("import sys, zenflow, zenflow.engine.engine, zenflow.compat.deepspeed.comm\n"
-            "assert 'deepspeed' not in sys.modules\n"
-            "try:\n    import deepspeed\nexcept ImportError:\n    print('no deepspeed')\n"
-            "else:\n    print('real', deepspeed.__file__)\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run([sys.executable, str(program("zenflow_leaves_deepspeed_alone.py"))],
+                         capture_output=True, text=True, timeout=120, env=with_root_on_path())
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(("no deepspeed", "real "))
-    code = ("import sys, types\n"
-            "sys.modules['deepspeed'] = types.ModuleType('deepspeed')\n"
-            "import zenflow\n"
-            "try:\n    zenflow.serve_deepspeed_imports()\n"
-            "except RuntimeError as exc:\n    print(exc)\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run([sys.executable, str(program("deepspeed_imported_first.py"))],
+                         capture_output=True, text=True, timeout=120, env=with_root_on_path())
     assert "a real DeepSpeed is already imported" in run.stdout, run.stderr
 
 
@@ -234,11 +197,11 @@ def test_launch_maps_deepspeed_options_onto_torchrun(tmp_path):
             launch_tool.command(parsed(*argv))
 
 
+@pytest.mark.slow   # zenflow launch in a child process
 def test_launcher_flags_never_take_the_script_name(tmp_path):
     """DeepSpeed's store_true options stay flags: `--bind_cores_to_rank train.py` (DeepSpeedExamples'
     run_ds.sh) runs train.py; a refused flag is refused by its name, not as a missing script."""
-    script = tmp_path / "train.py"
-    script.write_text("import sys; print('ran', sys.argv[1:])\n")
+    script = program("print_args.py")
 
     def parsed(*argv):
         parser = cli.argparse.ArgumentParser()
@@ -342,24 +305,19 @@ def test_a_bad_master_port_is_refused_by_name(tmp_path, port):
         launch_tool.command(parser.parse_args(["--master_port", port, str(script)]))
 
 
+@pytest.mark.slow   # zenflow launch and its training process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_launcher_reaches_its_processes(tmp_path, signum):
     """A scheduler's SIGTERM (or Ctrl-C) to `zenflow launch` goes on to the training process,
     whose handler runs, and the launcher returns its exit status: no process is orphaned."""
-    script = tmp_path / "train.py"
     marker = tmp_path / "handled"
-    script.write_text(
-        "import signal, sys, time\n"
-        f"signal.signal({int(signum)}, lambda s, f: (open({str(marker)!r}, 'w').write(str(s)), "
-        "sys.exit(7)))\n"
-        "print('ready', flush=True)\n"
-        "time.sleep(60)\n")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(TESTS.parent))
+    env = with_root_on_path(CUDA_VISIBLE_DEVICES="")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.Popen([sys.executable, "-m", "zenflow", "launch", "--no_local_rank",
-                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+                             str(program("exits_7_on_a_signal.py")), str(marker), str(int(signum))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signum)

@@ -241,7 +241,7 @@ def _distributed_rank(rank, world, port, out_dir, cases):
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
-    from test_distributed import spawn_ranks
+    from helpers.spawn import spawn_ranks
     out = tmp_path_factory.mktemp("zf_distributed")
     cases = [c for c in MATRIX if c[0] != 3]
     return spawn_ranks(_distributed_rank, (str(out), cases), out, world=2, timeout=600)

@@ -2,11 +2,12 @@
 number of gradients in the window (docs/semantics.md, "Window end")."""
 import pytest
 import torch
-from conftest import MODELS
-from test_equivalence import HP, assert_models_close, train, train_accumulating
-from test_reference import random_case, run_pair
 
 import zenflow
+
+from helpers.equivalence import HP, assert_models_close, train, train_accumulating
+from helpers.models import MODELS
+from helpers.reference import random_case, run_pair
 
 
 @pytest.mark.parametrize("model_name", MODELS)

@@ -1,15 +1,16 @@
 """Collectives follow the group's backend, checked on a CPU: the distributed paths (selection,
 reselection with the state handoff, fixed and "auto" windows, installs, a checkpoint and a
-resume) run with every torch.distributed collective intercepted (tests/collective_check.py), and
+resume) run with every torch.distributed collective intercepted (tests/helpers/collective_check.py), and
 no tensor may reach a group anywhere its backend does not take it. Declaring the gloo group
 "nccl" makes the code take the GPU's path on the CPU; host memory handed to it is what raised on
 GPUs before (`.cpu()` before the norm exchange, host install buffers gathered, CPU flags)."""
 import pytest
 import torch
-from dist_helpers import single_process_run
-from test_distributed import STEPS, assert_ok, assert_same, run_ranks
 
 import zenflow.distributed as zd
+
+from helpers.dist_ranks import single_process_run
+from helpers.spawn import STEPS, assert_ok, assert_same, run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -3,11 +3,12 @@ shares and an exact resume, load_module_only across world sizes, and a torchrun-
 that never calls init_process_group."""
 import pytest
 import torch
-from conftest import make_mlp
-from dist_helpers import engine_config, single_process_run
-from test_distributed import STEPS, assert_ok, assert_same, rows_of, run_ranks
 
 import zenflow
+
+from helpers.dist_ranks import engine_config, single_process_run
+from helpers.models import make_mlp
+from helpers.spawn import STEPS, assert_ok, assert_same, rows_of, run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,8 @@
 """Ranks that start apart, and matrices with fewer rows than ranks (issue 24, items 1 and 9)."""
 import pytest
 import torch
-from test_distributed import run_ranks
+
+from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,70 +1,16 @@
 """Data parallel ZenFlow with 2 and 3 processes on gloo (127.0.0.1), spawned by the tests: the
 bare optimizer under DDP. The engine (checkpoints, torchrun) is in test_dist_engine.py."""
-import socket
 import time
 
 import pytest
-import torch
-import torch.multiprocessing as mp
-from conftest import make_mlp
-from dist_helpers import rank_main, single_process_run
 
 import zenflow
 
+from helpers.dist_ranks import single_process_run
+from helpers.models import make_mlp
+from helpers.spawn import COLS, ROWS, STEPS, assert_ok, assert_same, rows_of, run_ranks
+
 pytestmark = pytest.mark.slow
-STEPS = 20
-ROWS = [24, 24, 5]   # rows of the MLP's matrices
-COLS = [12, 24, 24]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_ranks(target, args: tuple, tmp_path, world: int, timeout: float) -> list:
-    """Run target(rank, world, port, *args) on `world` processes; each writes rank<r>.pt under
-    tmp_path. Fails as a hang when a rank is still running after `timeout` seconds."""
-    ctx = mp.spawn(target, args=(world, free_port(), *args), nprocs=world, join=False)
-    deadline = time.monotonic() + timeout
-    for p in ctx.processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"ranks still running after {timeout}s: a hang"
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-            if (tmp_path / f"rank{r}.pt").exists() else None for r in range(world)]
-
-
-def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=120, world=2,
-              options=None):
-    return spawn_ranks(rank_main, (mode, overlap, str(tmp_path), steps, worker, options),
-                       tmp_path, world, timeout)
-
-
-def assert_same(a, b, exact):
-    for name, value in a.items():
-        if exact:
-            assert torch.equal(value, b[name]), name
-        else:
-            torch.testing.assert_close(value, b[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{name}: {m}")
-
-
-def assert_ok(ranks):
-    for r in ranks:
-        assert r is not None and "error" not in r, r and r.get("error")
-
-
-def rows_of(rank, world):
-    """The rows each rank's host holds of each matrix: ceil(rows / world), the last rank less."""
-    out = []
-    for n in ROWS:
-        per = -(-n // world)
-        out.append(max(0, min(n, (rank + 1) * per) - min(n, rank * per)))
-    return out
 
 
 @pytest.mark.parametrize("world,overlap", [(2, False), (2, True), (3, False), (3, True)])

@@ -15,6 +15,7 @@ def full_master(entry):
     return full
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_low_precision_params_keep_fp32_masters(dtype, overlap):

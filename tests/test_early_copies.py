@@ -13,7 +13,7 @@ import torch
 
 import zenflow
 
-# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+# Every backward runs on a thread of its own, as CUDA runs it (tests/helpers/autograd_thread.py).
 pytestmark = pytest.mark.usefixtures("autograd_thread")
 
 STEPS = 5

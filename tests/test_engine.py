@@ -2,7 +2,6 @@
 import logging
 import math
 
-import engine_toys as toys
 import pytest
 import torch
 
@@ -10,6 +9,8 @@ from zenflow.config.deepspeed_json import ConfigError
 from zenflow.engine.engine import initialize
 from zenflow.engine.loss_scaler import LossScaler
 from zenflow.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+import helpers.engine_toys as toys
 
 
 @pytest.fixture

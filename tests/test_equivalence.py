@@ -3,33 +3,11 @@ import copy
 
 import pytest
 import torch
-from conftest import MODELS
 
 import zenflow
 
-STEPS = 24
-TOL = dict(rtol=1e-5, atol=1e-6)
-HP = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-
-
-def matrices(model):
-    return [p for p in model.parameters() if p.ndim >= 2]
-
-
-def vectors(model):
-    return [p for p in model.parameters() if p.ndim < 2]
-
-
-def assert_models_close(a, b):
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, **TOL, msg=lambda m: f"{name}: {m}")
-
-
-def train(model, loss_fn, opt, steps=STEPS):
-    for t in range(steps):
-        opt.zero_grad()
-        loss_fn(model, t).backward()
-        opt.step()
+from helpers.equivalence import HP, STEPS, assert_models_close, matrices, train, train_accumulating, vectors
+from helpers.models import MODELS
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -45,6 +23,7 @@ def test_topk_one_is_adamw(model_name, overlap):
     assert_models_close(model, twin)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("model_name", MODELS)
 def test_topk_zero_interval_one_is_adamw(model_name):
     make, loss_fn = MODELS[model_name]
@@ -68,25 +47,6 @@ def test_topk_zero_is_gradient_accumulation(model_name, interval):
 
     train_accumulating(twin, loss_fn, interval)
     assert_models_close(model, twin)
-
-
-def train_accumulating(model, loss_fn, interval, matrix_lr=HP["lr"]):
-    """torch AdamW: vectors every step; matrices every `interval` steps on the mean gradient."""
-    vec_opt = torch.optim.AdamW(vectors(model), **HP)
-    mat_opt = torch.optim.AdamW(matrices(model), **{**HP, "lr": matrix_lr})
-    sums = [torch.zeros_like(p) for p in matrices(model)]
-    for t in range(STEPS):
-        model.zero_grad()
-        loss_fn(model, t).backward()
-        vec_opt.step()
-        for s, p in zip(sums, matrices(model)):
-            s += p.grad
-        if (t + 1) % interval == 0:
-            for s, p in zip(sums, matrices(model)):
-                p.grad = s / interval
-            mat_opt.step()
-            for s in sums:
-                s.zero_()
 
 
 @pytest.mark.parametrize("model_name", MODELS)
@@ -135,6 +95,7 @@ def test_lr_scheduler_drives_both_sides():
     assert_models_close(model, twin)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_clipping_matches_clip_grad_norm():
     make, loss_fn = MODELS["transformer_block"]
     model, twin = make(), make()
@@ -152,6 +113,7 @@ def test_clipping_matches_clip_grad_norm():
     assert_models_close(model, twin)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_offload_adamw_is_adamw():
     make, loss_fn = MODELS["transformer_block"]
     model, twin = make(), make()

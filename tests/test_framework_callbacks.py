@@ -1,7 +1,7 @@
 """The shipped framework callbacks: with them, everything HF Trainer and Lightning evaluate or save
 is the synchronized model (installing the pending update right then changes nothing); without
 them it would not be (checked, so the tests cannot pass vacuously). Also find_optimizer behind
-the frameworks' wrappers. Models, data and settings come from test_integrations."""
+the frameworks' wrappers. Models, data and settings come from helpers/integrations.py."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 L = pytest.importorskip("lightning.pytorch")
 accelerate = pytest.importorskip("accelerate")
 
-from test_integrations import ZF, LitModule, TokenDataset, mlp, tiny_bert, xy  # noqa: E402
+from helpers.integrations import ZF, LitModule, TokenDataset, mlp, tiny_bert, xy  # noqa: E402
 
 
 def _weights(model: nn.Module) -> dict:

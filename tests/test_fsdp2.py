@@ -2,22 +2,15 @@
 gloo ranks, spawned by the tests. Each rank keeps the state of its own rows; the ranks exchange
 column norms and squared gradient norms only."""
 import math
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from fsdp_helpers import fsdp_rank_main, single_process_fsdp_reference
-from test_distributed import COLS, ROWS, assert_ok, assert_same, rows_of, spawn_ranks
 
-STEPS = 20
-
-
-def run_fsdp(tmp_path, mode, world=2, steps=STEPS, timeout=120, **options):
-    return spawn_ranks(fsdp_rank_main, (mode, str(tmp_path), steps, options), tmp_path, world,
-                       timeout)
+from helpers.children import program, with_root_on_path
+from helpers.fsdp_ranks import STEPS, run_fsdp, single_process_fsdp_reference
+from helpers.spawn import COLS, ROWS, assert_ok, assert_same, rows_of
 
 
 def check_matches_single_process(ranks, world, overlap, moments=False):
@@ -50,6 +43,7 @@ def check_matches_single_process(ranks, world, overlap, moments=False):
                                                    "summing the squared gradient norms"}
 
 
+@pytest.mark.slow   # spawns 2 ranks
 def test_fsdp2_on_two_ranks(tmp_path):
     """One set of 2 ranks: ZenFlowAdamW with and without overlap, OffloadAdamW, bf16 mixed
     precision, the refusals, and a bit-exact resume from each rank's saved shards."""
@@ -100,8 +94,8 @@ def test_fsdp2_on_three_ranks(tmp_path):
 @pytest.mark.slow
 def test_a_llama_shaped_model_trains_sharded_under_torchrun(tmp_path):
     """A script without a __main__ guard, under torchrun, 2 gloo ranks: 226 matrices."""
-    script = Path(__file__).with_name("fsdp_llama_script.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    script = program("fsdp_llama_script.py")
+    env = with_root_on_path(OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", "2", str(script), str(tmp_path)],
                    check=True, env=env, timeout=300, capture_output=True)

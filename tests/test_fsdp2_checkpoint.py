@@ -6,18 +6,28 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import make_mlp
-from dist_helpers import batch
-from fsdp_helpers import _dcp_kwargs, dcp_load, selections, single_process_fsdp_reference
-from test_distributed import assert_ok, assert_same, rows_of
-from test_fsdp2 import STEPS, run_fsdp
 
 import zenflow
+
+from helpers.dist_ranks import batch
+from helpers.fsdp_ranks import (
+    STEPS,
+    _dcp_kwargs,
+    dcp_load,
+    run_fsdp,
+    selections,
+    single_process_fsdp_reference,
+)
+from helpers.models import make_mlp
+from helpers.spawn import assert_ok, assert_same, rows_of
+
+# Every test here reads the ranks of one module-wide spawn (its fixture): 2 gloo ranks.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def saved_on_two_ranks(tmp_path_factory):
-    """The 2-rank runs of fsdp_helpers._dcp_resume, and the DCP checkpoint they saved at step
+    """The 2-rank runs of helpers/fsdp_ranks.py's _dcp_resume, and the DCP checkpoint they saved at step
     STEPS // 2 (with a host update in flight: windows of 3 steps, overlapped)."""
     tmp_path = tmp_path_factory.mktemp("dcp")
     ranks = run_fsdp(tmp_path, "runs", world=2,

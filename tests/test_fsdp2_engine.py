@@ -2,10 +2,13 @@
 stage 3 and a zenflow block maps to it; the engine's checkpoints go through
 torch.distributed.checkpoint, resume bit-exactly on 2 gloo ranks and load on 3."""
 import pytest
-from dist_helpers import single_process_run
-from fsdp_helpers import single_process_fsdp_reference
-from test_distributed import assert_ok, assert_same
-from test_fsdp2 import STEPS, run_fsdp
+
+from helpers.dist_ranks import single_process_run
+from helpers.fsdp_ranks import STEPS, run_fsdp, single_process_fsdp_reference
+from helpers.spawn import assert_ok, assert_same
+
+# Every test here reads the ranks of one module-wide spawn (its fixture): 2 gloo ranks.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,19 @@
 """ZenFlow on FSDP2 through the frameworks (issue 25, item 4): Accelerate's FSDP2 plugin,
 Lightning's ModelParallelStrategy, and zenflow.initialize with a stage 0-2 config on an FSDP2
-model. One set of 2 gloo ranks runs them all (tests/fsdp_frameworks.py)."""
+model. One set of 2 gloo ranks runs them all (tests/helpers/fsdp_frameworks.py)."""
 import pytest
 import torch
-from dist_helpers import single_process_run
-from fsdp_frameworks import frameworks_rank_main
-from fsdp_helpers import single_process_fsdp_reference
-from test_distributed import assert_ok, assert_same, spawn_ranks
-from test_fsdp2 import STEPS
+
+from helpers.dist_ranks import single_process_run
+from helpers.fsdp_frameworks import frameworks_rank_main
+from helpers.fsdp_ranks import STEPS, single_process_fsdp_reference
+from helpers.spawn import assert_ok, assert_same, spawn_ranks
 
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
+
+# Every test here reads the ranks of one module-wide spawn (its fixture): 2 gloo ranks.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

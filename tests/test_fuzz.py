@@ -157,6 +157,7 @@ def _text_variants(text, rng):
     ]
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_fuzz_check_config_files(tmp_path, capsys):
     rng = random.Random(99)
     file = tmp_path / "ds.json"

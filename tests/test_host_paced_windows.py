@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_adaptive import window_lengths
-from test_real_scale import batch, llama
 
 import zenflow
 from zenflow.config.deepspeed_json import parse_config
 from zenflow.optim.reference import ReferenceZenFlow
 from zenflow.optim.windows import AutoWindow
+
+from helpers.decisions import window_lengths
+from helpers.llama import batch, llama
 
 
 def test_without_a_threshold_a_window_ends_when_the_host_is_ready():
@@ -66,6 +67,7 @@ def replay(opt, model, ref, steps, ready=None):
         torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow   # the Llama-shaped model against the reference
 def test_an_inline_host_gives_one_step_windows_equal_to_the_reference():
     """In process the host is always ready: every window is one step, installed one step late
     with the lookahead (deterministic)."""
@@ -77,6 +79,7 @@ def test_an_inline_host_gives_one_step_windows_equal_to_the_reference():
         assert window_lengths(opt.decisions) == [1] * 8
 
 
+@pytest.mark.slow   # the Llama-shaped model against the reference
 def test_a_busy_host_lengthens_the_window_and_the_update_lands_whole():
     """While the host is busy the window keeps accumulating; when it ends, the previous update is
     installed whole (the reference, given the same decisions, agrees)."""
@@ -94,6 +97,7 @@ def test_a_busy_host_lengthens_the_window_and_the_update_lands_whole():
     assert lengths == [1, 1, 2, 3, 1, 1, 1]
 
 
+@pytest.mark.slow   # the Llama-shaped model against the reference
 @pytest.mark.parametrize("worker", [True, False])
 def test_with_the_worker_the_decisions_replay_exactly(worker):
     """The worker's timing decides the windows; whatever it decides, the weights are the
@@ -106,6 +110,7 @@ def test_with_the_worker_the_decisions_replay_exactly(worker):
         assert all(1 <= n <= 16 for n in window_lengths(opt.decisions))
 
 
+@pytest.mark.slow   # the Llama-shaped model
 def test_the_lookahead_leaves_synchronous_installs_exact():
     """Nothing is stale without overlap: with the default lookahead, k=0 and U=1 is AdamW."""
     model, reference = llama(), llama()

@@ -2,12 +2,13 @@
 the host's values stay exact (docs/semantics.md, "Window end")."""
 import pytest
 import torch
-from conftest import MODELS
-from test_reference import SHAPES, random_case, run_pair
-from test_state_dict import KW, run
 
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
+
+from helpers.models import MODELS
+from helpers.reference import SHAPES, random_case, run_pair
+from helpers.state_dict_runs import KW, run, run_once
 
 
 @pytest.mark.parametrize("seed", range(200, 216))
@@ -95,7 +96,7 @@ def test_lookahead_leaves_a_synchronous_install_alone():
 def test_resume_with_lookahead_is_bit_exact(overlap, resume_at):
     make, loss_fn = MODELS["transformer_block"]
     kwargs = dict(KW, overlap_step=overlap, install_lookahead=0.5, deferred_credit="window")
-    straight, straight_stats = run(make, loss_fn, kwargs, steps=16)
+    straight, straight_stats = run_once(make, loss_fn, kwargs, steps=16)
     resumed, _ = run(make, loss_fn, kwargs, steps=16, resume_at=resume_at)
     assert straight_stats["reselections"] > 0
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):

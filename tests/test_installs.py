@@ -15,7 +15,7 @@ import zenflow
 from zenflow.host.transfers import Ticket
 from zenflow.optim import installs
 
-# Every backward runs on a thread of its own, as CUDA runs it (tests/autograd_thread.py).
+# Every backward runs on a thread of its own, as CUDA runs it (tests/helpers/autograd_thread.py).
 pytestmark = pytest.mark.usefixtures("autograd_thread")
 
 ALL = 10 ** 9   # a device_sum_budget that puts every sum on the CPU "device" ("moments" needs it)
@@ -262,7 +262,7 @@ def test_reads_right_after_the_engines_step_see_the_installed_weights():
     same training with a bare optimizer (it differed by 0.013 when the engine attached its model
     and the installs landed in the next forward). Attaching stays the script's choice, undone by
     close()."""
-    from tests.engine_toys import batch, config, make_model
+    from helpers.engine_toys import batch, config, make_model
 
     def ema_after(engine_or_none):
         model = make_model()
@@ -330,6 +330,7 @@ def _train_compiled(compiled: bool, steps: int = 8, compile_at: int = 0):
     return [p.detach().clone() for p in model.parameters()], account
 
 
+@pytest.mark.slow   # torch.compile
 def test_a_compiled_attached_model_is_one_graph_and_trains_as_eager():
     """torch.compile traces the layers' pre-hooks: there they do nothing (a hook that finished
     installs broke the graph at every layer, so the model ran eagerly between the breaks), and

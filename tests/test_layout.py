@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.children import program, with_root_on_path
+
 PACKAGE = Path(__file__).resolve().parent.parent / "zenflow"
 
 # Lowest first. A module belongs to the first layer whose prefix it has.
@@ -80,10 +82,9 @@ def test_imports_run_one_way(path):
 def test_config_is_importable_without_torch():
     import subprocess
     import sys
-    code = ("import sys, zenflow.config.deepspeed_json, zenflow.tools.check_config; "
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=PACKAGE.parent, timeout=60)
+    out = subprocess.run([sys.executable, str(program("config_imports_no_torch.py"))],
+                         capture_output=True, text=True, cwd=PACKAGE.parent, timeout=60,
+                         env=with_root_on_path())
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing the config pulled in torch"
 

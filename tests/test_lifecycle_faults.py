@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import textwrap
 import threading
 
 import pytest
@@ -17,6 +16,8 @@ import torch
 
 import zenflow
 from zenflow.host import forkserver, worker
+
+from helpers.children import program
 
 
 def _model():
@@ -31,10 +32,9 @@ def _train(model, opt, steps):
         opt.step()
 
 
-def _run_script(code: str, tmp_path, executable=sys.executable, timeout=240, **kw):
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(code))
-    return subprocess.run([executable, str(script)], capture_output=True, text=True,
+def _run_script(name: str, *args: str, executable=sys.executable, timeout=240, **kw):
+    """tests/programs/NAME run as a script (`python PATH ARGS`)."""
+    return subprocess.run([executable, str(program(name)), *args], capture_output=True, text=True,
                           timeout=timeout, **kw)
 
 
@@ -54,31 +54,11 @@ def _in_thread(fn, timeout: float):
     return result[0] if result else "hung"
 
 
+@pytest.mark.slow   # a child process
 def test_forked_child_exiting_leaves_the_parents_worker_alone(tmp_path):
     """A child forked from the training process that exits through sys.exit (atexit hooks and
     collection run) must not close the parent's worker (item 6)."""
-    out = _run_script("""
-        import os, sys, torch, zenflow
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-        opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25,
-                                   update_interval=2)
-        def train(n):
-            for _ in range(n):
-                opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
-        train(3)
-        pid = opt._runner.pid
-        for _ in range(4):
-            child = os.fork()
-            if child == 0:
-                sys.exit(0)
-            os.waitpid(child, 0)
-        train(4)
-        opt.synchronize()
-        assert opt._runner.pid == pid, "the worker was replaced"
-        opt.close()
-        print("OK")
-    """, tmp_path)
+    out = _run_script("forked_child_exits.py")
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
     assert "started a new worker" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
@@ -87,23 +67,7 @@ def test_forked_child_exiting_leaves_the_parents_worker_alone(tmp_path):
 def test_five_thousand_matrices_train_from_a_guardless_script(tmp_path):
     """An MoE-shaped model (5,000 tiny experts) starts its worker: the start-up data does not
     travel in the size-limited control message (item 8). No __main__ guard in the script."""
-    out = _run_script("""
-        import torch, zenflow
-        torch.manual_seed(0)
-        experts = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(5000))
-        opt = zenflow.ZenFlowAdamW(experts.parameters(), lr=1e-2, topk_ratio=0.25,
-                                   update_interval=2)
-        x = torch.randn(2, 4)
-        for step in range(4):
-            opt.zero_grad()
-            sum(e(x).sum() for e in experts[step::7]).backward()
-            opt.step()
-        opt.synchronize()
-        assert all(torch.isfinite(p).all() for p in experts.parameters())
-        assert opt.stats()["worker"]
-        opt.close()
-        print("OK")
-    """, tmp_path)
+    out = _run_script("five_thousand_matrices.py")
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
 
 
@@ -124,18 +88,8 @@ def test_zenflow_importable_only_through_sys_path(tmp_path):
     package = os.path.dirname(zenflow.__file__)
     subprocess.run(["cp", "-r", package, str(vendor / "zenflow")] if vendor.mkdir() is None
                    else [], check=True)
-    out = _run_script(f"""
-        import sys
-        sys.path.append({str(vendor)!r})
-        import torch, zenflow
-        assert zenflow.__file__.startswith({str(vendor)!r}), zenflow.__file__
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-        with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=2) as opt:
-            for _ in range(3):
-                opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
-            opt.synchronize()
-        print("OK")
-    """, tmp_path, executable=str(venv / "bin" / "python"), cwd=str(tmp_path),
+    out = _run_script("vendored_zenflow.py", str(vendor), executable=str(venv / "bin" / "python"),
+                      cwd=str(tmp_path),
                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
     assert sysconfig  # the venv's layout came from its own sysconfig
@@ -190,6 +144,7 @@ def test_ctrl_c_inside_worker_bookkeeping_then_save(method, ctrl_c_raises):
         opt.close()
 
 
+@pytest.mark.slow   # waits out a deadline
 def test_stopped_worker_is_an_error_naming_it(monkeypatch):
     """A stopped worker makes synchronize() fail after the deadline, saying it is stopped and how
     long it waited, instead of blocking forever (item 10)."""
@@ -213,6 +168,7 @@ def test_stopped_worker_is_an_error_naming_it(monkeypatch):
         opt.close()
 
 
+@pytest.mark.slow   # waits out a deadline
 def test_stopped_fork_server_is_a_clear_error(monkeypatch, capfd):
     """A stopped fork server fails the optimizer's construction with an error naming it, no
     BrokenPipe traceback, and the next optimizer gets a new server (item 10)."""
@@ -336,29 +292,11 @@ def test_memory_limits_read_from_cgroup_v1_and_v2(tmp_path):
     assert arena._cgroup_headroom(str(v2), str(proc)) is None
 
 
+@pytest.mark.slow   # a child process
 def test_small_address_space_limit_is_a_clear_error_and_leaks_no_memfd(tmp_path):
     """`ulimit -v` too small: HostMemoryError naming it, from the check and from the mapping
     itself, with no memory file left open (item 12)."""
-    out = _run_script("""
-        import os, resource, torch
-        from zenflow.host.arena import Arena, HostMemoryError
-        def vm_size():
-            for line in open("/proc/self/status"):
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (64 << 20), resource.RLIM_INFINITY))
-        regions = [("master", torch.float32, 128 << 20)]   # 512 MiB
-        fds = len(os.listdir("/proc/self/fd"))
-        for available in (None, 1 << 40):   # the check; past the check, the mapping
-            try:
-                Arena.create(regions, "ZenFlowAdamW", available)
-            except HostMemoryError as exc:
-                assert "ulimit -v" in str(exc), exc
-            else:
-                raise AssertionError("mapped beyond RLIMIT_AS")
-            assert len(os.listdir("/proc/self/fd")) == fds, "a memory file leaked"
-        print("OK")
-    """, tmp_path)
+    out = _run_script("address_space_limit.py")
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import zenflow
-from tests.test_reference import SHAPES, random_case, run_pair
+
+from helpers.reference import SHAPES, random_case, run_pair
 
 # The matrices of SHAPES: (7, 9), (5, 3, 2) as (5, 6), (4, 12), (3, 1). Every fp32 sum (4 bytes
 # an element) goes on the device first; HALF then fits the squares and fp32 rates (8 bytes) of

@@ -193,6 +193,7 @@ def test_bash_commands_name_real_targets_modules_and_flags(block):
         check_command(argv)
 
 
+@pytest.mark.slow   # zenflow in a child process
 @pytest.mark.parametrize("block", of_lang("bash", "run"), ids=str)
 def test_run_block_prints_what_the_readme_shows(block, tmp_path):
     written_files(tmp_path, block.doc)

@@ -9,25 +9,15 @@ import copy
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 import zenflow
 from zenflow.host import arena
-from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
 
-LLAMA = GPTConfig(arch="llama", n_layer=32, n_embd=32, n_head=4, vocab_size=64, seq_len=8)
-
-
-def llama(seed: int = 0, dtype=torch.float32) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(LLAMA).to(dtype)
-
-
-def batch(step: int, size: int = 4):
-    return TokenStream(LLAMA.vocab_size, LLAMA.seq_len, size, active=16).batch(step)
+from helpers.children import program, with_root_on_path
+from helpers.llama import LLAMA, batch, llama
 
 
 def train(model, opt, steps: int, micro_batches: int = 1) -> list[float]:
@@ -51,6 +41,7 @@ def test_the_model_has_llama_2_7b_matrix_count():
     assert sum(p.ndim >= 2 for p in llama().parameters()) == 226 == LLAMA.num_matrices()
 
 
+@pytest.mark.slow   # the Llama-shaped model (226 matrices)
 @pytest.mark.parametrize("make", [
     lambda p: zenflow.OffloadAdamW(p, lr=1e-3, worker=True),
     lambda p: zenflow.ZenFlowAdamW(p, lr=1e-3, topk_ratio=0.0, update_interval=1,
@@ -73,6 +64,7 @@ def test_llama_shaped_model_through_the_worker_equals_adamw(make):
         opt.close()
 
 
+@pytest.mark.slow   # the Llama-shaped model, 24 steps with the worker
 def test_llama_shaped_model_trains_with_zenflow_defaults():
     model = llama()
     fds = open_fds()
@@ -88,6 +80,7 @@ def test_llama_shaped_model_trains_with_zenflow_defaults():
     assert stats["d2h_bytes_per_step"] == pytest.approx(4 * matrices)
 
 
+@pytest.mark.slow   # the Llama-shaped model
 def test_bf16_gradients_cross_in_bf16():
     model = llama(dtype=torch.bfloat16)
     with zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, update_interval=2) as opt:
@@ -101,44 +94,12 @@ def test_bf16_gradients_cross_in_bf16():
     assert stats["host_bytes_per_param"] == pytest.approx(5 * 4 + 2 * 2)
 
 
-_FD_LIMITED = textwrap.dedent("""
-    import resource, torch, zenflow
-    from zenflow.tools.bench.model import GPT, GPTConfig, TokenStream
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-    model = GPT(GPTConfig(arch="llama", n_layer=32, n_embd=32, n_head=4, vocab_size=64, seq_len=8))
-    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-3, update_interval=2)
-    for step in range(4):
-        tokens = torch.randint(0, 64, (2, 9))
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
-    opt.close()
-    print("trained")
-""")
-
-
+@pytest.mark.slow   # a child process training the Llama-shaped model
 def test_works_under_ulimit_256():
-    result = subprocess.run([sys.executable, "-c", _FD_LIMITED], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, str(program("open_files_limit.py"))],
+                            capture_output=True, text=True, timeout=120, env=with_root_on_path())
     assert result.returncode == 0, result.stderr
     assert "trained" in result.stdout
-
-
-# The README's quick start as a user saves it: no __main__ guard, no close().
-_SCRIPT = textwrap.dedent("""
-    import os, torch, zenflow
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=2e-3, weight_decay=0.01,
-                               topk_ratio=0.1, update_interval=4, overlap_step=True)
-    for step in range(12):
-        loss = model(torch.randn(8, 16)).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    from zenflow.host.worker import _ForkServer
-    print("pids", opt._runner.pid, _ForkServer.get().process.pid, flush=True)
-""")
 
 
 def _gone(pid: int) -> bool:
@@ -152,18 +113,18 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow   # each case starts two interpreters that import torch
 @pytest.mark.parametrize("how", ["file", "stdin", "dash-c"])
 def test_a_script_without_a_main_guard_trains_and_leaves_nothing(tmp_path, how):
-    script = tmp_path / "train.py"
-    script.write_text(_SCRIPT)
+    # The README's quick start as a user saves it: no __main__ guard, no close().
+    script = program("quick_start_no_main_guard.py")
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     if how == "file":
         run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path)
     elif how == "stdin":
-        run = subprocess.run([sys.executable, "-"], input=_SCRIPT, capture_output=True, text=True,
-                             timeout=120, cwd=tmp_path)
+        run = subprocess.run([sys.executable, "-"], input=script.read_text(), capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
     else:
-        run = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                             timeout=120, cwd=tmp_path)
+        run = subprocess.run([sys.executable, "-c", script.read_text()], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     worker, server = (int(x) for x in run.stdout.split("pids")[1].split())
@@ -423,38 +384,13 @@ def test_a_worker_that_dies_mid_update_names_the_torn_state_and_rolls_back():
         assert opt.state_dict()["zenflow"]["step"] == 6
 
 
-_PREEMPTED = textwrap.dedent("""
-    import os, signal, sys, time, torch, zenflow
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 5))
-    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=3)
-    step = 0
-
-    def save_and_exit(signum, frame):   # the usual preemption handler
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
-                   sys.argv[1])
-        sys.exit(0)
-
-    signal.signal(signal.SIGTERM, save_and_exit)
-    while True:
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        step += 1
-        if step == 7:
-            print("ready", flush=True)
-            time.sleep(60)
-""")
-
-
 @pytest.mark.slow   # a training subprocess
 def test_sigterm_to_the_process_group_saves_a_checkpoint_that_resumes_exactly(tmp_path):
     import signal
     path = tmp_path / "preempted.pt"
-    child = subprocess.Popen([sys.executable, "-c", _PREEMPTED, str(path)], stdout=subprocess.PIPE,
-                             text=True, start_new_session=True)
+    child = subprocess.Popen([sys.executable, str(program("preempted_training.py")), str(path)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True,
+                             env=with_root_on_path())
     try:
         assert child.stdout.readline().strip() == "ready"
         os.killpg(child.pid, signal.SIGTERM)      # the scheduler signals the whole job
@@ -495,6 +431,7 @@ def test_sigterm_to_the_process_group_saves_a_checkpoint_that_resumes_exactly(tm
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow   # 21 workers started
 def test_optimizers_dropped_without_close_leak_no_descriptor():
     import gc
     model = _mlp()

@@ -1,5 +1,4 @@
 """ZenFlowAdamW against zenflow.optim.reference on random settings and random gradient sequences."""
-import random
 
 import pytest
 import torch
@@ -7,60 +6,7 @@ import torch
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
 
-SHAPES = [(7, 9), (5, 3, 2), (11,), (4, 12), (6,), (3, 1)]
-
-
-def random_case(seed):
-    rng = random.Random(seed)
-    return dict(
-        topk_ratio=rng.choice([rng.uniform(0.01, 0.99), 0.5, 0.1]),
-        update_interval=rng.randint(1, 6),
-        full_warm_up_rounds=rng.randint(0, 3),
-        select_interval=rng.choice([None, rng.randint(1, 12)]),
-        max_grad_norm=rng.choice([None, rng.uniform(0.5, 5.0)]),
-        overlap_step=rng.random() < 0.5,
-        importance=rng.choice(["l2", "l1"]),
-        weight_decay=rng.choice([0.0, 0.1]),
-        lr_decay=rng.choice([1.0, 0.9]),
-        missing_grads=rng.random() < 0.2,
-        steps=rng.randint(10, 18),
-    )
-
-
-def run_pair(case, seed):
-    gen = torch.Generator().manual_seed(seed)
-    values = [torch.randn(s, generator=gen) for s in SHAPES]
-    params = [v.clone().requires_grad_() for v in values]
-    ref_params = [v.clone() for v in values]
-    lr = 0.02
-    kwargs = dict(lr=lr, betas=(0.9, 0.995), eps=1e-8, weight_decay=case["weight_decay"],
-                  topk_ratio=case["topk_ratio"], update_interval=case["update_interval"],
-                  full_warm_up_rounds=case["full_warm_up_rounds"],
-                  overlap_step=case["overlap_step"], max_grad_norm=case["max_grad_norm"],
-                  importance=case["importance"],
-                  deferred_credit=case.get("deferred_credit", "mean"),
-                  install_lookahead=case.get("install_lookahead", 0.0))
-    interval = case["select_interval"]
-    opt = zenflow.ZenFlowAdamW(params, **kwargs, select_strategy="step",
-                               select_interval=interval if interval else 10 ** 6,
-                               device_sum_budget=case.get("device_sum_budget", 0))
-    ref = ReferenceZenFlow(ref_params, **kwargs, select_interval=interval,
-                           mean_credit=case.get("mean_credit", ()))
-    for t in range(case["steps"]):
-        grads = [torch.randn(s, generator=gen) * (1 + 3 * (i % 2)) for i, s in enumerate(SHAPES)]
-        if case["missing_grads"] and t % 4 == 1:
-            grads[t % len(grads)] = None
-        for p, g in zip(params, grads):
-            p.grad = None if g is None else g.clone()
-        opt.param_groups[0]["lr"] = lr
-        opt.step()
-        ref.step([None if g is None else g.clone() for g in grads], lr=lr)
-        lr *= case["lr_decay"]
-        for i, (p, r) in enumerate(zip(params, ref_params)):
-            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {t}, param {i} {SHAPES[i]}: {m}")
-    opt.close()
-    return opt, params
+from helpers.reference import random_case, run_pair, run_pair_once
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -68,6 +14,7 @@ def test_matches_reference(seed):
     run_pair(random_case(seed), seed)
 
 
+@pytest.mark.slow   # a sweep of seeds
 def test_sweep_covers_reselection_and_overlap():
     """The sweep is only worth something if its cases exercise the interesting paths."""
     cases = [random_case(s) for s in range(60)]
@@ -116,6 +63,6 @@ def test_window_sums_on_the_device_match_the_reference_and_the_host_sums_bit_for
     summed = len([m for m in opt._host_params if m.param.ndim >= 2])
     assert stats["device_sum_matrices"] == (min(2, summed) if budget == HALF else summed)
     assert stats["host_sum_matrices"] == len(opt._host_params) - stats["device_sum_matrices"]
-    _, on_host = run_pair({**case, "device_sum_budget": 0}, seed)
+    _, on_host = run_pair_once({**case, "device_sum_budget": 0}, seed)
     for a, b in zip(on_device, on_host):
         assert torch.equal(a.detach(), b.detach())

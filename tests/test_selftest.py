@@ -117,6 +117,7 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     assert set(ratios) == {"defaults", "mean, bf16 sums"} and min(ratios.values()) > 0
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_bf16_weights_match_the_reference_under_every_credit_rule():
     """bf16 parameters against the reference fed the same gradients, "moments" included: the
     device's interim steps compute in fp32 and round once, as the reference does (products of

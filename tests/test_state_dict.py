@@ -1,51 +1,24 @@
 """A run resumed from state_dict() continues bit for bit like the uninterrupted run."""
 import copy
-import io
 import json
 
 import pytest
 import torch
-from conftest import MODELS
 
 import zenflow
 
-KW = dict(lr=2e-3, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=4)
+from helpers.models import MODELS
+from helpers.state_dict_runs import KW, run, run_once
 
 
-def run(make, loss_fn, opt_kwargs, steps, resume_at=None):
-    model = make()
-    opt = zenflow.ZenFlowAdamW(model.parameters(), **opt_kwargs)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + 0.1 * t))
-    for t in range(steps):
-        if t == resume_at:
-            buffer = io.BytesIO()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "sched": sched.state_dict()}, buffer)
-            opt.close()
-            buffer.seek(0)
-            saved = torch.load(buffer, weights_only=False)
-            model = make()
-            model.load_state_dict(saved["model"])
-            opt = zenflow.ZenFlowAdamW(model.parameters(), **opt_kwargs)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + 0.1 * t))
-            opt.load_state_dict(saved["opt"])
-            sched.load_state_dict(saved["sched"])
-        opt.zero_grad()
-        loss_fn(model, t).backward()
-        opt.step()
-        sched.step()
-    stats = opt.stats()
-    opt.close()
-    return model, stats
-
-
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("resume_at", [5, 7, 10])  # mid-window, window boundary, after reselection
 @pytest.mark.parametrize("warm_up", [0, 2])
 def test_resume_is_bit_exact(overlap, resume_at, warm_up):
     make, loss_fn = MODELS["transformer_block"]
     kwargs = dict(KW, overlap_step=overlap, full_warm_up_rounds=warm_up, max_grad_norm=1.0)
-    straight, straight_stats = run(make, loss_fn, kwargs, steps=20)
+    straight, straight_stats = run_once(make, loss_fn, kwargs, steps=20)
     resumed, resumed_stats = run(make, loss_fn, kwargs, steps=20, resume_at=resume_at)
     assert straight_stats["reselections"] > 0
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
@@ -54,6 +27,7 @@ def test_resume_is_bit_exact(overlap, resume_at, warm_up):
     assert resumed_stats["reselections"] == straight_stats["reselections"]
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 @pytest.mark.parametrize("credit", ["mean", "moments"])
 @pytest.mark.parametrize("budget", [10 ** 9, "some"], ids=["all-sums-on-device", "some"])
 @pytest.mark.parametrize("resume_at", [5, 7])  # mid-window, window boundary
@@ -65,9 +39,9 @@ def test_resume_with_window_sums_on_the_device_is_bit_exact(budget, resume_at, c
         budget = 6_000 if credit == "mean" else 9_000
     on_host = dict(KW, overlap_step=True, max_grad_norm=1.0, deferred_credit=credit)
     kwargs = dict(on_host, device_sum_budget=budget)
-    straight, stats = run(make, loss_fn, kwargs, steps=12)
+    straight, stats = run_once(make, loss_fn, kwargs, steps=12)
     resumed, _ = run(make, loss_fn, kwargs, steps=12, resume_at=resume_at)
-    host_summed, _ = run(make, loss_fn, on_host, steps=12)
+    host_summed, _ = run_once(make, loss_fn, on_host, steps=12)
     assert stats["device_sum_matrices"] > 0
     assert (stats["host_sum_matrices"] > 0) == (budget < 10 ** 9)
     if credit == "mean":

@@ -12,9 +12,10 @@ import random
 
 import pytest
 import torch
-from conftest import make_mlp, mlp_loss
 
 import zenflow
+
+from helpers.models import make_mlp, mlp_loss
 
 KW = dict(lr=2e-3, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=5,
           overlap_step=True, max_grad_norm=1.0, worker=False)
@@ -86,6 +87,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow   # seconds on 2 cores, not milliseconds (--durations=0)
 def test_state_dict_fuzz_refuses_by_name_or_trains_finite(one_thread):
     model = make_mlp()
     opt = zenflow.ZenFlowAdamW(model.parameters(), **KW)

@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-from test_host_update import JOBS, SHAPES, _host, _results, _update_in_passes
 
 from zenflow.host import buffers, numa
 from zenflow.host.buffers import HostState
@@ -16,6 +15,8 @@ from zenflow.host.commands import Update
 from zenflow.host.layout import HostLayout
 from zenflow.host.teams import NodeTeams
 from zenflow.host.worker import WorkerHostRunner
+
+from helpers.host_update import JOBS, SHAPES, _host, _results, _update_in_passes
 
 CPUS = sorted(os.sched_getaffinity(0))
 # Two "nodes" out of this machine's CPUs: each its own where there are two, else sharing one.

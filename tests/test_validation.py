@@ -3,9 +3,10 @@ import copy
 
 import pytest
 import torch
-from conftest import MODELS
 
 import zenflow
+
+from helpers.models import MODELS
 
 
 def fresh():

@@ -10,13 +10,11 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
 import pytest
 import torch
-from conftest import sigint_as_in_a_terminal
 
 import zenflow
 from zenflow.host.buffers import HostState
@@ -25,6 +23,8 @@ from zenflow.host.cores import split_cores
 from zenflow.host.layout import HostJob, HostLayout, HostUpdate
 from zenflow.host.worker import WorkerHostRunner
 from zenflow.optim.reference import ReferenceZenFlow
+
+from helpers.children import program, sigint_as_in_a_terminal, with_root_on_path
 
 
 def _model(seed: int, bias: bool = True) -> torch.nn.Module:
@@ -209,26 +209,12 @@ def test_close_stops_the_worker_and_leaves_no_shared_memory():
         opt.step()
 
 
-_CHILD = textwrap.dedent("""
-    import sys, time, torch, zenflow
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    opt = zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25, update_interval=1)
-    for _ in range(3):
-        model(torch.randn(2, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    print(opt._runner.pid, flush=True)
-    if sys.argv[1] == "hang":
-        time.sleep(60)
-    # "exit": leave without close(); atexit must stop the worker
-""")
-
-
 @pytest.mark.slow   # each case starts two interpreters that import torch
 @pytest.mark.parametrize("how", ["exit", "sigkill", "sigint"])
 def test_no_worker_survives_its_parent(how):
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, "exit" if how == "exit" else "hang"],
-                             stdout=subprocess.PIPE, text=True, preexec_fn=sigint_as_in_a_terminal)
+    child = subprocess.Popen([sys.executable, str(program("worker_parent.py")),
+                              "exit" if how == "exit" else "hang"], stdout=subprocess.PIPE,
+                             text=True, preexec_fn=sigint_as_in_a_terminal, env=with_root_on_path())
     try:
         worker_pid = int(child.stdout.readline())
         if how == "sigkill":

@@ -6,12 +6,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from conftest import make_mlp
-from dist_helpers import my_share, optimizer_kwargs
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import zenflow
+
+from helpers.dist_ranks import my_share, optimizer_kwargs
+from helpers.models import make_mlp
+from helpers.spawn import spawn_ranks
 
 
 def sharded_mlp(mixed_precision: bool = False) -> torch.nn.Module:
@@ -68,7 +70,7 @@ def _fsdp(rank, world, steps, options, result):
 
 def single_process_fsdp_reference(steps: int, overlap: bool, moments: bool = False) -> dict:
     """One process, the whole global batch each step, plain tensors (the reference)."""
-    from dist_helpers import train_single_process
+    from helpers.dist_ranks import train_single_process
     model, opt = train_single_process(steps, overlap, moments)
     stats = opt.stats()
     out = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
@@ -223,7 +225,7 @@ def _dcp_reshard(rank, world, steps, options, result):
 
 def fsdp_engine_config(world: int, overlap: bool = True) -> dict:
     """The DDP tests' DeepSpeed JSON as stage 3 with its zenflow block: FSDP2 here."""
-    from dist_helpers import engine_config
+    from helpers.dist_ranks import engine_config
     config = engine_config(overlap, world)
     config["zero_optimization"]["stage"] = 3
     config["zero_optimization"]["stage3_prefetch_bucket_size"] = 1e6   # FSDP2's job: ignored
@@ -338,3 +340,12 @@ def fsdp_rank_main(rank: int, world: int, port: int, mode: str, out_dir: str, st
     finally:
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+
+
+STEPS = 20
+
+
+def run_fsdp(tmp_path, mode, world=2, steps=STEPS, timeout=120, **options):
+    """fsdp_rank_main(mode) on `world` spawned ranks (the test's side): what each rank wrote."""
+    return spawn_ranks(fsdp_rank_main, (mode, str(tmp_path), steps, options), tmp_path, world,
+                       timeout)

@@ -1,19 +1,21 @@
-"""Code that runs inside tests/test_fsdp2_frameworks.py (spawned gloo ranks): ZenFlowAdamW on an
-FSDP2 model driven by Accelerate's FSDP2 plugin and by Lightning's ModelParallelStrategy, and
-zenflow.initialize on an FSDP2 model with a stage 0 or 2 DeepSpeed config. Every run trains the
-tests' MLP on the batches of fsdp_helpers (my_share of the global batch per step)."""
+"""Code that runs inside the ranks of tests/test_fsdp2_frameworks.py (spawned, gloo):
+ZenFlowAdamW on an FSDP2 model driven by Accelerate's FSDP2 plugin and by Lightning's
+ModelParallelStrategy, and zenflow.initialize on an FSDP2 model with a stage 0 or 2 DeepSpeed
+config. Every run trains the tests' MLP on the batches of helpers/dist_ranks.py (my_share of the
+global batch per step)."""
 import os
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from conftest import make_mlp
-from dist_helpers import engine_config, my_share, optimizer_kwargs
-from fsdp_helpers import _engine_steps, full_weights, selections, sharded_mlp
 from torch.distributed.tensor import DTensor
 
 import zenflow
+
+from helpers.dist_ranks import engine_config, my_share, optimizer_kwargs
+from helpers.fsdp_ranks import _engine_steps, full_weights, selections, sharded_mlp
+from helpers.models import make_mlp
 
 
 def _kwargs(overlap: bool) -> dict:

@@ -6,9 +6,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from conftest import make_mlp
 
 import zenflow
+
+from helpers.models import make_mlp
 
 GLOBAL_BATCH = 12   # splits evenly over 1, 2, 3 and 4 ranks
 
@@ -260,9 +261,9 @@ def _ddp_defaults(rank, world, steps, result):
 def _checked(rank, world, overlap, steps, out_dir, options, result):
     """The engine under intercepted collectives with a declared backend (collective_check.py):
     selection, reselection with handoff, windows, installs, a checkpoint and a resume."""
-    from collective_check import CheckedDist, HostTaint
-
     import zenflow.distributed as zd
+
+    from helpers.collective_check import CheckedDist, HostTaint
     taint = HostTaint()
     checked = CheckedDist(dist, options["backend"], torch.device("cpu"), taint)
     zd.dist = checked
