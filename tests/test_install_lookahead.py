@@ -91,6 +91,7 @@ def test_lookahead_leaves_a_synchronous_install_alone():
         torch.testing.assert_close(w.detach(), torch.full_like(w, -1e-2))
 
 
+@pytest.mark.slow   # 12 s a case under load on 2 cores, as test_state_dict's resumes
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("resume_at", [5, 7, 10])
 def test_resume_with_lookahead_is_bit_exact(overlap, resume_at):
