@@ -194,7 +194,9 @@ class HostPipeline:
         pairs = [] if coef is None else [(self.host.step_coef(slot), coef.reshape(()))]
         nbytes = 0
         for i, grad in grads.items():
-            src = host_view(grad)[self.rows[i]]
+            src = host_view(grad)
+            if src.shape[0] != self.rows[i].stop - self.rows[i].start:   # a rank's rows
+                src = src[self.rows[i]]
             pairs.append((self.host.staging(slot, i), src))
             nbytes += src.numel() * src.element_size()
         return (self.transfers.to_host(pairs) if pairs else DONE), nbytes
