@@ -327,6 +327,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             return
         if not warming_up and count.window_steps == 0:
             self._outside_writes.adopt_data_writes()
+            self._pipeline.place()
             self._select_columns(grads)
         chosen = self._selector.has_chosen
         staged = {m.host_index: grads[m.param] for m in self._host_params
