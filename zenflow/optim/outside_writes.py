@@ -36,7 +36,7 @@ class _HostColumnBitSums:
     _KEEP = 256   # lists remembered; a reselection makes new keys and the old ones age out
 
     def __init__(self):
-        self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
 
     def __call__(self, matrices: list[HostParam], chosen: bool) -> torch.Tensor:
         per_column = [column_bit_sums(columns.as_matrix(m.local.detach())) for m in matrices]
@@ -48,8 +48,10 @@ class _HostColumnBitSums:
 
     def _flat_indices(self, matrices, per_column, chosen):
         owned = [m.selected.column_indices if chosen and m.k > 0 else None for m in matrices]
+        # The entry holds the index tensors it was built from, so their ids stay theirs (a freed
+        # tensor's address, or id, may come back for the next selection's indices).
         key = (chosen, tuple((m.host_index, c.numel(), None if i is None else
-                              (i.data_ptr(), i._version)) for m, c, i in
+                              (id(i), i._version)) for m, c, i in
                              zip(matrices, per_column, owned)))
         if key not in self._indices:
             device = per_column[0].device
@@ -64,8 +66,8 @@ class _HostColumnBitSums:
                                   for j, c in enumerate(per_column)])
             if len(self._indices) >= self._KEEP:
                 del self._indices[next(iter(self._indices))]
-            self._indices[key] = (device_owned, segments)
-        return self._indices[key]
+            self._indices[key] = (device_owned, segments, owned)
+        return self._indices[key][:2]
 
 
 class OutsideWrites:
