@@ -91,3 +91,18 @@ def test_a_stuck_savers_lock_is_an_error_naming_it(tmp_path):
         os.close(holder)
     assert outcome and isinstance(outcome[0], CheckpointError), outcome or "hung"
     assert ".t.lock" in str(outcome[0]) and f"pid {os.getpid()}" in str(outcome[0])
+
+
+def test_a_tag_that_is_a_symbolic_link_is_overwritten_and_its_target_kept(tmp_path):
+    """`best` made a link to another checkpoint by hand, then saved as a tag: the save
+    succeeds without an error, `best` holds the new checkpoint, the checkpoint the link pointed
+    at is untouched, and no `.best.old-*` is left behind (issue 39, item 11)."""
+    _save(tmp_path, 1, tag="step_1")
+    os.symlink(tmp_path / "step_1", tmp_path / "best")
+    _save(tmp_path, 2, tag="best")
+    assert not (tmp_path / "best").is_symlink()
+    _, _, objs = read_checkpoint(tmp_path, "best", ["x.pt"])
+    assert objs["x.pt"]["version"] == 2
+    _, _, objs = read_checkpoint(tmp_path, "step_1", ["x.pt"])
+    assert objs["x.pt"]["version"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "latest", "step_1"]

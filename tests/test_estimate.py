@@ -418,3 +418,27 @@ def test_the_expected_quality_cost_follows_the_window():
         half["moments_share"] * moments[4] + (1 - half["moments_share"]) * table[4])
     auto = estimate(shapes, update_interval="auto", fwd_bwd_s=0.5)
     assert auto["quality"]["window_steps"] == auto["settings"]["update_interval"]
+
+
+def test_activations_are_estimated_from_the_shapes_by_default():
+    """Never zero: the auto device-sum budget leaves room for the activations a fine-tune has.
+    Llama-2-7B at 4096 tokens, micro-batch 1: 34 x 4096 x 32 x 4096 bytes = 17 GiB, and the
+    shape-only count finds its hidden size and its 32 layers (a GPT's 12 hidden^2 a layer)."""
+    from zenflow.tools.estimate_shapes import activation_bytes_guess
+    shapes = llama_shapes(**LLAMA2_7B)
+    nbytes, note = activation_bytes_guess(shapes, 4096, 1)
+    assert nbytes == 34 * 4096 * 32 * 4096
+    assert "hidden 4096" in note and "32 layers" in note
+    assert activation_bytes_guess(shapes, 2048, 4)[0] == 2 * nbytes
+    assert activation_bytes_guess(shapes, 4096, 1, item=4)[0] == 2 * nbytes
+
+
+def test_the_estimate_says_which_activations_it_counted(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    assert main(["estimate", "--shapes", "1024x1024*48,1024*8", "--json", str(out)]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["activation_bytes"] > 0 and "estimated" in settings["activation_note"]
+    assert main(["estimate", "--shapes", "1024x1024*48,1024*8", "--activation-gib", "3",
+                 "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["activation_bytes"] == 3 * GIB
+    assert "activations counted: 3.0 GiB" in capsys.readouterr().out

@@ -130,8 +130,21 @@ def recover_tag(save_dir: Path, tag: str, keep: Path | None = None) -> None:
                 break
     for paths in found.values():
         for path in paths:
-            if path.exists() and path != keep:
-                shutil.rmtree(path, ignore_errors=True)
+            if os.path.lexists(path) and path != keep:
+                _remove(path, ignore_errors=True)
+
+
+def _remove(path: Path, ignore_errors: bool = False) -> None:
+    """Delete a retired or staged tag: a folder, or a symbolic link a user made the tag (the
+    link goes, never what it points at: another checkpoint, often)."""
+    if path.is_symlink():
+        try:
+            path.unlink()
+        except OSError:
+            if not ignore_errors:
+                raise
+        return
+    shutil.rmtree(path, ignore_errors=ignore_errors)
 
 
 class _RecordingWriter:
@@ -286,7 +299,7 @@ def write_checkpoint(save_dir: str | os.PathLike, tag: str, objects: dict[str, A
                 _write_latest(save_dir, tag)
                 _fault_point("latest")
             if old is not None:
-                shutil.rmtree(old)
+                _remove(old)
         except BaseException:
             recover_tag(save_dir, tag, keep=next(iter(shares)) if len(shares) == 1 else None)
             raise

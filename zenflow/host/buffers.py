@@ -181,6 +181,7 @@ class HostState:
         # Set by the worker on a multi-node host (zenflow/host/teams.py): runs each NUMA node's
         # share of an update on that node's cores. None: the calling thread runs it all.
         self.teams = None
+        self._typed_views: dict[tuple[str, int], torch.Tensor] = {}   # made once: steps reuse
 
     @classmethod
     def allocate(cls, layout: HostLayout, owner: str = "ZenFlowAdamW",
@@ -238,9 +239,13 @@ class HostState:
                 for name, runs in by_view.items()]
 
     def _typed(self, buffer: str, i: int) -> torch.Tensor:
-        m = self.layout.matrices[i]
-        flat = self.arena.views[f"{buffer}_{dtype_name(m.dtype)}"]
-        return flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
+        view = self._typed_views.get((buffer, i))
+        if view is None:   # (a step stages every matrix: two operators each, every step)
+            m = self.layout.matrices[i]
+            flat = self.arena.views[f"{buffer}_{dtype_name(m.dtype)}"]
+            view = flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
+            self._typed_views[(buffer, i)] = view
+        return view
 
     def _runs(self, matrices: list[int]) -> list[tuple[int, int, torch.dtype]]:
         """Maximal runs (fp32 offset, numel, dtype) covering `matrices`, merged where adjacent."""

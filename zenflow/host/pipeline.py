@@ -144,6 +144,14 @@ class HostPipeline:
         self.link.check()
 
     # -- one step -------------------------------------------------------------------------------
+    def place(self) -> None:
+        """Place the window sums and the credit rule's device state, once, at the first step
+        (its backward has run: "auto" measures the room left), before anything installs: a
+        reselection at the first step after a load installs the update in flight, with the
+        rates of the matrices the rule moves."""
+        if not self.placement.placed:
+            self.placement.place(self)
+
     def stage(self, grads: dict[int, torch.Tensor], coef: torch.Tensor,
               sizes: dict[int, tuple[float, float]] | None = None) -> None:
         """This step's gradient rows of parameters `grads` (index -> gradient), times `coef` (the
@@ -153,8 +161,7 @@ class HostPipeline:
         with `coef`, to a staging buffer that accumulate() hands to the host. Every gradient
         counts in num_grads; drop_window() drops a window with a skipped step."""
         start = time.perf_counter()
-        if not self.placement.placed:
-            self.placement.place(self)
+        self.place()
         on_device = {i: host_view(g)[self.rows[i]] for i, g in grads.items()
                      if i in self.device_sums}
         if on_device:
@@ -195,7 +202,9 @@ class HostPipeline:
         pairs = [] if coef is None else [(self.host.step_coef(slot), coef.reshape(()))]
         nbytes = 0
         for i, grad in grads.items():
-            src = host_view(grad)[self.rows[i]]
+            src = host_view(grad)
+            if src.shape[0] != self.rows[i].stop - self.rows[i].start:   # a rank's rows
+                src = src[self.rows[i]]
             pairs.append((self.host.staging(slot, i), src))
             nbytes += src.numel() * src.element_size()
         return (self.transfers.to_host(pairs) if pairs else DONE), nbytes

@@ -50,3 +50,57 @@ def gather_columns(matrix: torch.Tensor, index: torch.Tensor, out: torch.Tensor)
 def scatter_columns(matrix: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """matrix[:, index[i]] = values[:, i], converting to matrix's dtype."""
     matrix.index_copy_(1, index, values.to(matrix.dtype))
+
+
+_CHUNK_ELEMENTS = 1 << 26   # converted columns alive at once: at most 128 MiB of 16-bit values
+
+
+def _same_dtypes(pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """(matrix, index, columns) triples in runs that one multi-tensor copy converts: the same
+    pair of dtypes, at most _CHUNK_ELEMENTS converted values alive at once."""
+    groups: dict[tuple, list] = {}
+    for p in pending:
+        groups.setdefault((p[0].dtype, p[2].dtype), []).append(p)
+    for group in groups.values():
+        run, size = [], 0
+        for p in group:
+            if run and size + p[2].numel() > _CHUNK_ELEMENTS:
+                yield run
+                run, size = [], 0
+            run.append(p)
+            size += p[2].numel()
+        yield run
+
+
+def gather_columns_of(matrices: list[torch.Tensor], indices: list[torch.Tensor],
+                      outs: list[torch.Tensor]) -> None:
+    """gather_columns for many matrices: one index_select each, and the dtype conversions (a bf16
+    model's gradients into fp32) in one multi-tensor copy per run, not one launch per matrix
+    (torch._foreach_copy_'s CUDA fast path takes one source and one destination dtype)."""
+    pending = []
+    for matrix, index, out in zip(matrices, indices, outs):
+        if matrix.dtype == out.dtype:
+            torch.index_select(matrix, 1, index, out=out)
+        else:
+            pending.append((matrix, index, out))
+    for run in _same_dtypes(pending):
+        torch._foreach_copy_([out for _, _, out in run],
+                             [matrix.index_select(1, index) for matrix, index, _ in run])
+
+
+def scatter_columns_of(matrices: list[torch.Tensor], indices: list[torch.Tensor],
+                       values: list[torch.Tensor]) -> None:
+    """scatter_columns for many matrices: the conversions to the matrices' dtype in one
+    multi-tensor copy per run, then one index_copy_ each."""
+    pending = []
+    for matrix, index, value in zip(matrices, indices, values):
+        if matrix.dtype == value.dtype:
+            matrix.index_copy_(1, index, value)
+        else:
+            pending.append((matrix, index, value))
+    for run in _same_dtypes(pending):
+        narrow = [torch.empty(value.shape, dtype=matrix.dtype, device=value.device)
+                  for matrix, _, value in run]
+        torch._foreach_copy_(narrow, [value for _, _, value in run])
+        for (matrix, index, _), converted in zip(run, narrow):
+            matrix.index_copy_(1, index, converted)

@@ -138,8 +138,10 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
     its skip flag as torch.optim hands GradScaler's found_inf, leaves the state alone.
     """
     batches: dict[tuple, _Batch] = {}
+    columns.gather_columns_of([columns.as_matrix(grad) for _, grad, _, _ in matrices],
+                              [cols.column_indices for _, _, cols, _ in matrices],
+                              [cols.grad for _, _, cols, _ in matrices])
     for param, grad, cols, group in matrices:
-        columns.gather_columns(columns.as_matrix(grad), cols.column_indices, out=cols.grad)
         batches.setdefault(group_hyperparameters(group), _Batch()).add(
             cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
     if matrices:   # one launch for all, not one per matrix (thousands of them in a MoE)
@@ -157,8 +159,9 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
         adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
                beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
-    for param, _, cols, _ in matrices:
-        columns.scatter_columns(columns.as_matrix(param.data), cols.column_indices, cols.master)
+    columns.scatter_columns_of([columns.as_matrix(param.data) for param, _, _, _ in matrices],
+                               [cols.column_indices for _, _, cols, _ in matrices],
+                               [cols.master for _, _, cols, _ in matrices])
     for param, _, state, _ in vectors:
         if state.master.data_ptr() != param.data.data_ptr():
             param.data.copy_(state.master)

@@ -277,6 +277,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             return
         if not warming_up and count.window_steps == 0:
             self._outside_writes.adopt_data_writes()
+            self._pipeline.place()
             self._select_columns(grads)
         chosen = self._selector.has_chosen
         staged = {m.host_index: grads[m.param] for m in self._host_params
@@ -300,7 +301,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             if count.window_spoiled:   # a skipped step inside it: its gradients are dropped
                 self._pipeline.drop_window()
                 count.window_spoiled = False
-            self._end_window(synchronous=warming_up or not self.settings.overlap_step)
+            # a one-step window's writes through .data were looked for at this step's start
+            self._end_window(synchronous=warming_up or not self.settings.overlap_step,
+                             looked=not warming_up and count.window_steps == 1)
         self._pipeline.fence()
         count.step += 1
         self._timer.end()
@@ -341,10 +344,12 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         del self.decisions[:-10_000]
 
     # ------------------------------------------------------------------ windows and selection
-    def _end_window(self, synchronous: bool) -> None:
+    def _end_window(self, synchronous: bool, looked: bool = False) -> None:
         """Install the previous window's host update, hand this window's sums to the host, and
-        with `synchronous` install that too before returning."""
-        self._outside_writes.adopt_data_writes()
+        with `synchronous` install that too before returning. `looked`: writes through .data
+        were looked for since the optimizer last wrote the host-owned columns."""
+        if not looked:
+            self._outside_writes.adopt_data_writes()
         installed = self._installs.queue_update(self._step_sizes())
         self._pipeline.end_window([group_hyperparameters(m.group) for m in self._host_params],
                                   delayed=not synchronous,

@@ -24,6 +24,52 @@ def column_bit_sums(matrix: torch.Tensor) -> torch.Tensor:
     return _bits(matrix).sum(dim=0, dtype=torch.int32)
 
 
+class _HostColumnBitSums:
+    """Fingerprints of many matrices at once: each matrix's host-owned columns' bits summed
+    (int32, exact modulo 2**32). One launch per matrix (its per-column sums, one contiguous pass,
+    no column gather), then a handful for all of them: the device-owned columns' sums zeroed
+    through one flat index and the rest summed per matrix by one index_add_. Per matrix a window
+    end's check and its refingerprint each cost one launch, not six (a Python loop of 5,000
+    matrices' launches is a step's time on a GPU). The flat indices are built once per list of
+    matrices and selection (a few lists recur: all matrices, each layer's installs)."""
+
+    _KEEP = 256   # lists remembered; a reselection makes new keys and the old ones age out
+
+    def __init__(self):
+        self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
+
+    def __call__(self, matrices: list[HostParam], chosen: bool) -> torch.Tensor:
+        per_column = [column_bit_sums(columns.as_matrix(m.local.detach())) for m in matrices]
+        flat = torch.cat(per_column)
+        device_owned, segments = self._flat_indices(matrices, per_column, chosen)
+        if device_owned.numel():
+            flat.index_fill_(0, device_owned, 0)
+        return flat.new_zeros(len(matrices)).index_add_(0, segments, flat)
+
+    def _flat_indices(self, matrices, per_column, chosen):
+        owned = [m.selected.column_indices if chosen and m.k > 0 else None for m in matrices]
+        # The entry holds the index tensors it was built from, so their ids stay theirs (a freed
+        # tensor's address, or id, may come back for the next selection's indices).
+        key = (chosen, tuple((m.host_index, c.numel(), None if i is None else
+                              (id(i), i._version)) for m, c, i in
+                             zip(matrices, per_column, owned)))
+        if key not in self._indices:
+            device = per_column[0].device
+            offsets, at = [], 0
+            for c in per_column:
+                offsets.append(at)
+                at += c.numel()
+            picked = [i + offset for i, offset in zip(owned, offsets) if i is not None]
+            device_owned = (torch.cat(picked) if picked
+                            else torch.zeros(0, dtype=torch.long, device=device))
+            segments = torch.cat([torch.full((c.numel(),), j, dtype=torch.long, device=device)
+                                  for j, c in enumerate(per_column)])
+            if len(self._indices) >= self._KEEP:
+                del self._indices[next(iter(self._indices))]
+            self._indices[key] = (device_owned, segments, owned)
+        return self._indices[key][:2]
+
+
 class OutsideWrites:
     """Parameters written outside the optimizer since it last wrote them become the new master
     values, as if the optimizer had been built on them; the moments stay.
@@ -50,6 +96,7 @@ class OutsideWrites:
         self.pipeline, self.selector, self.owner = pipeline, selector, owner
         self._warned = False
         self._saved_bits: dict = {}   # {param: weight_bits of a state just loaded}
+        self._bit_sums = _HostColumnBitSums()
         self.forget()
 
     @staticmethod
@@ -88,11 +135,13 @@ class OutsideWrites:
         hosts = [m for m in self.host_params if not self.pipeline.credit.moves(m.host_index)]
         watched = [v for v in self.vector_params
                    if v.state.master.data_ptr() != v.local.data_ptr()]
-        flags = [*(self._host_sum(m, chosen) != self._sums[m.param] for m in hosts),
-                 *(self._vector_differs(v) for v in watched)]
+        flags = [self._vector_differs(v) for v in watched]
+        if hosts:
+            now = self._bit_sums(hosts, chosen)
+            flags.insert(0, now != torch.stack([self._sums[m.param] for m in hosts]))
         if not flags:
             return set()
-        changed = torch.stack(flags).tolist()   # the one read
+        changed = torch.cat([f.reshape(-1) for f in flags]).tolist()   # the one read
         return {x.param for x, c in zip((*hosts, *watched), changed) if c}
 
     def adopt_data_writes(self) -> None:
@@ -140,20 +189,11 @@ class OutsideWrites:
             self._sums = {}
         watched = (self.host_params if matrices is None
                    else [self.host_params[i] for i in matrices])
-        self._sums.update({m.param: self._host_sum(m, chosen) for m in watched
-                           if not self.pipeline.credit.moves(m.host_index)})  # see _written_through_data
-
-    @staticmethod
-    def _host_sum(m: HostParam, chosen: bool) -> torch.Tensor:
-        """The bits of the parameter's host-owned columns, summed: per-column sums in one
-        contiguous pass (no column gather), less the device-owned columns'. int32 sums wrap
-        around, exact modulo 2**32, and run as fast as a float sum (an int64 sum is 25x slower
-        on a CPU, where it would cost more than the step)."""
-        if not (chosen and m.k > 0):
-            return _bits(m.local.detach()).sum(dtype=torch.int32)
-        per_column = column_bit_sums(columns.as_matrix(m.local.detach()))
-        return per_column.sum(dtype=torch.int32) - per_column[m.selected.column_indices].sum(
-            dtype=torch.int32)
+        watched = [m for m in watched if not self.pipeline.credit.moves(m.host_index)]
+        if watched:   # see _written_through_data; int32 sums: as fast as a float sum (int64: 25x
+            # slower on a CPU, where it would cost more than the step), exact modulo 2**32
+            self._sums.update(zip((m.param for m in watched),
+                                  self._bit_sums(watched, chosen).unbind()))
 
     @staticmethod
     def _vector_differs(v: VectorParam) -> torch.Tensor:

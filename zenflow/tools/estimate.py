@@ -178,7 +178,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              source: str = "", device_sum_budget: int | str = "auto",
              activation_bytes: int = 0, fsdp: int | None = None,
              deferred_credit: str = "moments", attached: bool = False,
-             device_sum_dtype: str = "float32") -> dict:
+             device_sum_dtype: str = "float32", activation_note: str = "") -> dict:
     """The estimate as a dict (see estimate_report.format_report); `shapes` is [(name, shape),
     ...]. `fsdp`: also the bytes per rank of the model sharded that many ways with FSDP2
     (`per_rank`), beside DDP's on as many GPUs (`gpus` must then be that number).
@@ -190,7 +190,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     framework callbacks' attach=True), so each block's forward waits only for its own install;
     else (the default, as zenflow.initialize runs) the step waits for the whole install.
     `device_sum_dtype`: the optimizer's ("bfloat16": half the bytes of every device sum not
-    under "moments", which the host widens once per window)."""
+    under "moments", which the host widens once per window). `activation_note`: where
+    `activation_bytes` came from (printed with it)."""
     _check_arguments(gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, topk_ratio=topk_ratio,
                      update_interval=update_interval, fwd_bwd_s=fwd_bwd_s, target=target,
                      device_sum_budget=device_sum_budget, activation_bytes=activation_bytes,
@@ -276,14 +277,15 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          "update_interval_asked": update_interval, "window_known": window_known,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s,
                          "deferred_credit": deferred_credit, "host_rates": moments,
-                         "activation_bytes": activation_bytes},
+                         "activation_bytes": activation_bytes,
+                         "activation_note": activation_note},
             "by_step_time": by_step_time,
             "per_gpu": gpu, "per_host": host, "bus": bus,
             "seconds": t, "time": times, "figures": fig,
             "figures_assumed": [k for k, v in fig_source.items() if v.startswith("ASSUMED")],
             "assumptions": _assumptions(world, cpu, attached, device_sum_dtype,
                                         int(device_sum_budget), activation_bytes, fig,
-                                        fig_source)}
+                                        fig_source, activation_note)}
 
 
 def _check_arguments(**given) -> None:
@@ -316,7 +318,7 @@ def _check_arguments(**given) -> None:
 
 def _assumptions(world: int, cpu: bool, attached: bool, device_sum_dtype: str,
                  device_sum_budget: int, activation_bytes: int, fig: dict,
-                 fig_source: dict) -> list[str]:
+                 fig_source: dict, activation_note: str = "") -> list[str]:
     return [
         f"{world} GPU(s), all on one host, data parallel: each holds the full weights, gradients "
         "and device column state; the host state is split by rows across the ranks",
@@ -333,7 +335,8 @@ def _assumptions(world: int, cpu: bool, attached: bool, device_sum_dtype: str,
            "not count its rounding (about 2**-9 relative per add; not measured)"
            if device_sum_dtype == "bfloat16" else ""),
         f"device-sum budget: {device_sum_budget / GIB:.1f} GiB (activations counted: "
-        f"{activation_bytes / GIB:.1f} GiB; give --activation-gib for yours)",
+        f"{activation_bytes / GIB:.1f} GiB, {activation_note or 'as given'}; give "
+        "--activation-gib for yours)",
         ("CPU device: copies are synchronous memcpy in the training thread" if cpu else
          ("a step's device->host copy of host-summed rows starts in backward, each matrix's as "
           f"its gradient is produced ({timing.BACKWARD_SHARE:.2f} of fwd_bwd is backward), and the "

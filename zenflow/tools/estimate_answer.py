@@ -153,7 +153,8 @@ def device_line(r: dict) -> str:
             f"{g['device_sum_matrices'] + g['host_sum_matrices']} matrices live on the device "
             f"({gib(g['device_sum_bytes'])}, {g['moments_matrices']} under 'moments'), out of "
             "what the activations leave (device_sum_budget 'auto' measures it; here "
-            f"--activation-gib {s['activation_bytes'] / GIB:g} was assumed)."
+            f"{s['activation_bytes'] / GIB:.1f} GiB of activations, "
+            f"{s.get('activation_note') or 'as given'}; --activation-gib for yours)."
             if g["device_sum_matrices"] else "Every window sum is on the host.")
     return (f"device memory ({unit}, {gib(g['gpu_memory_bytes'])}), left for activations: "
             f"{each}. {sums}")

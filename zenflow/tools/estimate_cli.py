@@ -33,9 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-sum-budget", type=_budget, default="auto",
                    help='GiB of device memory for window sums, or "auto" as the optimizer '
                         "decides it (what is left less a tenth of the GPU)")
-    p.add_argument("--activation-gib", type=_at_least(0, float), default=0.0,
-                   help="GiB of activations at the peak of forward and backward (for the "
-                        "auto device-sum budget)")
+    p.add_argument("--activation-gib", type=_at_least(0, float), default=None,
+                   help="GiB of activations at the peak of forward and backward, which the "
+                        "auto device-sum budget leaves room for (default: estimated from the "
+                        "shapes, --seq-len and --micro-batch)")
+    p.add_argument("--seq-len", type=_at_least(1, int), default=4096,
+                   help="tokens per sequence, for the activations' estimate (default 4096)")
+    p.add_argument("--micro-batch", type=_at_least(1, int), default=1,
+                   help="sequences per GPU per forward, for the activations' estimate "
+                        "(default 1)")
     p.add_argument("--deferred-credit", choices=("moments", "mean", "window"), default="moments",
                    help="ZenFlow deferred_credit (default: the optimizer's, moments)")
     p.add_argument("--device-sum-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -157,6 +163,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--fsdp N shards the model over N GPUs: N must be >= 1 and --gpus "
                              f"left out or equal to it, got --fsdp {args.fsdp} --gpus {args.gpus}")
         gpus = args.fsdp or args.gpus or 1
+        if args.activation_gib is None:
+            activations, activation_note = shapes_from.activation_bytes_guess(
+                shapes, args.seq_len, args.micro_batch,
+                (dtype or torch.bfloat16).itemsize)
+        else:
+            activations, activation_note = int(args.activation_gib * GIB), "--activation-gib"
         target = args.device or ("cpu" if measured and str(measured.get("device", "")
                                                              ).startswith("cpu") else "cuda")
         report = estimate(shapes, dtype or torch.bfloat16, gpus=gpus, fsdp=args.fsdp,
@@ -165,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
                           overlap=args.overlap, fwd_bwd_s=args.fwd_bwd_seconds,
                           measured=measured, target=target, source=source,
                           device_sum_budget=args.device_sum_budget,
-                          activation_bytes=int(args.activation_gib * GIB),
+                          activation_bytes=activations, activation_note=activation_note,
                           deferred_credit=args.deferred_credit, attached=args.attach,
                           device_sum_dtype=args.device_sum_dtype)
     except (ValueError, OSError) as exc:

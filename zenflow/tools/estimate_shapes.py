@@ -123,5 +123,26 @@ def hf_shapes(source) -> tuple[list[tuple[str, tuple[int, ...]]], torch.dtype | 
     raise ValueError(f"cannot get parameter shapes from this config: {'; '.join(errors)}")
 
 
+def activation_bytes_guess(shapes: list[tuple[str, tuple[int, ...]]], seq_len: int,
+                           micro_batch: int, item: int = 2) -> tuple[int, str]:
+    """A transformer's activations at the peak of its forward and backward, from its shapes
+    alone, and how they were counted: 34 bytes x hidden per token and layer in a 16-bit model
+    (Korthikanti et al. 2022, "Reducing activation recomputation", with a fused attention that
+    keeps no seq x seq scores; no activation checkpointing), scaled by item / 2 for fp32.
+    hidden: the most common vector length (the norms'), else the most common matrix width;
+    layers: the matrices no larger than 4 hidden each way (not the embedding or the head) over
+    12 hidden^2, a GPT layer's parameters. Llama-2-7B at 4096 tokens: 17.0 GiB."""
+    from collections import Counter
+    vectors = Counter(s[0] for _, s in shapes if len(s) == 1)
+    widths = Counter(s[-1] for _, s in shapes if len(s) >= 2)
+    hidden = (vectors or widths).most_common(1)[0][0]
+    body = sum(numel(s) for _, s in shapes if len(s) >= 2 and max(s) <= 4 * hidden)
+    layers = max(1, round(body / (12 * hidden * hidden)))
+    nbytes = 34 * hidden * layers * seq_len * micro_batch * item // 2
+    return nbytes, (f"estimated as 34 x hidden {hidden} x {layers} layers x {seq_len} tokens x "
+                    f"micro-batch {micro_batch} bytes (16-bit, fused attention, no activation "
+                    "checkpointing)")
+
+
 def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)

@@ -1,0 +1,30 @@
+"""The batched column gather and scatter of a step (zenflow/optim/columns.py) against the one-
+matrix versions, over matrices of mixed dtypes and in runs small enough to split."""
+import torch
+
+from zenflow.optim import columns
+
+
+def _matrices(gen):
+    dtypes = [torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
+    shapes = [(6, 9), (4, 7), (5, 8), (3, 11), (2, 5)]
+    mats = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
+    index = [torch.randperm(s[1], generator=gen)[:3].sort().values for s in shapes]
+    return mats, index
+
+
+def test_gather_and_scatter_of_many_equal_one_at_a_time(monkeypatch):
+    monkeypatch.setattr(columns, "_CHUNK_ELEMENTS", 10)   # a run of at most a matrix or two
+    gen = torch.Generator().manual_seed(0)
+    mats, index = _matrices(gen)
+    outs = [torch.empty(m.shape[0], 3) for m in mats]
+    columns.gather_columns_of(mats, index, outs)
+    for m, i, out in zip(mats, index, outs):
+        assert torch.equal(out, columns.gather_columns(m, i, torch.empty_like(out)))
+    values = [torch.randn(o.shape, generator=gen) for o in outs]
+    batched, single = [m.clone() for m in mats], [m.clone() for m in mats]
+    columns.scatter_columns_of(batched, index, values)
+    for m, i, v in zip(single, index, values):
+        columns.scatter_columns(m, i, v)
+    for a, b in zip(batched, single):
+        assert a.dtype == b.dtype and torch.equal(a, b)
