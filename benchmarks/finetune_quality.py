@@ -132,6 +132,16 @@ SYSTEMS = {
                                                          deferred_credit="window")),
     "ZenFlow k=0.2, U=4": System("zenflow", dict(topk_ratio=0.2, update_interval=4)),
 }
+
+
+def _prototype_systems() -> dict[str, System]:
+    """The candidate rules of benchmarks/prototypes/bf16_rules.py, as "proto <name>"."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "prototypes"))
+    from bf16_rules import CANDIDATES
+    return {f"proto {name}": System("prototype", settings) for name, settings in CANDIDATES.items()}
+
+
+SYSTEMS.update(_prototype_systems())
 # The GPU regime: 7 systems x 3 seeds, about 25 minutes on the 2-core machine (width 128).
 DEFAULT_SYSTEMS = ["AdamW", "ZenFlow default", "seeds' block, U=4", "defaults, U=4",
                    "seeds' block, U=8", "defaults, U=8", "defaults, host 4 steps slow"]
@@ -276,8 +286,7 @@ def build_optimizer(system: System, model: GPT, setting: Setting):
         kwargs["device_sum_budget"] = int(system.budget_bytes_per_param * sum(
             p.numel() for p in model.parameters() if p.ndim >= 2))
     if system.kind == "prototype":
-        sys.path.insert(0, str(Path(__file__).resolve().parent / "prototypes"))
-        from bf16_rules import make_rule
+        from bf16_rules import make_rule  # on the path: _prototype_systems
         return make_rule(model.parameters(), lr=setting.lr, weight_decay=setting.weight_decay,
                          max_grad_norm=setting.max_grad_norm, **kwargs)
     return make_optimizer(system.kind, model.parameters(), lr=setting.lr,
