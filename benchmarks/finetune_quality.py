@@ -333,6 +333,10 @@ def finetune(name: str, seed: int, weights, setting: Setting, direction: Directi
         "windows": stats.get("windows"),
         "moments_matrices": stats.get("moments_matrices"),   # deferred_credit "moments" on
         "mean_window_steps": (setting.steps / stats["windows"]) if stats.get("windows") else None,
+        # a prototype rule's device state and bus bytes (benchmarks/prototypes/bf16_rules.py)
+        "per_deferred_param": stats.get("per_deferred_param"),
+        "bus_bytes_per_window_per_deferred_param":
+            stats.get("bus_bytes_per_window_per_deferred_param"),
         "losses": losses,
     }
 

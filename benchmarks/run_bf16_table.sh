@@ -8,7 +8,7 @@
 #     LR         bench (the benchmark's 5e-4) | ulp0.1 (a tenth of a bf16 ulp of the median weight)
 #     TAG        a name for this set of systems (file names differ by it)
 #
-# Runs at nice 10 on one thread (the machine is shared). Example:
+# Runs at nice 5 on one thread (the machine is shared). Example:
 #   benchmarks/run_bf16_table.sh shakespeare-to-bbc bench 0 today OffloadAdamW "moments, U=4"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,6 @@ case $lr in
   *) echo "LR must be bench or ulp0.1" >&2; exit 2 ;;
 esac
 python=${PYTHON:-/work/main/.venv/bin/python}
-PYTHONPATH=$PWD OMP_NUM_THREADS=1 exec nice -n 10 "$python" benchmarks/finetune_quality.py \
+PYTHONPATH=$PWD OMP_NUM_THREADS=1 exec nice -n 5 "$python" benchmarks/finetune_quality.py \
   --dtype bf16 --direction "$direction" "${lr_args[@]}" --seeds "$seed" \
   --out benchmarks/results/bf16 --name "${direction}_${lr}_s${seed}_${tag}" --systems "$@"
