@@ -366,6 +366,8 @@ CANDIDATES_U = {
     "factored install-only": dict(_FACTORED, motion=False),
     "factored mean2": dict(_BASE, squares="mean", rates="factored", rounding="stochastic"),
     "scalar-rate SR": dict(_BASE, squares="residual", rates="scalar", rounding="stochastic"),
+    # the install leads by the next step the moments point to (n lr of it), as install_lookahead
+    "factored SR la1": dict(_FACTORED, rounding="stochastic", lookahead=1.0),
 }
 CANDIDATES = {f"{name}, U={u}": dict(settings, U=u)
               for name, settings in CANDIDATES_U.items() for u in (4, 8)}
