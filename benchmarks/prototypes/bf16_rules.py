@@ -368,6 +368,13 @@ CANDIDATES_U = {
     "scalar-rate SR": dict(_BASE, squares="residual", rates="scalar", rounding="stochastic"),
     # the install leads by the next step the moments point to (n lr of it), as install_lookahead
     "factored SR la1": dict(_FACTORED, rounding="stochastic", lookahead=1.0),
+    # no rates on the device at all: the bf16 sum and the row and column sums of the squares;
+    # the host's moments update installed one window ahead along its own direction (lookahead
+    # 1), standing in for the interim steps and the install correction
+    "factored no-rates la1": dict(_BASE, squares="residual", rates="none", lookahead=1.0),
+    # the factored rates on the device for the install's correction only: no interim steps (one
+    # device pass a step, the sum's add with the squares' row and column sums folded in)
+    "factored SR install-only": dict(_FACTORED, rounding="stochastic", motion=False),
 }
 CANDIDATES = {f"{name}, U={u}": dict(settings, U=u)
               for name, settings in CANDIDATES_U.items() for u in (4, 8)}
