@@ -416,9 +416,10 @@ def plot(result: dict, path: Path) -> None:
         ax.set_title(title)
         ax.invert_yaxis()
     setting = result["setting"]
+    lr = f", lr {setting['lr']:.3g}" if "lr" in setting else ""   # (results older than --lr)
     fig.suptitle(f"{result['direction']}, width {direction.model.n_embd}, "
-                 f"{setting['steps']} steps, {setting.get('dtype', 'fp32')} weights, "
-                 f"lr {setting['lr']:.3g}\n{result['machine']}", fontsize=9)
+                 f"{setting['steps']} steps, {setting.get('dtype', 'fp32')} weights"
+                 f"{lr}\n{result['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
