@@ -17,17 +17,34 @@ zenflow.tools.finetune.optim.make_optimizer), show what a GPU user gets.
     python benchmarks/finetune_quality.py                       # the default comparison
     python benchmarks/finetune_quality.py --direction bbc-to-shakespeare --seeds 0
     python benchmarks/finetune_quality.py --systems AdamW "ZenFlow default" --seeds 0
+
+`--dtype bf16`: the model's parameters (and so its gradients) in bf16, as a GPU fine-tune keeps
+them, against `OffloadAdamW` (fp32 master weights and moments, the weights rounded to bf16 after
+every step: what ZeRO-Offload computes) as the baseline instead of torch's AdamW (which would keep
+bf16 moments on a bf16 model). This CPU has no bf16 matrix units (a bf16 forward and backward is
+10-17x slower than fp32 here), so by default the forward and backward run in fp32 on the exact
+fp32 values of the bf16 parameters and the gradients come back rounded to bf16
+(`--bf16-compute emulated`); `--bf16-compute native` runs them in bf16 (a spot check).
+Held-out losses are always computed in fp32 arithmetic on the (bf16) weights. `--lr-ulp F` sets
+the peak learning rate to F bf16 ulps of the median matrix weight (|w|) of the pretrained model:
+0.1 is a 7B fine-tune's regime (lr 2e-5 on weights of ~0.02), where an AdamW step rounds away in
+bf16 unless it lands on a master copy. Each system's share of the baseline's improvement over the
+pretrained model, (L0 - L) / (L0 - L_base), is in the summary too.
+
+    python benchmarks/finetune_quality.py --dtype bf16 --systems OffloadAdamW "moments, U=4"
+    python benchmarks/finetune_quality.py --dtype bf16 --lr-ulp 0.1 --systems OffloadAdamW ...
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -57,12 +74,19 @@ class System:
     kind: str                       # make_optimizer's kind
     kwargs: dict                    # ZenFlow settings
     emulated_host_steps: int = 0    # auto windows: the host as slow as on a GPU
+    # A device budget an offloading user has: device_sum_budget = this many bytes per matrix
+    # element of the model (0: the kwargs' own budget). 2.5: Llama-2-7B bf16 on one 80 GB H100
+    # beside 20 GiB of activations; 5.7: the same with no activations (README, "zenflow estimate").
+    budget_bytes_per_param: float = 0.0
+    # A prototype rule (benchmarks/prototypes/bf16_rules.py): kind "prototype", kwargs its
+    # settings.
 
 
 # The seeds' ZenFlow block (DeepSpeed's zf_config.json): k=0.05, U=4, overlap, select "auto",
 # DeepSpeed's arithmetic (one AdamW step per window on the mean gradient, no lookahead).
 SEEDS_BLOCK = dict(topk_ratio=0.05, update_interval=4, install_lookahead=0.0)
 MOMENTS = dict(deferred_credit="moments", device_sum_budget=1 << 40)
+BF16_SUMS = dict(deferred_credit="mean", device_sum_budget=1 << 40, device_sum_dtype="bfloat16")
 SYSTEMS = {
     "AdamW": System("adamw", {}),
     "OffloadAdamW": System("offload", {}),
@@ -81,6 +105,23 @@ SYSTEMS = {
     "moments, U=4": System("zenflow", dict(MOMENTS, update_interval=4)),
     "moments, U=8": System("zenflow", dict(MOMENTS, update_interval=8)),
     "moments, host 4 steps slow": System("zenflow", dict(MOMENTS), emulated_host_steps=4),
+    # The bf16 table (issue 36): "mean" with fp32 sums (on the host here; the same additions bit
+    # for bit as fp32 device sums) and with bf16 device sums; "moments" with the budget an
+    # offloading user has.
+    "mean, fp32 sums, U=4": System("zenflow", dict(update_interval=4, deferred_credit="mean")),
+    "mean, fp32 sums, U=8": System("zenflow", dict(update_interval=8, deferred_credit="mean")),
+    "mean, bf16 sums, U=4": System("zenflow", dict(update_interval=4, **BF16_SUMS)),
+    "mean, bf16 sums, U=8": System("zenflow", dict(update_interval=8, **BF16_SUMS)),
+    "mean, host 4 steps slow": System("zenflow", dict(deferred_credit="mean"),
+                                      emulated_host_steps=4),
+    "moments, 2.5 B/param, U=4": System("zenflow", dict(
+        deferred_credit="moments", device_sum_dtype="bfloat16", update_interval=4), 0, 2.5),
+    "moments, 2.5 B/param, U=8": System("zenflow", dict(
+        deferred_credit="moments", device_sum_dtype="bfloat16", update_interval=8), 0, 2.5),
+    "moments, 5.7 B/param, U=4": System("zenflow", dict(
+        deferred_credit="moments", update_interval=4), 0, 5.7),
+    "moments, 5.7 B/param, U=8": System("zenflow", dict(
+        deferred_credit="moments", update_interval=8), 0, 5.7),
     # Options measured before (one-step windows unless said).
     "ZenFlow DeepSpeed auto (auto_ratio=0.99)": System("zenflow", dict(auto_ratio=0.99,
                                                                         install_lookahead=0.0)),
@@ -91,6 +132,16 @@ SYSTEMS = {
                                                          deferred_credit="window")),
     "ZenFlow k=0.2, U=4": System("zenflow", dict(topk_ratio=0.2, update_interval=4)),
 }
+
+
+def _prototype_systems() -> dict[str, System]:
+    """The candidate rules of benchmarks/prototypes/bf16_rules.py, as "proto <name>"."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "prototypes"))
+    from bf16_rules import CANDIDATES
+    return {f"proto {name}": System("prototype", settings) for name, settings in CANDIDATES.items()}
+
+
+SYSTEMS.update(_prototype_systems())
 # The GPU regime: 7 systems x 3 seeds, about 25 minutes on the 2-core machine (width 128).
 DEFAULT_SYSTEMS = ["AdamW", "ZenFlow default", "seeds' block, U=4", "defaults, U=4",
                    "seeds' block, U=8", "defaults, U=8", "defaults, host 4 steps slow"]
@@ -102,6 +153,8 @@ class Setting:
     pretrain_lr: float = 1e-3
     steps: int = 300
     lr: float = 5e-4
+    dtype: str = "fp32"          # the model's parameters: "fp32" or "bf16"
+    compute: str = "native"      # bf16: "emulated" (fp32 forward and backward) or "native"
     warmup: int = 20
     batch_size: int = 32
     max_grad_norm: float = 1.0
@@ -111,6 +164,7 @@ class Setting:
 
 # -- data -------------------------------------------------------------------------------------
 SEQ_LEN = 64   # both directions' context
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def corpora(direction: Direction) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -135,18 +189,41 @@ def batch(stream: torch.Tensor, batch_size: int, generator: torch.Generator):
     return seq[:, :-1], seq[:, 1:]
 
 
+def forward(model: GPT, x: torch.Tensor, y: torch.Tensor, compute: str = "native") -> torch.Tensor:
+    """The model's loss. `compute="emulated"` (a bf16 model on a CPU without bf16 matrix units):
+    the forward and backward run in fp32 on the exact fp32 values of the parameters, and each
+    parameter's gradient comes back through the upcast rounded to the parameter's dtype."""
+    if compute == "native" or all(p.dtype == torch.float32 for p in model.parameters()):
+        return model(x, y)
+    params = {name: p.float() for name, p in model.named_parameters()}
+    return torch.func.functional_call(model, params, (x, y))
+
+
 @torch.no_grad()
 def held_out_loss(model: GPT, stream: torch.Tensor, windows: int) -> float:
-    """Mean next-byte loss over `windows` evenly spaced windows of the held-out stream."""
+    """Mean next-byte loss over `windows` evenly spaced windows of the held-out stream, in fp32
+    arithmetic on the model's weights (a bf16 model's weights widened exactly)."""
     model.eval()
     span = SEQ_LEN + 1
     starts = torch.linspace(0, len(stream) - span - 1, windows).long().tolist()
     total = 0.0
     for i in range(0, windows, 128):
         seq = torch.stack([stream[s:s + span] for s in starts[i:i + 128]])
-        total += float(model(seq[:, :-1], seq[:, 1:])) * len(seq)
+        total += float(forward(model, seq[:, :-1], seq[:, 1:], "emulated")) * len(seq)
     model.train()
     return total / windows
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+def median_matrix_weight(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+    """The median |w| over every element of the matrices (ndim >= 2), in `dtype`."""
+    values = torch.cat([w.to(dtype).float().abs().flatten() for w in weights.values()
+                        if w.ndim >= 2])
+    return float(values.median())
 
 
 def schedule(step: int, warmup: int, total: int) -> float:
@@ -196,15 +273,33 @@ def pretrained(setting: Setting, direction: Direction, data,
 
 
 # -- one fine-tune (the optimizers built as every example and benchmark builds them) ---------------
+def make_model(weights, direction: Direction, setting: Setting) -> GPT:
+    """The pretrained model in the setting's dtype (bf16: each weight rounded to nearest)."""
+    model = GPT(direction.model)
+    model.load_state_dict(weights)
+    return model.to(DTYPES[setting.dtype])
+
+
+def build_optimizer(system: System, model: GPT, setting: Setting):
+    kwargs = dict(system.kwargs)
+    if system.budget_bytes_per_param:
+        kwargs["device_sum_budget"] = int(system.budget_bytes_per_param * sum(
+            p.numel() for p in model.parameters() if p.ndim >= 2))
+    if system.kind == "prototype":
+        from bf16_rules import make_rule  # on the path: _prototype_systems
+        return make_rule(model.parameters(), lr=setting.lr, weight_decay=setting.weight_decay,
+                         max_grad_norm=setting.max_grad_norm, **kwargs)
+    return make_optimizer(system.kind, model.parameters(), lr=setting.lr,
+                          weight_decay=setting.weight_decay, max_grad_norm=setting.max_grad_norm,
+                          emulated_host_steps=system.emulated_host_steps, **kwargs)
+
+
 def finetune(name: str, seed: int, weights, setting: Setting, direction: Direction,
              data) -> dict:
     system = SYSTEMS[name]
     kind = system.kind
-    model = GPT(direction.model)
-    model.load_state_dict(weights)
-    opt = make_optimizer(kind, model.parameters(), lr=setting.lr,
-                         weight_decay=setting.weight_decay, max_grad_norm=setting.max_grad_norm,
-                         emulated_host_steps=system.emulated_host_steps, **system.kwargs)
+    model = make_model(weights, direction, setting)
+    opt = build_optimizer(system, model, setting)
     gen = torch.Generator().manual_seed(seed)
     train = data["new"][0]
     losses, times = [], []
@@ -214,7 +309,7 @@ def finetune(name: str, seed: int, weights, setting: Setting, direction: Directi
                 group["lr"] = setting.lr * schedule(step, setting.warmup, setting.steps)
             x, y = batch(train, setting.batch_size, gen)
             start = time.perf_counter()
-            loss = model(x, y)
+            loss = forward(model, x, y, setting.compute)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if kind == "adamw":
@@ -238,6 +333,10 @@ def finetune(name: str, seed: int, weights, setting: Setting, direction: Directi
         "windows": stats.get("windows"),
         "moments_matrices": stats.get("moments_matrices"),   # deferred_credit "moments" on
         "mean_window_steps": (setting.steps / stats["windows"]) if stats.get("windows") else None,
+        # a prototype rule's device state and bus bytes (benchmarks/prototypes/bf16_rules.py)
+        "per_deferred_param": stats.get("per_deferred_param"),
+        "bus_bytes_per_window_per_deferred_param":
+            stats.get("bus_bytes_per_window_per_deferred_param"),
         "losses": losses,
     }
 
@@ -248,9 +347,13 @@ def spread(values: list[float]) -> dict:
             "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
-def summarize(runs: list[dict], systems: list[str]) -> dict:
+def summarize(runs: list[dict], systems: list[str], baseline: str = "AdamW",
+              pretrained_loss: dict | None = None) -> dict:
+    """Each system's losses (mean and std over seeds) and gaps against the baseline's mean; with
+    the pretrained model's held-out losses, its share of the baseline's improvement on the new
+    domain, (L0 - L) / (L0 - L_base), per seed (each seed's own baseline) and its mean."""
     out = {}
-    base = [r for r in runs if r["system"] == "AdamW"]
+    base = [r for r in runs if r["system"] == baseline]
     base_new = statistics.fmean(r["new_loss"] for r in base) if base else None
     base_old = statistics.fmean(r["old_loss"] for r in base) if base else None
     base_step = statistics.median(r["median_step_s"] for r in base) if base else None
@@ -267,6 +370,15 @@ def summarize(runs: list[dict], systems: list[str]) -> dict:
             entry["new_gap_pct"] = 100.0 * (new["mean"] / base_new - 1.0)
             entry["old_gap_pct"] = 100.0 * (entry["old_loss"]["mean"] / base_old - 1.0)
             entry["step_time_vs_adamw"] = entry["median_step_s"] / base_step
+            by_seed = {r["seed"]: r["new_loss"] for r in base}
+            gaps = [100.0 * (r["new_loss"] / by_seed[r["seed"]] - 1.0)
+                    for r in mine if r["seed"] in by_seed]
+            entry["new_gap_pct_by_seed"] = spread(gaps) if gaps else None
+            if pretrained_loss:
+                l0 = pretrained_loss["new"]
+                shares = [(l0 - r["new_loss"]) / (l0 - by_seed[r["seed"]])
+                          for r in mine if r["seed"] in by_seed]
+                entry["share_of_improvement"] = spread(shares) if shares else None
         out[name] = entry
     return out
 
@@ -292,17 +404,22 @@ def plot(result: dict, path: Path) -> None:
         ax.set_yticks(range(len(names)), names, fontsize=8)
         lo, hi = min(means), max(means)
         ax.set_xlim(lo - 0.2 * (hi - lo + 1e-3), hi + 0.2 * (hi - lo + 1e-3))
-        if "AdamW" in summary:
-            base = summary["AdamW"][key]["mean"]
-            ax.axvline(base, color="k", lw=0.8, label="AdamW")
+        baseline = result.get("baseline", "AdamW")
+        if baseline in summary:
+            base = summary[baseline][key]["mean"]
+            ax.axvline(base, color="k", lw=0.8, label=baseline)
             if key == "new_loss":
-                ax.axvline(1.01 * base, color="tab:red", ls="--", lw=0.8, label="AdamW + 1%")
+                ax.axvline(1.01 * base, color="tab:red", ls="--", lw=0.8,
+                           label=f"{baseline} + 1%")
             ax.legend(fontsize=8, loc="lower right")
         ax.set_xlabel("loss (nats/byte), mean ± std over seeds")
         ax.set_title(title)
         ax.invert_yaxis()
+    setting = result["setting"]
+    lr = f", lr {setting['lr']:.3g}" if "lr" in setting else ""   # (results older than --lr)
     fig.suptitle(f"{result['direction']}, width {direction.model.n_embd}, "
-                 f"{result['setting']['steps']} steps, {result['machine']}")
+                 f"{setting['steps']} steps, {setting.get('dtype', 'fp32')} weights"
+                 f"{lr}\n{result['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -319,7 +436,8 @@ def merge(paths: list[str], out: Path, name: str) -> int:
     runs = [r for part in parts for r in part["runs"] if r["system"] in systems]
     result = {**first, "seeds": sorted({r["seed"] for r in runs}),
               "systems": {n: first["systems"][n] for n in systems},
-              "summary": summarize(runs, systems), "runs": runs,
+              "summary": summarize(runs, systems, first.get("baseline", "AdamW"),
+                                   first.get("pretrained_loss")), "runs": runs,
               "wall_s": sum(part["wall_s"] for part in parts), "merged_from": paths}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
@@ -347,6 +465,18 @@ def main(argv=None) -> int:
                     help='extra ZenFlow systems given as keyword arguments, e.g. '
                          '\'{"topk_ratio": 0.2, "update_interval": 2}\'')
     ap.add_argument("--steps", type=int, default=Setting.steps)
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                    help="the model's parameters (bf16: against OffloadAdamW, fp32 masters)")
+    ap.add_argument("--bf16-compute", choices=("emulated", "native"), default="emulated",
+                    help="bf16: the forward and backward in fp32 on the bf16 weights, gradients "
+                         "rounded to bf16 (emulated, the default: this CPU has no bf16 units), "
+                         "or in bf16 (native)")
+    ap.add_argument("--lr", type=float, default=None, help=f"peak learning rate ({Setting.lr})")
+    ap.add_argument("--lr-ulp", type=float, default=None, metavar="F",
+                    help="peak learning rate = F bf16 ulps of the median matrix weight (0.1: a "
+                         "7B fine-tune's regime)")
+    ap.add_argument("--baseline", default=None,
+                    help="the system gaps are measured against (AdamW; OffloadAdamW for bf16)")
     ap.add_argument("--name", default=None,
                     help="output file stem (default: finetune_quality, or finetune_quality_<direction> "
                          "for the second direction)")
@@ -366,6 +496,11 @@ def main(argv=None) -> int:
     setting = Setting(steps=args.steps)
     if args.quick:
         setting = Setting(pretrain_steps=20, steps=10, warmup=2, eval_windows=64, batch_size=8)
+    setting = replace(setting, dtype=args.dtype,
+                      compute=args.bf16_compute if args.dtype != "fp32" else "native")
+    if args.lr is not None:
+        setting = replace(setting, lr=args.lr)
+    baseline = args.baseline or ("AdamW" if args.dtype == "fp32" else "OffloadAdamW")
     for text in args.zenflow:
         kwargs = json.loads(text)
         name = "ZenFlow " + " ".join(f"{k}={v}" for k, v in kwargs.items())
@@ -379,6 +514,17 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     data = corpora(direction)
     weights = pretrained(setting, direction, data, progress=not args.quiet)
+    median = median_matrix_weight(weights, DTYPES[setting.dtype])
+    if args.lr_ulp is not None:
+        setting = replace(setting, lr=args.lr_ulp * bf16_ulp(median))
+    start_model = make_model(weights, direction, setting)
+    pretrained_loss = {d: held_out_loss(start_model, data[d][1], setting.eval_windows)
+                       for d in ("new", "old")}
+    if not args.quiet:
+        print(f"{setting.dtype} weights, median matrix |w| {median:.4g} (bf16 ulp "
+              f"{bf16_ulp(median):.3g}), peak lr {setting.lr:.4g} = "
+              f"{setting.lr / bf16_ulp(median):.3g} ulp; pretrained held-out new "
+              f"{pretrained_loss['new']:.4f} old {pretrained_loss['old']:.4f}", flush=True)
     runs = []
     total = len(args.seeds) * len(args.systems)
     for i, seed in enumerate(args.seeds):
@@ -394,22 +540,27 @@ def main(argv=None) -> int:
     result = {"benchmark": "finetune_quality", "machine": machine(), "setting": asdict(setting),
               "direction": args.direction, "model": asdict(direction.model), "seeds": args.seeds,
               "systems": {n: asdict(SYSTEMS[n]) for n in args.systems},
-              "summary": summarize(runs, args.systems), "runs": runs,
+              "baseline": baseline, "median_matrix_weight": median,
+              "lr_in_bf16_ulps": setting.lr / bf16_ulp(median),
+              "pretrained_loss": pretrained_loss,
+              "summary": summarize(runs, args.systems, baseline, pretrained_loss), "runs": runs,
               "wall_s": time.perf_counter() - start}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     plot(result, out / f"{args.name}.png")
     print(f"\n{'system':36s} {'new domain':>18s} {'gap':>8s} {'old domain':>18s} {'gap':>8s} "
-          f"{'window':>7s}")
+          f"{'window':>7s} {'share':>6s}")
     for name, s in result["summary"].items():
         gaps = [s.get(k) for k in ("new_gap_pct", "old_gap_pct")]
         gaps = ["" if g is None else f"{g:+.2f}%" for g in gaps]
         windows = [w for w in s["mean_window_steps"] if w is not None]
         window = f"{statistics.fmean(windows):.1f}" if windows else "-"
+        share = s.get("share_of_improvement")
+        share = f"{100 * share['mean']:.0f}%" if share else ""
         print(f"{name:36s} {s['new_loss']['mean']:.4f} ± {s['new_loss']['std']:.4f} "
               f"{gaps[0]:>8s} {s['old_loss']['mean']:.4f} ± {s['old_loss']['std']:.4f} "
-              f"{gaps[1]:>8s} {window:>7s}")
+              f"{gaps[1]:>8s} {window:>7s} {share:>6s}")
     print(f"wrote {out / (args.name + '.json')} ({result['wall_s']:.0f} s)")
     return 0
 

@@ -117,8 +117,10 @@ def main() -> None:
                             op: round(c / max(1, len(inside)), 1)
                             for op, c in heavy.most_common(12)}}
         base = statistics.median(times["torch AdamW(fused=True)"]) \
-            if "torch AdamW(fused=True)" in times else None
+            if times.get("torch AdamW(fused=True)") else None
         for name in args.systems:
+            if not times.get(name):   # --rounds 0: operators only
+                continue
             median = statistics.median(times[name])
             table[name]["step_median_s"] = median
             if base:
