@@ -8,8 +8,8 @@ it queues far fewer of them than the device runs behind the backward. Every para
 8x8 matrix, so arithmetic is negligible and what is left is the per-operator cost. Counts the aten
 operators each `step()` dispatches on the calling thread (a TorchDispatchMode: what becomes
 kernel launches on a GPU), separately for steps inside a window and steps that end one, and times
-`step()` in other runs (median over alternated rounds: counting costs Python time). Writes JSON (machine named) under DIR (default
-benchmarks/results/).
+`step()` in other runs (median over alternated rounds: counting costs Python time). Writes JSON
+(machine named) under DIR (default benchmarks/results/).
 """
 from __future__ import annotations
 
