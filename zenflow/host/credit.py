@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from zenflow.adamw import step_bound
+from zenflow.host.device_sums import launch_runs
 from zenflow.host.layout import HostUpdate, rate_dtype
 
 _CHUNK_ELEMENTS = 1 << 26   # the temporaries of one launch of the interim steps: 256 MiB fp32
@@ -59,15 +60,7 @@ def choose_placement(numels: list[int], budget_bytes: int, moments_bytes: int = 
 
 def _chunks(indices: list[int], tensors: dict[int, torch.Tensor]):
     """`indices` in runs of at most _CHUNK_ELEMENTS elements (at least one matrix each)."""
-    run, size = [], 0
-    for i in indices:
-        if run and size + tensors[i].numel() > _CHUNK_ELEMENTS:
-            yield run
-            run, size = [], 0
-        run.append(i)
-        size += tensors[i].numel()
-    if run:
-        yield run
+    return launch_runs(indices, lambda i: tensors[i].numel(), _CHUNK_ELEMENTS)
 
 
 def _kept(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:

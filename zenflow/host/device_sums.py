@@ -22,6 +22,20 @@ from zenflow.host.transfers import DONE, Ticket, Transfers
 _CHUNK_ELEMENTS = 1 << 26   # matrices per launch of the add: at most 256 MiB of fp32 sums
 
 
+def launch_runs(items: list, numel, limit: int):
+    """`items` in runs whose numel(item) add up to at most `limit` (at least one item each): the
+    tensors of one multi-tensor launch, so that its temporaries stay bounded."""
+    run, size = [], 0
+    for item in items:
+        if run and size + numel(item) > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += numel(item)
+    if run:
+        yield run
+
+
 class DeviceSums:
     """Sums on the device of this rank's rows of some host-owned matrices, each in its dtype
     (fp32, or bf16 to halve their memory and bus bytes)."""
@@ -58,14 +72,8 @@ class DeviceSums:
         self.fence()
         if fresh:
             torch._foreach_zero_([self.sums[i] for i in fresh])
-        run, size = [], 0
-        for i in rows:
-            if run and size + rows[i].numel() > _CHUNK_ELEMENTS:
-                add_scaled_([self.sums[j] for j in run], [rows[j] for j in run], coef)
-                run, size = [], 0
-            run.append(i)
-            size += rows[i].numel()
-        add_scaled_([self.sums[j] for j in run], [rows[j] for j in run], coef)
+        for run in launch_runs(list(rows), lambda i: rows[i].numel(), _CHUNK_ELEMENTS):
+            add_scaled_([self.sums[j] for j in run], [rows[j] for j in run], coef)
 
     def fence(self) -> None:
         """Later device work on the sums waits until the last window's sums have left them."""

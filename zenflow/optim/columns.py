@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from zenflow.host.device_sums import launch_runs
+
 _BLOCK_BYTES = 256 * 1024
 
 
@@ -62,14 +64,7 @@ def _same_dtypes(pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]])
     for p in pending:
         groups.setdefault((p[0].dtype, p[2].dtype), []).append(p)
     for group in groups.values():
-        run, size = [], 0
-        for p in group:
-            if run and size + p[2].numel() > _CHUNK_ELEMENTS:
-                yield run
-                run, size = [], 0
-            run.append(p)
-            size += p[2].numel()
-        yield run
+        yield from launch_runs(group, lambda p: p[2].numel(), _CHUNK_ELEMENTS)
 
 
 def gather_columns_of(matrices: list[torch.Tensor], indices: list[torch.Tensor],
