@@ -71,6 +71,60 @@ def test_in_place_writes_through_data_at_a_window_boundary_stick_and_are_reporte
     assert caplog.text.count("written through .data") == 1
 
 
+# Where a matrix's values are updated: the columns the device owns (and every column at
+# topk_ratio=1), and "moments" matrices, which the device moves every step.
+_PLACEMENTS = {"device-columns": {"topk_ratio": 0.25},
+               "topk-1": {"topk_ratio": 1.0},
+               "moments": {"topk_ratio": 0.25, "deferred_credit": "moments",
+                           "device_sum_budget": 1 << 22}}
+
+
+def _clamp_through_data(model):
+    for p in model.parameters():
+        p.data.clamp_(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("placement", list(_PLACEMENTS))
+def test_a_write_through_data_mid_window_sticks_wherever_the_columns_are_updated(placement,
+                                                                                 dtype):
+    """torch.optim.AdamW at lr 0 keeps the write bit for bit; so must every placement (issue 39
+    item 5: the device's columns, topk_ratio=1 and "moments" matrices reverted it)."""
+    model = _model().to(dtype)
+    opt = _zenflow(model, overlap_step=True, **_PLACEMENTS[placement])
+    written = []
+    for t in range(10):
+        model(torch.randn(4, 8, dtype=dtype)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if t == 4:   # windows of 2 steps: mid-window
+            _clamp_through_data(model)
+            written = [p.detach().clone() for p in model.parameters()]
+    opt.synchronize()
+    opt.close()
+    for p, w in zip(model.parameters(), written):
+        assert torch.equal(p.detach(), w)
+
+
+@pytest.mark.parametrize("placement", list(_PLACEMENTS))
+def test_a_wgan_clamp_through_data_after_every_step_holds(placement):
+    """A WGAN critic clamps its weights after every step with p.data.clamp_(): each step moves a
+    weight at most a few lr from the clamp, never back to where the optimizer's masters were."""
+    model = _model()
+    opt = _zenflow(model, lr=1e-3, overlap_step=True, **_PLACEMENTS[placement])
+    for _ in range(9):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        _clamp_through_data(model)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    opt.synchronize()
+    opt.close()
+    for p in model.parameters():
+        assert p.detach().abs().max() <= 0.05 + 0.02
+
+
 def test_host_owned_columns_written_through_data_mid_window_stick():
     def zero(model):
         model[0].weight.data.zero_()

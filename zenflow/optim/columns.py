@@ -17,7 +17,10 @@ _BLOCK_BYTES = 256 * 1024
 
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:
-    """The [out, in] view of a parameter or gradient with ndim >= 2 (no copy for contiguous t)."""
+    """The [out, in] view of a parameter or gradient with ndim >= 2 (no copy for contiguous t);
+    a matrix is its own (a view is an operator dispatched per matrix and step)."""
+    if t.ndim == 2:
+        return t
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))   # not -1: a shard may have no rows
 
 

@@ -5,7 +5,9 @@ step count is a 0-dim fp32 tensor on the device (`count`; exact up to 2**24 upda
 kernel reads it there, and a step inside a window advances it by the step's kept flag, so a step
 skipped on the device counts nothing without the Python thread reading the flag. `step` reads it
 as an int (saving, moving columns: places that read the device anyway). A vector parameter that is
-already fp32 is its own master.
+already fp32 is its own master; every other master first takes what was written into the
+parameter since the last step (adopt_written), as torch's AdamW, whose state is the parameter,
+keeps a write through `.data`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from zenflow.adamw import FP32_STATE, adamw_
+from zenflow.host.device_sums import launch_runs
 from zenflow.optim import columns
 from zenflow.saved_state import check_count, check_saved_tensors
 
@@ -117,6 +120,42 @@ class _Batch:
         self.exp_avgs.append(exp_avg)
         self.exp_avg_sqs.append(exp_avg_sq)
         self.counts.append(count)
+
+
+_CHUNK_ELEMENTS = 1 << 24   # 16-bit values compared at once: at most ~200 MiB of temporaries
+
+
+def adopt_written(matrices: list[tuple[torch.Tensor, DeviceColumns]],
+                  vectors: list[tuple[torch.Tensor, DeviceVector]]) -> None:
+    """The device's masters := what was written into their parameters since the optimizer last
+    wrote them: `matrices` (weight as [out, in], its columns) and `vectors` (parameter, state).
+
+    A write through `.data` (a WGAN's `p.data.clamp_()`) bumps no version counter, and the next
+    step would write the masters over it; torch's AdamW keeps it, and so must the columns the
+    device owns. Done at every step's start, before anything writes the weights, without reading
+    the device: a master in the parameter's dtype is the parameter's values (one gather); a
+    16-bit parameter's fp32 master keeps its low bits where the parameter still holds it
+    rounded, and takes the parameter's value elsewhere, in a few launches per run of matrices."""
+    masters = [cols.master for _, cols in matrices] + [state.master for _, state in vectors]
+    written = [torch.index_select(w, 1, cols.column_indices, out=cols.master)
+               if w.dtype == cols.master.dtype else w.index_select(1, cols.column_indices)
+               for w, cols in matrices] + [param for param, _ in vectors]
+    narrow = []
+    for master, values in zip(masters, written):
+        if master.dtype == values.dtype:
+            if master.data_ptr() != values.data_ptr():
+                master.copy_(values)
+        else:
+            narrow.append((master.view(-1), values.reshape(-1)))
+    by_dtype: dict[torch.dtype, list] = {}
+    for pair in narrow:
+        by_dtype.setdefault(pair[1].dtype, []).append(pair)
+    for pairs in by_dtype.values():
+        for run in launch_runs(pairs, lambda pair: pair[0].numel(), _CHUNK_ELEMENTS):
+            master = torch.cat([m for m, _ in run])
+            values = torch.cat([v for _, v in run])
+            kept = torch.where(master.to(values.dtype) == values, master, values.float())
+            torch._foreach_copy_([m for m, _ in run], kept.split([m.numel() for m, _ in run]))
 
 
 def group_hyperparameters(group: dict) -> tuple[float, float, float, float, float]:

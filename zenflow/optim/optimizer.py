@@ -258,6 +258,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         self._pipeline.early_copies.step_began(unscaled_in_place=getattr(
             self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None)
         self._outside_writes.adopt()
+        self._outside_writes.adopt_device_writes()
         grads = present_gradients(self.param_groups, self.device, self._NAME, self._built)
         if not grads:
             return
@@ -282,7 +283,10 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         chosen = self._selector.has_chosen
         staged = {m.host_index: grads[m.param] for m in self._host_params
                   if m.param in grads and m.host_owns_columns(chosen)}
+        moves = self._pipeline.credit.moves   # the rule's interim step writes these matrices
+        self._outside_writes.watch_moves([i for i in staged if moves(i)], moved=False)
         self._pipeline.stage(staged, scale.coef, self._step_sizes())
+        self._outside_writes.watch_moves([i for i in staged if moves(i)], moved=True)
         if not reads_now:
             self._skips.defer(count.step, scale)
         device_update(self._host_params if chosen else [], self._vector_params, grads, scale)

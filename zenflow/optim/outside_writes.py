@@ -6,6 +6,7 @@ import logging
 import torch
 
 from zenflow.optim import columns
+from zenflow.optim.device_adam import adopt_written
 from zenflow.optim.params import HostParam, VectorParam
 
 log = logging.getLogger("zenflow")
@@ -80,9 +81,11 @@ class OutsideWrites:
     vector_to_parameters). In-place writes through `.data` (`p.data.clamp_()`) bump nothing; they
     are found at window ends, where a fingerprint of what the optimizer last wrote (an integer
     sum of the bits of each matrix's host-owned columns; bf16/fp16 vectors compared with their
-    masters) costs two passes and one read per window. Such a write to
-    a column the device updates is overwritten by the next step, so the first one found is
-    reported with a warning.
+    masters) costs two passes and one read per window. The columns and vectors the device updates
+    take such writes at every step instead (adopt_device_writes), and the matrices
+    a credit rule moves every step ("moments") are fingerprinted around each of its moves, the
+    changes kept on the device until the window's read (`watch_moves`). The first write found
+    at a window end is reported with a warning.
 
     A saved state carries each parameter's `weight_bits` as they were when it was saved. Weights
     written after load_state_dict() and before the next step that are exactly those (the same
@@ -97,6 +100,7 @@ class OutsideWrites:
         self._warned = False
         self._saved_bits: dict = {}   # {param: weight_bits of a state just loaded}
         self._bit_sums = _HostColumnBitSums()
+        self._moved: tuple[tuple[int, ...], torch.Tensor] | None = None   # see watch_moves
         self.forget()
 
     @staticmethod
@@ -127,22 +131,52 @@ class OutsideWrites:
         self._adopt([m for m in self.host_params if m.param in changed],
                     [v for v in self.vector_params if v.param in changed])
 
-    def _written_through_data(self) -> set:
-        """The parameters whose fingerprint changed (one read of the device for all). Matrices
-        the device steps every step (a credit rule that moves them, as "moments" does) change by
-        design: only their version counters tell."""
+    def adopt_device_writes(self) -> None:
+        """At each step's start, before anything writes the weights: the columns and vectors the
+        device updates take what was written into them, through `.data` too (adopt_written)."""
         chosen = self.selector.has_chosen
-        hosts = [m for m in self.host_params if not self.pipeline.credit.moves(m.host_index)]
-        watched = [v for v in self.vector_params
-                   if v.state.master.data_ptr() != v.local.data_ptr()]
-        flags = [self._vector_differs(v) for v in watched]
-        if hosts:
-            now = self._bit_sums(hosts, chosen)
-            flags.insert(0, now != torch.stack([self._sums[m.param] for m in hosts]))
-        if not flags:
+        adopt_written([(columns.as_matrix(m.local), m.selected)
+                       for m in self.host_params if chosen and m.k > 0],
+                      [(v.local, v.state) for v in self.vector_params])
+
+    def _written_through_data(self) -> set:
+        """The parameters whose fingerprint changed since the optimizer last wrote them (one read
+        of the device for all). The matrices the credit rule moved in this window add what
+        watch_moves() found before each move."""
+        chosen = self.selector.has_chosen
+        hosts = self.host_params
+        if not hosts:
             return set()
-        changed = torch.cat([f.reshape(-1) for f in flags]).tolist()   # the one read
-        return {x.param for x, c in zip((*hosts, *watched), changed) if c}
+        changed = self._bit_sums(hosts, chosen) != torch.stack([self._sums[m.param]
+                                                                 for m in hosts])
+        if self._moved is not None:
+            moved, found = self._moved   # host indices are positions in host_params
+            positions = torch.tensor(moved, device=changed.device)
+            changed = changed.int().index_add_(0, positions, found.int()) > 0
+            self._moved = None
+        flags = changed.tolist()   # the one read
+        return {m.param for m, c in zip(hosts, flags) if c}
+
+    def watch_moves(self, moving: list[int], moved: bool) -> None:
+        """Around the credit rule's move of host matrices `moving` (its interim step, which
+        writes them every step: a fingerprint taken at the window's start says nothing by its
+        end): before it (`moved` False), note on the device which of them someone wrote since
+        the optimizer last did; after it, fingerprint them as moved. Two passes over those
+        matrices a step, no read."""
+        if not moving:
+            return
+        matrices = [self.host_params[i] for i in moving]
+        now = self._bit_sums(matrices, self.selector.has_chosen)
+        if moved:
+            self._sums.update(zip((m.param for m in matrices), now.unbind()))
+            return
+        found = now != torch.stack([self._sums[m.param] for m in matrices])
+        moving = tuple(moving)
+        if self._moved is not None and self._moved[0] == moving:
+            found |= self._moved[1]
+        elif self._moved is not None:   # the moving matrices changed: keep both
+            moving, found = (*self._moved[0], *moving), torch.cat([self._moved[1], found])
+        self._moved = (moving, found)
 
     def adopt_data_writes(self) -> None:
         """At window ends: adopt writes through .data, found by the fingerprints."""
@@ -150,11 +184,10 @@ class OutsideWrites:
         if changed and not self._warned:
             self._warned = True
             log.warning("%s: parameter(s) were written through .data (found at a window end) "
-                        "and are adopted as the new master values; a write through .data to "
-                        "the columns and vectors the device updates every step is overwritten "
-                        "by the next step. Write under torch.no_grad() without .data (p.clamp_() "
-                        "rather than p.data.clamp_()) and the optimizer sees it at once.",
-                        self.owner)
+                        "and are adopted as the new master values: the columns the host "
+                        "updates only now, at the window's end. Write under torch.no_grad() "
+                        "without .data (p.clamp_() rather than p.data.clamp_()) and the "
+                        "optimizer sees it at the next step.", self.owner)
         self._adopt([m for m in self.host_params if m.param in changed],
                     [v for v in self.vector_params if v.param in changed])
 
@@ -189,14 +222,7 @@ class OutsideWrites:
             self._sums = {}
         watched = (self.host_params if matrices is None
                    else [self.host_params[i] for i in matrices])
-        watched = [m for m in watched if not self.pipeline.credit.moves(m.host_index)]
-        if watched:   # see _written_through_data; int32 sums: as fast as a float sum (int64: 25x
-            # slower on a CPU, where it would cost more than the step), exact modulo 2**32
+        if watched:   # int32 sums: as fast as a float sum (int64: 25x slower on a CPU, where
+            # it would cost more than the step), exact modulo 2**32
             self._sums.update(zip((m.param for m in watched),
                                   self._bit_sums(watched, chosen).unbind()))
-
-    @staticmethod
-    def _vector_differs(v: VectorParam) -> torch.Tensor:
-        return (_bits(v.local.detach()) != _bits(v.state.master.to(v.local.dtype))).any()
-
-

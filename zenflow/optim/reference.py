@@ -164,6 +164,9 @@ class ReferenceZenFlow:
                 elif s["on_device"][j] and not chosen[j]:    # device -> host
                     s["m"][:, j] *= rescale(self.beta1, s["device_count"], s["host_count"])
                     s["v"][:, j] *= rescale(self.beta2, s["device_count"], s["host_count"])
+            # The columns the device takes hold the host's values from now on, in the weights too
+            # (an installed value may lead them by the lookahead).
+            self._write(p, s, chosen & ~s["on_device"])
             s["on_device"] = chosen
         self.selected = True
         self.last_selection = self.t

@@ -92,6 +92,9 @@ class ColumnSelector:
                 handoff.move_columns(m.selected, host, chosen, host_step, betas,
                                      self.pipeline.rows[m.host_index], m.local.shape[0],
                                      self.partition)
+            if m.k:   # the device's columns now hold the host's values: the weights too (every
+                # device step first takes the weights as written, optim/device_adam.py)
+                m.param_from_selected()
         self.has_chosen = True
         self.schedule.selected(step)
         if not plan.first:
