@@ -192,3 +192,39 @@ def test_no_early_copy_of_a_matrix_whose_columns_are_all_on_the_device():
             opt.zero_grad()
         stats = opt.stats()
     assert stats["early_copies"] == stats["late_copies"] == stats["d2h_bytes_total"] == 0
+
+
+def _grad_scaled_through_data(model, opt, gen):
+    _backward(model, gen)
+    for p in model.parameters():   # older code's habit: no version bump
+        p.grad.data.mul_(0.5)
+
+
+def test_a_gradient_written_through_data_after_its_copy_is_found_and_copies_go_late(caplog):
+    """Issue 39 item 7: the first window that copies early looks (fingerprints on the device,
+    read at its end); what it finds is said, and every copy is late from then on, so the
+    steps after it are the late copies' exactly."""
+    with caplog.at_level("WARNING", logger="zenflow"):
+        _, stats = _train(_grad_scaled_through_data, worker=True)
+    assert caplog.text.count("changed after backward without a version bump") == 1
+    assert "shape (16, 12)" in caplog.text
+    # step 0 copies nothing early; step 1 (the first window's end) copies early and finds it
+    assert (stats["early_copies"], stats["late_copies"]) == (MATRICES, MATRICES * (STEPS - 1))
+
+
+def test_the_look_for_writes_through_data_comes_back_every_check_every_windows(caplog):
+    from zenflow.host.early_copies import CHECK_EVERY
+    model = _model()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                               overlap_step=True, device_sum_budget=0, worker=True)
+    gen = torch.Generator().manual_seed(1)
+    starts = 2 * (CHECK_EVERY - 2)   # well after the first, clean, look
+    steps = starts + 2 * (CHECK_EVERY + 2)
+    with opt, caplog.at_level("WARNING", logger="zenflow"):
+        for t in range(steps):
+            (_grad_scaled_through_data if t >= starts else _plain)(model, opt, gen)
+            opt.step()
+            opt.zero_grad()
+            opt._pipeline.drain()
+        assert "changed after backward" in caplog.text
+        assert hooks(model) == 0

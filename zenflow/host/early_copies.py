@@ -14,7 +14,13 @@ stage() copies it again, late, exactly as without hooks, and the staging bytes a
 either way. Two writes do not bump the version: GradScaler.unscale_ (its kernel,
 torch._amp_foreach_non_finite_check_and_unscale_, does not), which the optimizer tells from what
 scaler.step() hands it (step_began(unscaled_in_place=True): every copy of that step is late), and
-a write through `.data`, which is not seen: write to the gradient itself. clip_grad_norm_ or
+a write through `.data`, numpy or a `.data` hook (`p.grad.data.mul_()` in older code). Those are
+looked for by fingerprint (the gradient's bits summed on the device when its copy is queued and
+again at step()) in the first window that copies early and every CHECK_EVERY-th window after,
+and read at the window's end, where the optimizer reads anyway: a training loop does the same
+thing every step, so a sample finds it at a few passes over the copied gradients per sampled
+step. Once found, the window's sums hold gradients as backward left them, a warning says so and
+what to do, and every copy is late from then on. Write to the gradient itself. clip_grad_norm_ or
 unscale_ after backward makes every copy late; use max_grad_norm=, which folds the clipping and
 the unscaling into the factor the host applies instead of rewriting the gradients.
 
@@ -44,6 +50,7 @@ across ranks, and DDP averages in place in its buckets, which the version counte
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -66,12 +73,25 @@ class Staging(Protocol):
                         ) -> tuple[Ticket, int]: ...
 
 
+log = logging.getLogger("zenflow")
+
+CHECK_EVERY = 16   # windows between two that look for gradients written through .data
+_INTEGERS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's bits summed as int32 (exact modulo 2**32), on its device: any write shows."""
+    return grad.detach().view(_INTEGERS[grad.element_size()]).sum(dtype=torch.int32)
+
+
 @dataclass(frozen=True)
 class _EarlyCopy:
-    """What a hook copied: which gradient tensor, at which version, into which staging slot."""
+    """What a hook copied: which gradient tensor, at which version, into which staging slot, and
+    in a window that looks for writes through .data, the fingerprint of what it copied."""
     grad: weakref.ref     # weak: a gradient replaced since (zero_grad, p.grad = ...) is freed
     version: int
     slot: int
+    fingerprint: torch.Tensor | None
 
 
 def _gradient_ready(copies: weakref.ref, index: int, param: torch.Tensor) -> None:
@@ -86,8 +106,13 @@ class EarlyCopies:
     """The hooks on one pipeline's host-summed parameters and what they copied since stage()."""
 
     def __init__(self, pipeline: Staging, params: list[torch.Tensor],
-                 lock: threading.RLock | None):
+                 lock: threading.RLock | None, owner: str = "ZenFlowAdamW"):
         self._pipeline = pipeline
+        self._owner = owner
+        self._shapes = [tuple(p.shape) for p in params]
+        self.checking = True                    # this window looks for writes through .data
+        self._quiet_windows = 0
+        self._compared: list[tuple[int, torch.Tensor]] = []   # (matrix, changed?) on the device
         self._lock = lock
         self._fired: dict[int, int] = {}        # hook firings of each matrix in this step
         self._step_fired: dict[int, int] = {}   # ... that led to the step() under way
@@ -140,7 +165,8 @@ class EarlyCopies:
             if slot is None:
                 return
             ticket, nbytes = self._pipeline.copy_to_staging(slot, {i: grad})
-            self._copies[i] = _EarlyCopy(weakref.ref(grad), grad._version, slot)
+            self._copies[i] = _EarlyCopy(weakref.ref(grad), grad._version, slot,
+                                         _bit_sum(grad) if self.checking else None)
             self._tickets.append(ticket)
             self._bytes += nbytes
         finally:
@@ -163,9 +189,38 @@ class EarlyCopies:
                 if (copy is not None and copy.slot == slot and copy.grad() is grad
                         and copy.version == grad._version):
                     early.add(i)
+                    if copy.fingerprint is not None:
+                        self._compared.append((i, _bit_sum(grad) != copy.fingerprint))
         self.early += len(early)
         self.late += len(grads) - len(early)
         return early, all_of(*tickets), nbytes
+
+
+    def window_ended(self) -> None:
+        """A window ends (the optimizer reads the device here anyway): if it looked for
+        gradients written through .data after their early copy, one read says whether any was;
+        the next look is CHECK_EVERY windows later, or never once one was found (every copy is
+        late from then on)."""
+        if not self.checking:
+            self._quiet_windows += 1
+            self.checking = self._quiet_windows >= CHECK_EVERY
+            return
+        if not self._compared:   # nothing copied early yet: look in the next window
+            return
+        compared, self._compared = self._compared, []
+        changed = torch.stack([c for _, c in compared]).tolist()
+        written = sorted({i for (i, _), c in zip(compared, changed) if c})
+        self.checking, self._quiet_windows = False, 0
+        if written:
+            self.stop_watching(list(self._hooks))
+            log.warning("%s: the gradient of %d matri%s (the first: %s) changed after backward "
+                        "without a version bump (through .data, numpy or a .data hook, e.g. "
+                        "p.grad.data.mul_()), after its early copy to the host: this window's "
+                        "host sums hold the gradient as backward left it. Every copy is late "
+                        "from now on (exact, but the copy no longer overlaps backward); write to "
+                        "the gradient itself (p.grad.mul_()) to keep early copies.", self._owner,
+                        len(written), "x" if len(written) == 1 else "ces",
+                        f"shape {self._shapes[written[0]]}")
 
 
 def _copies_can_start_early(pipeline: Staging) -> bool:

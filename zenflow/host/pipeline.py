@@ -117,7 +117,7 @@ class HostPipeline:
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
         self._start_over()
-        self.early_copies = EarlyCopies(self, params, lock)
+        self.early_copies = EarlyCopies(self, params, lock, owner)
 
     def _start_over(self) -> None:
         """No buffer being read, no update in flight; every slot at 0."""
@@ -257,6 +257,7 @@ class HostPipeline:
         first (take_update()), per the overlap rule."""
         assert self.in_flight is None, "take_update() the previous window first"
         self.placement.watch(self)
+        self.early_copies.window_ended()
         jobs = []
         for i, n in enumerate(self.num_grads):
             if n:
