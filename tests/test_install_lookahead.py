@@ -53,6 +53,33 @@ def test_synchronize_installs_the_exact_values(overlap):
     opt.close()
 
 
+@pytest.mark.parametrize("credit", ["mean", "moments"])
+def test_close_leaves_the_trained_weights_as_synchronize_does(credit):
+    """Issue 40 item 8: torch's optimizers leave trained weights after the last step(); a bare
+    ZenFlowAdamW closed (or left through its `with` block) installs the update in flight and the
+    host's values first, exactly what synchronize() installs."""
+    def run(finish):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(s, generator=gen).requires_grad_() for s in SHAPES]
+        with zenflow.ZenFlowAdamW(params, lr=0.02, topk_ratio=0.3, update_interval=3,
+                                  overlap_step=True, deferred_credit=credit,
+                                  device_sum_budget=10 ** 6, worker=False) as opt:
+            for _ in range(8):   # the window that ended at step 5 is in flight
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            finish(opt)
+        return [p.detach().clone() for p in params]
+    stale = run(lambda opt: None)
+    synchronized = run(lambda opt: opt.synchronize())
+
+    def left_open(opt):   # what the weights were before close() ran
+        left_open.weights = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    run(left_open)
+    assert all(torch.equal(a, b) for a, b in zip(stale, synchronized))
+    assert not all(torch.equal(a, b) for a, b in zip(left_open.weights, synchronized))
+
+
 def steady(overlap: bool):
     """One matrix, U=2, no device columns, lookahead 1, and a step() that feeds it a gradient of
     ones (each AdamW step then moves it by exactly -lr = -0.01)."""

@@ -16,6 +16,7 @@ under its lock (`serialized`), as step() does.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -23,6 +24,8 @@ from zenflow.config.settings import AdamWHyperparameters
 from zenflow.optim import state as state_format
 from zenflow.optim.model_hooks import ModelHooks, install_units
 from zenflow.optim.stats import optimizer_stats
+
+log = logging.getLogger("zenflow")
 
 
 def serialized(method):
@@ -145,10 +148,26 @@ class BetweenSteps:
         collection must not stop the worker the real optimizer still uses. The runner stops
         its worker when the runner itself is collected, and at interpreter exit."""
         if not getattr(self, "_closed", True):
+            self._install_last_update()
             self._installs.finish()   # the copies read host memory that close() releases
             self._installs.detach_all()
             self._closed = True
             self._pipeline.close()
+
+    def _install_last_update(self) -> None:
+        """What torch's optimizers leave after the last step(), trained weights: the update in
+        flight and the host's values installed (synchronize()), so a script that ends training
+        with close() or a `with` block saves the weights trained on every window. In one process
+        only: under data parallel installing is collective, and a rank may close alone (the
+        engine and the callbacks synchronize where every rank reads). A failure here (a dead
+        worker) is said and does not keep the worker from stopping."""
+        if self._partition.active or not self.counters.num_windows:
+            return
+        try:
+            self.synchronize()
+        except Exception as exc:   # close() must still release the worker and its memory
+            log.warning("%s.close(): the last host update could not be installed (%s); the "
+                        "weights lack it", self._NAME, exc)
 
     def __enter__(self):
         return self
