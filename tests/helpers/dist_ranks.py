@@ -58,8 +58,9 @@ def single_process_run(steps: int, overlap: bool, synchronized: bool = False) ->
     if synchronized:
         opt.synchronize()
     stats = opt.stats()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}   # before close() installs
     opt.close()
-    return {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+    return {"weights": weights,
             "host_bytes": stats["host_bytes"], "d2h_bytes": stats["d2h_bytes_total"],
             "reselections": stats["reselections"]}
 
