@@ -217,3 +217,107 @@ def test_data_parallel_takes_mean_credit():
                  ("auto", False, False, False)):
         rule = credit_for("factored", *args)
         assert type(rule) is Credit and not rule.host_factors
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 6)).to(dtype)
+
+
+def _train(model, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 12, generator=gen).to(next(model.parameters()).dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, device_sum_budget=ALL,
+                install_lookahead=0.0, worker=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("load_before_first_step", [True, False])
+def test_a_state_saved_mid_window_resumes_exactly(load_before_first_step, dtype):
+    """Mid-window, with an update in flight: the window's row and column sums, the device's
+    factors and the in-flight update's factors are all in the state."""
+    settings = dict(SETTINGS, deferred_credit="factored",
+                    device_sum_dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    model = _model(dtype=dtype)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **settings)
+    _train(model, opt, 8)    # mid-window, an update in flight
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert saved["zenflow"]["in_flight_jobs"][0][-1] is True
+    host = saved["state"][0]["host"]
+    assert host["row_factors"].shape == (3, 16) and host["col_factors"].shape == (3, 12)
+    assert host["row_factors"].abs().min() > 0   # sums of 2 gradients, both factors set
+    _train(model, opt, 7, seed=2)
+    resumed = _model(seed=3, dtype=dtype)
+    again = zenflow.ZenFlowAdamW(resumed.parameters(), **settings)
+    if not load_before_first_step:   # the sums already placed on the device
+        _train(resumed, again, 1, seed=4)
+    resumed.load_state_dict(weights)
+    again.load_state_dict(saved)
+    _train(resumed, again, 7, seed=2)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert again.stats()["moments_matrices"] == 2
+    opt.close()
+    again.close()
+
+
+def test_a_factored_state_loads_under_moments_with_its_rates_and_back():
+    """Across the two rules: "moments" takes alpha_i * beta_j as its rates and estimates the
+    window's squares from its sum; "factored" takes no rates until the next install (as a state
+    older than the rates) and the row and column sums of the squares each gradient would have if
+    it were the window's mean (the columns the loaded selection leaves the host); "mean" takes
+    the values. All train on."""
+    model = _model()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="factored")
+    _train(model, opt, 8)
+    saved = opt.state_dict()
+    credit = opt._pipeline.credit
+    rates = torch.outer(credit.alpha[0], credit.beta[0])
+    moments = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="moments")
+    moments.load_state_dict(saved)
+    assert torch.equal(moments.state_dict()["state"][0]["host"]["rate"], rates)
+    _train(model, moments, 2)
+    back = moments.state_dict()
+    host = back["state"][0]["host"]
+    assert "row_factors" not in host and host["num_grads"] == 1
+    factored = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="factored")
+    factored.load_state_dict(back)
+    factored._pipeline.place()    # as the first step does
+    fc = factored._pipeline.credit
+    mask = torch.ones(12)
+    mask[factored._host_params[0].selected.column_indices] = 0.0
+    squares = host["grad_sum"].square() / host["num_grads"] * mask
+    assert not fc.alpha[0].any() and not fc.beta[0].any()
+    torch.testing.assert_close(fc.col_sq[0], squares.sum(0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(fc.row_sq[0], squares.sum(1), rtol=1e-6, atol=0)
+    _train(model, factored, 6)
+    assert fc.alpha[0].all()
+    mean = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="mean")
+    mean.load_state_dict(saved)
+    _train(model, mean, 4)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for o in (opt, moments, factored, mean):
+        o.close()
+
+
+def test_a_version_5_state_loads():
+    """Format 5 had no "factored" flag in its in-flight jobs."""
+    model = _model()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="moments")
+    _train(model, opt, 8)
+    saved = opt.state_dict()
+    jobs = saved["zenflow"]["in_flight_jobs"]
+    old = {**saved, "zenflow": {**saved["zenflow"], "format_version": 5,
+                                "in_flight_jobs": [j[:10] for j in jobs]}}
+    again = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="moments")
+    again.load_state_dict(old)
+    assert again.state_dict()["zenflow"]["in_flight_jobs"] == jobs
+    opt.close()
+    again.close()
