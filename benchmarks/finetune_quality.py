@@ -118,6 +118,12 @@ SYSTEMS = {
         deferred_credit="moments", device_sum_dtype="bfloat16", update_interval=4), 0, 2.5),
     "moments, 2.5 B/param, U=8": System("zenflow", dict(
         deferred_credit="moments", device_sum_dtype="bfloat16", update_interval=8), 0, 2.5),
+    # deferred_credit="factored" (the prototype's "factored", rounded to nearest) with bf16 sums
+    # in the budget an offloading user has
+    "factored, 2.5 B/param, U=4": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=4), 0, 2.5),
+    "factored, 2.5 B/param, U=8": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=8), 0, 2.5),
     "moments, 5.7 B/param, U=4": System("zenflow", dict(
         deferred_credit="moments", update_interval=4), 0, 5.7),
     "moments, 5.7 B/param, U=8": System("zenflow", dict(

@@ -148,7 +148,7 @@ def test_the_state_carries_its_format_version_and_an_unversioned_one_still_loads
     from zenflow.optim.state_versions import FORMAT_VERSION
     model, opt = _trained()
     saved = opt.state_dict()
-    assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 5
+    assert saved["zenflow"]["format_version"] == FORMAT_VERSION == 6
     # Version 4: no window_spoiled (a skip inside a window was not counted in it then).
     v4 = {**saved, "zenflow": {**{k: v for k, v in saved["zenflow"].items()
                                   if k != "window_spoiled"}, "format_version": 4}}
@@ -202,7 +202,7 @@ def test_a_version_2_state_still_loads_and_version_3_carries_the_section_in_para
 
 
 @pytest.mark.parametrize("version, message", [
-    (6, "format version 6, newer than this zenflow reads (1 to 5)"),
+    (7, "format version 7, newer than this zenflow reads (1 to 6)"),
     ("2", "'format_version' must be a positive integer, got '2'"),
     (0, "'format_version' must be a positive integer, got 0"),
 ])

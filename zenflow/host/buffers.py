@@ -22,6 +22,7 @@ import torch
 
 from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_chunk_
 from zenflow.host.arena import Arena, Region
+from zenflow.host.factored import factored_pass
 from zenflow.host.layout import HostJob, HostLayout, dtype_name
 from zenflow.host.numa import share_bounds
 
@@ -218,6 +219,15 @@ class HostState:
         """[rows, cols] view of matrix i in the rate buffer (deferred_credit="moments")."""
         return self._typed("rate", i)
 
+    def factors(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Matrix i's views of the factors buffer (deferred_credit="factored"): the window's row
+        sums of squares [rows], column sums [cols], host-owned mask [cols], alpha [rows], beta
+        [cols]."""
+        m = self.layout.matrices[i]
+        flat = self.arena.views["factors"][m.factor_offset:m.factor_offset + 2 * m.rows
+                                           + 3 * m.cols]
+        return tuple(flat.split([m.rows, m.cols, m.cols, m.rows, m.cols]))
+
     def square_sum(self, sum_slot: int, i: int) -> torch.Tensor:
         """Where the squares of device-summed matrix i's window go when its sum goes to slot
         `sum_slot`: the other slot, which the window did not fill for this matrix."""
@@ -312,7 +322,11 @@ class HostState:
 
     def _pass(self, jobs: list[HostJob], sum_slot: int | None) -> None:
         """update() (sum_slot given) or publish() (None): the chunks of every job, run in this
-        thread or, where the worker has set `teams`, each NUMA node's share on its own cores."""
+        thread or, where the worker has set `teams`, each NUMA node's share on its own cores.
+        "factored" jobs go whole, matrix by matrix (zenflow/host/factored.py)."""
+        if any(job.update.factored for job in jobs):
+            factored_pass(self, [job for job in jobs if job.update.factored], sum_slot)
+            jobs = [job for job in jobs if not job.update.factored]
         groups: dict[tuple, list[int]] = {}
         for job in jobs:
             groups.setdefault((job.step, job.num_grads, job.update), []).append(job.matrix)

@@ -13,6 +13,10 @@ says why). The buffers, all flat views of one `Arena` (zenflow/host/arena.py), a
     rate_{dtype}                   with deferred_credit="moments": each value's AdamW rate,
                                    1 / (sqrt(v_hat) + eps), on its way to the device (bf16 for
                                    16-bit parameters: fp16 cannot hold 1 / eps)
+    factors                        fp32, with deferred_credit="factored": per matrix, from its
+                                   `factor_offset`, the window's row sums of squares [rows], column
+                                   sums [cols] and host-owned mask [cols] from the device, and
+                                   the rate factors alpha [rows] and beta [cols] to it
 
 A matrix whose window sums the device keeps ("moments") sends its sum of squares too: into the
 other sum slot, which only host-summed matrices fill during a window (the layout has two slots
@@ -46,6 +50,7 @@ class HostUpdate:
     weight_decay: float
     lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
     moments: bool = False    # the window counts as its gradients' AdamW steps; squares summed
+    factored: bool = False   # ... with the squares as row and column sums ("factored")
 
 
 class HostJob(NamedTuple):
@@ -58,14 +63,15 @@ class HostJob(NamedTuple):
 
     def saved(self) -> list:
         """The job as a saved state holds it: [matrix, step, num_grads, lr, beta1, beta2, eps,
-        weight_decay, lookahead, moments] (zenflow/host/pipeline_state.py checks it)."""
+        weight_decay, lookahead, moments, factored] (zenflow/host/pipeline_state.py checks it)."""
         u = self.update
         return [self.matrix, self.step, self.num_grads, u.lr, u.beta1, u.beta2, u.eps,
-                u.weight_decay, u.lookahead, u.moments]
+                u.weight_decay, u.lookahead, u.moments, u.factored]
 
     @classmethod
     def from_saved(cls, values: list) -> HostJob:
-        """saved()'s list (a state of format 3 or older has no moments: it is False)."""
+        """saved()'s list (a state of format 3 or older has no moments, one of format 5 or older
+        no factored: they are False)."""
         matrix, step, num_grads, *hyper = values
         return cls(matrix, step, num_grads, HostUpdate(*hyper))
 
@@ -78,6 +84,7 @@ class HostMatrix:
     dtype: torch.dtype    # the parameter's dtype: staging and install buffers use it
     offset: int           # first element in the fp32 buffers
     typed_offset: int     # first element in its dtype's staging and install buffers
+    factor_offset: int = 0   # first element in the factors buffer (2 rows + 3 cols of it)
 
     @property
     def numel(self) -> int:
@@ -95,36 +102,47 @@ class HostLayout:
     sum_slots: int
     staging_slots: int = 1
     rates: bool = False      # deferred_credit="moments": a rate buffer per dtype
+    factors: bool = False    # deferred_credit="factored": the factors buffer
 
     @classmethod
     def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
-              staging_slots: int = 1, rates: bool = False) -> HostLayout:
+              staging_slots: int = 1, rates: bool = False, factors: bool = False) -> HostLayout:
         """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
         order = sorted(range(len(shapes)), key=lambda i: (dtype_name(shapes[i][2]), i))
         placed: dict[int, HostMatrix] = {}
         groups, offset = [], 0
+        factor_offsets = [0]
+        for rows, cols, _ in shapes:
+            factor_offsets.append(factor_offsets[-1] + 2 * rows + 3 * cols)
         for i in order:
             rows, cols, dtype = shapes[i]
             if not groups or groups[-1][0] != dtype:
                 groups.append([dtype, offset, 0])
             group = groups[-1]
-            placed[i] = HostMatrix(rows, cols, dtype, offset, group[2])
+            placed[i] = HostMatrix(rows, cols, dtype, offset, group[2], factor_offsets[i])
             group[2] += rows * cols
             offset += rows * cols
         if rates and sum_slots < 2:
             raise ValueError("rates (deferred_credit='moments') need two sum slots: the squares "
                              "of device-summed matrices go into the slot the window does not read")
         return cls(tuple(placed[i] for i in range(len(shapes))),
-                   tuple(tuple(g) for g in groups), sum_slots, staging_slots, rates)
+                   tuple(tuple(g) for g in groups), sum_slots, staging_slots, rates, factors)
 
     @property
     def numel(self) -> int:
         return sum(g[2] for g in self.groups)
 
+    @property
+    def factors_numel(self) -> int:
+        """Elements of the factors buffer (0 without one)."""
+        return sum(2 * m.rows + 3 * m.cols for m in self.matrices) if self.factors else 0
+
     def regions(self) -> list[tuple[str, torch.dtype, int]]:
         fp32 = [*FP32_KINDS, *(f"grad_sum{s}" for s in range(self.sum_slots))]
         out = [(name, torch.float32, self.numel) for name in fp32]
         out.append(("step_coef", torch.float32, self.staging_slots))
+        if self.factors:
+            out.append(("factors", torch.float32, self.factors_numel))
         for dtype, _, numel in self.groups:
             out += [(name, dtype, numel) for name in self._typed_names(dtype)]
             if self.rates:
@@ -138,18 +156,20 @@ class HostLayout:
     def dma_regions(self) -> list[str]:
         """Every buffer that device copies may read or write (which of them are page-locked
         depends on where the sums are placed: install_regions() and HostState.span())."""
-        return ["step_coef", *(name for dtype, _, _ in self.groups
-                for name in [*self._typed_names(dtype),
-                             *([f"rate_{dtype_name(dtype)}"] if self.rates else [])])]
+        return ["step_coef", *(["factors"] if self.factors else []),
+                *(name for dtype, _, _ in self.groups
+                  for name in [*self._typed_names(dtype),
+                               *([f"rate_{dtype_name(dtype)}"] if self.rates else [])])]
 
     def install_regions(self) -> list[str]:
         """The buffers that every window's copies read or write whatever the sums' placement
         (the install's values and rates, and the steps' factors): page-locked from the start.
         The staging and sum buffers are locked once the sums are placed, where their copies
         run (zenflow/host/pipeline.py)."""
-        return ["step_coef", *(name for dtype, _, _ in self.groups
-                for name in [f"install_{dtype_name(dtype)}",
-                             *([f"rate_{dtype_name(dtype)}"] if self.rates else [])])]
+        return ["step_coef", *(["factors"] if self.factors else []),
+                *(name for dtype, _, _ in self.groups
+                  for name in [f"install_{dtype_name(dtype)}",
+                               *([f"rate_{dtype_name(dtype)}"] if self.rates else [])])]
 
 def rate_dtype(param_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the AdamW rates of a parameter of `param_dtype`: bf16 for 16-bit weights

@@ -102,7 +102,7 @@ class HostPipeline:
         rates = self.credit.host_rates
         self.layout = HostLayout.build(shapes, sum_slots=2 if overlap or rates else 1,
                                        staging_slots=2 if self.transfers.copies_outlive_step else 1,
-                                       rates=rates)
+                                       rates=rates, factors=self.credit.host_factors)
         # The worker's memory: on its cores' NUMA node(s) (zenflow/host/numa.py).
         self.host = HostState.allocate(self.layout, owner, available_bytes, numa.nodes_for(
             worker_cores or sorted(os.sched_getaffinity(0))))
@@ -275,8 +275,8 @@ class HostPipeline:
         on_device = [j.matrix for j in jobs if j.matrix in self.device_sums]
         landing = {i: landing_of(self.host.fp32(f"grad_sum{self._sum_slot}", i),
                                  self.device_sums.sums[i].dtype) for i in on_device}
-        also = self.credit.copy_out([j.matrix for j in jobs if j.update.moments],
-                                    lambda i: self.host.square_sum(self._sum_slot, i))
+        also = self.credit.copy_out([j.matrix for j in jobs if j.update.moments], self.host,
+                                    self._sum_slot)
         sums = self.device_sums.copy_out(landing, also)
         self.timer.moved(d2h=sum(t.numel() * t.element_size()
                                  for t in [*landing.values(), *(src for _, src in also)]))

@@ -24,6 +24,7 @@ def save(pipe) -> dict:
                     else pipe.host.fp32(f"grad_sum{pipe._sum_slot}", i))
         squares, rate = pipe.credit.saved(i, grad_sum)
         per_param.append({
+            **pipe.credit.saved_factors(i, pipe.host, pipe.num_grads[i]),
             **{kind: pipe.host.fp32(kind, i).clone() for kind in FP32_KINDS},
             # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
             "grad_sum": grad_sum.clone() if pipe.num_grads[i] else torch.zeros_like(grad_sum),
@@ -52,6 +53,11 @@ def check(pipe, state: dict, window_steps: int | None = None) -> None:
         check_saved_tensors(saved, {**buffers, "grad_sum": buffers["master"],
                                     "grad_sq_sum": buffers["master"],
                                     "rate": buffers["master"]}, what)
+        rows, cols = buffers["master"].shape
+        # "factored" state (absent where the matrix took another rule): [3, rows] and [3, cols]
+        check_saved_tensors(saved, {key: torch.zeros(3, n) for key, n in
+                                    (("row_factors", rows), ("col_factors", cols))
+                                    if key in saved}, what)
         check_count(saved.get("host_step"), "host_step", what)
         check_count(saved.get("num_grads"), "num_grads", what)
         if window_steps is not None and saved["num_grads"] > window_steps:
@@ -88,23 +94,29 @@ def load(pipe, state: dict) -> list[HostJob] | None:
         else:
             pipe.host.fp32("grad_sum0", i).copy_(s["grad_sum"])
         pipe.credit.load(i, s["grad_sq_sum"], s["rate"], s["grad_sum"], s["num_grads"])
+        pipe.credit.load_factors(i, s, pipe.host)
         pipe.host_step[i], pipe.num_grads[i] = s["host_step"], s["num_grads"]
     if state["in_flight"] is None:
         return None
     # The update is done; its install buffer is rebuilt from the values it produced. A "moments"
-    # job's rates go to the device only where this optimizer's rule keeps rates (a state saved
-    # under other settings installs the values alone).
-    jobs = [_job(saved, pipe.credit.host_rates)
+    # job's rates go to the device only where this optimizer's rule keeps rates, a "factored"
+    # one's only where it keeps factors (a state saved under other settings installs the values
+    # alone; a "factored" job under "moments" its rates from the moments).
+    jobs = [_job(saved, pipe.credit)
             for saved in state.get("in_flight_jobs") or []] or [
         HostJob(i, 0, 0, HostUpdate(0.0, 0.0, 0.0, 0.0, 0.0)) for i in state["in_flight"]]
     pipe.host.publish(jobs)
     return jobs
 
 
-def _job(saved: list, rates: bool) -> HostJob:
+def _job(saved: list, credit) -> HostJob:
     job = HostJob.from_saved(saved)
-    moments = job.update.moments and rates
-    return job._replace(update=dataclasses.replace(job.update, moments=moments))
+    if credit.host_factors:
+        moments = factored = job.update.factored
+    else:
+        moments, factored = job.update.moments and credit.host_rates, False
+    return job._replace(update=dataclasses.replace(job.update, moments=moments,
+                                                   factored=factored))
 
 
 def _length(value) -> str:
@@ -113,22 +125,24 @@ def _length(value) -> str:
 
 def check_in_flight_jobs(jobs, matrices: list[int]) -> None:
     """A saved in-flight update's jobs (None for states saved without them) fit its matrices:
-    one [matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead, moments] each
-    (states of format 3 and older: without moments), with counts that are positive integers and
+    one [matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead, moments,
+    factored] each (states of format 3 and older: without moments; 5 and older: without
+    factored), with counts that are positive integers and
     hyperparameters that AdamW accepts."""
     if jobs is None:
         return
     shape = ("'in_flight_jobs' must hold one [matrix, step, num_grads, lr, beta1, beta2, eps, "
-             "weight_decay, lookahead, moments] per in-flight matrix")
-    if not (isinstance(jobs, list) and all(isinstance(j, (list, tuple)) and len(j) in (9, 10)
+             "weight_decay, lookahead, moments, factored] per in-flight matrix")
+    if not (isinstance(jobs, list) and all(isinstance(j, (list, tuple)) and len(j) in (9, 10, 11)
                                            for j in jobs)
             and [j[0] for j in jobs] == list(matrices)):
         raise ValueError(shape)
     for job in jobs:
         matrix, step, num_grads, lr, beta1, beta2, eps, weight_decay, lookahead = job[:9]
-        if len(job) == 10 and not isinstance(job[9], bool):
-            raise ValueError(f"{shape}; the job of matrix {matrix} has moments {job[9]!r}, "
-                             "expected a bool")
+        for position, flag in ((9, "moments"), (10, "factored")):
+            if len(job) > position and not isinstance(job[position], bool):
+                raise ValueError(f"{shape}; the job of matrix {matrix} has {flag} "
+                                 f"{job[position]!r}, expected a bool")
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1
                    for x in (step, num_grads)):
             raise ValueError(f"{shape}; the job of matrix {matrix} has step {step!r} and "

@@ -29,9 +29,10 @@ class SumPlacement:
         matrices = pipe.layout.matrices
         summed, moving = pipe.credit.place([m.numel for m in matrices], int(budget),
                                            pipe.device_sums.dtype.itemsize,
-                                           [m.dtype for m in matrices])
+                                           [m.dtype for m in matrices],
+                                           [(m.rows, m.cols) for m in matrices])
         pipe.device_sums.allocate({i: (matrices[i].rows, matrices[i].cols) for i in summed},
-                                  pipe.device, fp32=set(moving))
+                                  pipe.device, fp32=set(moving) if pipe.credit.fp32_sums else set())
         pipe.credit.allocate({i: (matrices[i].rows, matrices[i].cols, matrices[i].dtype)
                               for i in moving}, pipe.device)
         for i in summed:   # a window restored before the first step summed on the host so far

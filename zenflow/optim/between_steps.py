@@ -211,6 +211,7 @@ class BetweenSteps:
         afterwards count as changed outside the optimizer and become the master values."""
         self._installs.finish()
         state_format.load(self, self._state_parts(), state_dict)
+        self._tell_owned_columns()
         self._skips.forget()       # steps of the window the loaded state replaces
         self._agreement.forget()
 

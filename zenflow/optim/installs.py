@@ -229,7 +229,7 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
             values = partition.gather_rows(values, param.shape[0], what)
         pairs = [(param, values)]
         if i in with_rates:
-            pairs += pipe.credit.install_pairs(i, host.rate(i))
+            pairs += pipe.credit.install_pairs(i, host)
         batch.append(i)
         batch_pairs += pairs
         batch_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)

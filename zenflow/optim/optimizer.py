@@ -198,7 +198,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
         budget = self.settings.device_sum_budget
         credit = credit_for(self.settings.deferred_credit, budget, uses_cuda(self.device),
-                            self._partition.splits_rows)
+                            self._partition.splits_rows, self._partition.active)
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
                                       self.device, self.settings.overlap_step, worker_cores,
                                       self._timer, self._NAME, device_sum_budget=budget,
@@ -222,6 +222,14 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         """Each host matrix's (learning rate, AdamW's step bound) for the credit rule's interim
         steps and corrections, as its group holds them now (None: the rule takes none)."""
         return self._pipeline.credit.step_sizes({m.host_index: m.group for m in self._host_params})
+
+    def _tell_owned_columns(self) -> None:
+        """The credit rule learns which columns the device owns now (after a selection or a
+        load)."""
+        chosen = self._selector.has_chosen
+        for m in self._host_params:
+            owned = m.selected.column_indices if chosen and m.param.ndim >= 2 else None
+            self._pipeline.credit.owned_columns(m.host_index, owned)
 
     @property
     def _runner(self):
@@ -378,5 +386,6 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             self._installs.queue_update()  # state can only move once the host is drained
             self._installs.finish()
         self._selector.select(plan, self.counters.step)
+        self._tell_owned_columns()
         self._outside_writes.fingerprint()
         self._decided("select" if plan.first else "reselect")

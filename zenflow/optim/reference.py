@@ -25,6 +25,46 @@ def adamw_update(value, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, 
     return value, exp_avg, exp_avg_sq
 
 
+def factored_window(s, n, lr, beta1, beta2, eps, wd):
+    """deferred_credit="factored" at a window end of n gradients (docs/semantics.md): the mean
+    square estimated from the window's sum and the row and column sums of its squares, the
+    moments as after n AdamW steps, one step of `lr` (n times the group's), and the rate factors
+    for the next install (bf16_rules.py's "residual" squares and "factored" rates)."""
+    cols = ~s["on_device"]
+    mean = s["acc"][:, cols] / n
+    sq = mean * mean
+    vr = (s["row_sq"] / n - sq.sum(1)).clamp_min(0.0)
+    vc = (s["col_sq"][cols] / n - sq.sum(0)).clamp_min(0.0)
+    mean_square = sq + vr[:, None] * vc[None, :] / vr.sum().clamp_min(1e-30)
+    s["host_count"] += n
+    b1, b2 = beta1 ** n, beta2 ** n
+    m = b1 * s["m"][:, cols] + (1 - b1) * mean
+    v = b2 * s["v"][:, cols] + (1 - b2) * mean_square
+    denom = v.sqrt() / math.sqrt(1 - beta2 ** s["host_count"]) + eps
+    value = s["master"][:, cols] * (1 - lr * wd) - lr / (1 - beta1 ** s["host_count"]) * m / denom
+    s["master"][:, cols], s["m"][:, cols], s["v"][:, cols] = value, m, v
+    logs = (1 / denom).log()
+    a = logs.mean(1)
+    s["next_alpha"] = a.exp()
+    s["next_beta"] = torch.zeros_like(s["col_sq"])
+    s["next_beta"][cols] = (logs - a[:, None]).mean(0).exp()
+    s["row_sq"].zero_()
+    s["col_sq"].zero_()
+
+
+def factored_install(p, s, lr, bound, correct):
+    """An install's factors (beta 0 on the device's columns), and with `correct` the step at them
+    for the acc_n gradients summed since the update was handed off, each at most `bound`."""
+    s["alpha"] = s["next_alpha"]
+    s["beta"] = s["next_beta"].masked_fill(s["on_device"], 0.0)
+    if correct and s["acc_n"]:
+        current = p.data.reshape(s["master"].shape)
+        cols = ~s["on_device"]
+        most = s["acc_n"] * bound
+        step = (s["acc"][:, cols] * s["alpha"][:, None] * s["beta"][None, cols]).clamp(-most, most)
+        current[:, cols] = (current[:, cols].float() - lr * step).to(p.dtype)
+
+
 def rescale(beta, from_step, to_step):
     """Keeps m / (1 - beta^count) unchanged when a moment's count goes from_step -> to_step."""
     if from_step == 0 or to_step == 0:
@@ -39,7 +79,7 @@ class ReferenceZenFlow:
     selection), whatever the windows: the window in progress ends the step before, when some
     matrix has columns that can move (None: never reselect on its own; pass reselect=True to
     step()).
-    mean_credit: with deferred_credit="moments", the positions in `params` of the matrices that
+    mean_credit: with deferred_credit="moments" or "factored", the positions in `params` of the matrices that
     take "mean" (their window sums on the host, or no room on the device for the squares and
     rates: `device_sum_budget`).
     """
@@ -74,11 +114,15 @@ class ReferenceZenFlow:
                          acc=torch.zeros(p.shape[0], cols), acc_n=0, host_count=0,
                          device_count=0, on_device=torch.zeros(cols, dtype=torch.bool),
                          k=min(cols, math.ceil(topk_ratio * cols)),
-                         moments=deferred_credit == "moments" and index not in mean_credit)
+                         moments=deferred_credit == "moments" and index not in mean_credit,
+                         factored=deferred_credit == "factored" and index not in mean_credit)
                 if s["moments"]:   # the squares; the rates, bf16 for 16-bit weights
                     rate_dtype = torch.bfloat16 if p.element_size() == 2 else torch.float32
                     s.update(acc_sq=torch.zeros(p.shape[0], cols),
                              rate=torch.zeros(p.shape[0], cols, dtype=rate_dtype))
+                if s["factored"]:  # the squares' row and column sums; the rate factors
+                    s.update(row_sq=torch.zeros(p.shape[0]), col_sq=torch.zeros(cols),
+                             alpha=torch.zeros(p.shape[0]), beta=torch.zeros(cols))
             else:
                 s["count"] = 0
             self.state.append(s)
@@ -116,6 +160,8 @@ class ReferenceZenFlow:
                 self._write(p, dict(master=shown), ~s["on_device"])
             else:
                 self._write(p, s, ~s["on_device"])
+            if s["factored"]:
+                factored_install(p, s, self.lr, self._step_bound(), correct)
             if s["moments"]:
                 bias2 = 1 - self.beta2 ** s["host_count"]
                 rate = 1 / (s["v"].sqrt() / math.sqrt(bias2) + self.eps)
@@ -215,11 +261,15 @@ class ReferenceZenFlow:
         # "moments": every value takes a momentum-free step at the host's last rates (the
         # device's columns are written over next).
         for p, s, g in zip(self.params, self.state, raw):
-            if g is not None and s.get("moments"):
+            if g is not None and (s.get("moments") or s.get("factored")):
                 current = p.data.reshape(s["master"].shape)
                 g = g.reshape(current.shape)
                 bound = self._step_bound()   # AdamW's largest step, in units of lr
-                step = (g.float() * s["rate"].float() * coef).clamp(-bound, bound)
+                if s["factored"]:   # ((g alpha_i) beta_j) c, as the device multiplies
+                    step = g.float() * s["alpha"][:, None] * s["beta"][None, :] * coef
+                else:
+                    step = g.float() * s["rate"].float() * coef
+                step = step.clamp(-bound, bound)
                 current.copy_((current.float() - self.lr * step).to(p.dtype))
 
         # Device: vectors, and the device-owned columns of each matrix.
@@ -247,6 +297,10 @@ class ReferenceZenFlow:
                 s["acc"][:, ~s["on_device"]] += g2[:, ~s["on_device"]]
                 if s.get("moments"):
                     s["acc_sq"][:, ~s["on_device"]] += g2[:, ~s["on_device"]] ** 2
+                if s.get("factored"):
+                    squares = (g2 * (~s["on_device"]).float()) ** 2
+                    s["row_sq"] += squares.sum(1)
+                    s["col_sq"] += squares.sum(0)
                 s["acc_n"] += 1
 
         self.window_steps += 1
@@ -261,21 +315,25 @@ class ReferenceZenFlow:
                     if "acc" in s:
                         s["acc"].zero_()
                         s["acc_n"] = 0
-                        if "acc_sq" in s:
-                            s["acc_sq"].zero_()
+                        for key in ("acc_sq", "row_sq", "col_sq"):
+                            if key in s:
+                                s[key].zero_()
                 self.spoiled = False
             for p, s in zip(self.params, self.state):
                 if p.ndim < 2 or s["acc_n"] == 0:
                     continue
                 n, cols = s["acc_n"], ~s["on_device"]
                 # "window" and "moments": the deferred columns move as far as n steps would.
-                lr = self.lr * (n if self.deferred_credit == "window" or s["moments"] else 1)
+                lr = self.lr * (n if self.deferred_credit == "window" or s["moments"]
+                                or s["factored"] else 1)
                 s["last_lr"] = lr
                 # Only an update installed one window later leads: nothing else is stale.
                 # "moments" answers the delay with interim steps instead.
                 s["lookahead"] = (self.lookahead if self.overlap and not warming_up
-                                  and not s["moments"] else 0.0)
-                if s["moments"]:
+                                  and not (s["moments"] or s["factored"]) else 0.0)
+                if s["factored"]:
+                    factored_window(s, n, lr, self.beta1, self.beta2, self.eps, self.wd)
+                elif s["moments"]:
                     # The moments as after n AdamW steps on the window's mean and mean square;
                     # the count is of gradients.
                     s["host_count"] += n

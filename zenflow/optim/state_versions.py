@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 
 def _from_v1(saved: dict) -> dict:
@@ -37,9 +37,16 @@ def _from_v4(saved: dict) -> dict:
     return {**saved, "window_spoiled": False}
 
 
+def _from_v5(saved: dict) -> dict:
+    # Version 6 saves a "factored" matrix's row and column statistics and rate factors
+    # ("row_factors", "col_factors" in its host piece, absent under the other rules) and a flag
+    # per in-flight job; no older state had either.
+    return saved
+
+
 # version v -> the step that turns a "zenflow" section of version v into version v + 1
 _MIGRATIONS: dict[int, Callable[[dict], dict]] = {1: _from_v1, 2: _from_v2, 3: _from_v3,
-                                                  4: _from_v4}
+                                                  4: _from_v4, 5: _from_v5}
 
 
 def with_squares(host_piece: dict) -> dict:

@@ -25,9 +25,9 @@ from zenflow.tools.selftest_checks import (
     _values,
 )
 
-# Every window sum on the device, whatever it has spare: deferred_credit "moments" then applies to
-# every matrix, as the reference assumes (it is told no matrix takes "mean"); "mean" runs keep
-# theirs on the host, so that both paths are checked.
+# Every window sum on the device, whatever it has spare: deferred_credit "moments" (or
+# "factored") then applies to every matrix, as the reference assumes (it is told no matrix takes
+# "mean"); "mean" runs keep theirs on the host, so that both paths are checked.
 ALL_ON_DEVICE = dict(device_sum_budget=1 << 50)
 ON_HOST = dict(device_sum_budget=0)
 
@@ -37,7 +37,8 @@ def _against_reference(ctx: _Ctx, settings: dict, steps: int, seed: int) -> Chec
     fast = _params(values, ctx)
     slow = [v.to(ctx.dtype).clone() for v in values]
     tol, worst, bad = _tol(ctx, ctx.dtype), 0.0, None
-    placement = ALL_ON_DEVICE if settings.get("deferred_credit") == "moments" else ON_HOST
+    placement = (ALL_ON_DEVICE if settings.get("deferred_credit") in ("moments", "factored")
+                 else ON_HOST)
     opt = ZenFlowAdamW(fast, select_strategy="step", select_interval=4, **placement, **settings)
     _use_transfers(opt, ctx.transfers)
     ref = ReferenceZenFlow(slow, select_interval=4, **settings)
@@ -66,7 +67,7 @@ def correctness(ctx: _Ctx, quick: bool) -> list[Check]:
                  max_grad_norm=4.0)
     checks = []
     for overlap in (True, False):
-        for credit in ("moments", "mean"):
+        for credit in ("moments", "mean", "factored"):
             checks.append(_timed(f"vs reference, fixed, overlap {'on' if overlap else 'off'}, "
                                  f"{credit}", _against_reference, ctx,
                                  dict(fixed, overlap_step=overlap, deferred_credit=credit), 24, 1))

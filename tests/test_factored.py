@@ -1,0 +1,323 @@
+"""deferred_credit="factored": "moments" with the window's squares as row and column sums and the
+rates as row x column factors (docs/semantics.md; zenflow/host/credit_factored.py)."""
+import pytest
+import torch
+
+import zenflow
+from zenflow.host.factored import fit_rates_, window_mean_square
+from zenflow.optim.reference import ReferenceZenFlow
+
+from helpers.reference import SHAPES, random_case, run_pair
+
+MATRICES = [i for i, s in enumerate(SHAPES) if len(s) >= 2]
+ROWS_COLS = [(7, 9), (5, 6), (4, 12), (3, 1)]
+SUMS = 4 * sum(r * c for r, c in ROWS_COLS)
+FACTORS = [8 * r + 12 * c for r, c in ROWS_COLS]   # alpha, row sums [R]; beta, col sums, mask [C]
+ALL = 10 ** 9
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_factored_matches_the_reference(seed):
+    case = {**random_case(seed), "deferred_credit": "factored", "device_sum_budget": ALL}
+    if seed % 3 == 0:
+        case["install_lookahead"] = 1.0   # does not apply to "factored" matrices
+    opt, _ = run_pair(case, seed)
+    assert opt.stats()["moments_matrices"] == len(MATRICES)
+    assert opt.stats()["device_sum_bytes"] == SUMS + sum(FACTORS)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matrices_without_room_for_the_factors_take_mean_credit(seed):
+    case = {**random_case(seed), "deferred_credit": "factored",
+            "device_sum_budget": SUMS + FACTORS[0] + FACTORS[1], "mean_credit": set(MATRICES[2:])}
+    opt, _ = run_pair(case, seed)
+    assert opt.stats()["moments_matrices"] == 2
+    assert opt.stats()["device_sum_matrices"] == len(MATRICES)
+
+
+def test_placement_puts_every_sum_first_then_the_factors_in_order():
+    from zenflow.host.credit import FactoredCredit
+    rule = FactoredCredit()
+    shapes = [(10, 10), (5, 10), (2, 5)]
+    numels = [100, 50, 10]
+    f = [8 * 10 + 12 * 10, 8 * 5 + 12 * 10, 8 * 2 + 12 * 5]
+    # bf16 sums (2 bytes): all three sums, then the factors of the first two
+    assert rule.place(numels, 2 * 160 + f[0] + f[1], 2, [torch.bfloat16] * 3, shapes) == (
+        [0, 1, 2], [0, 1])
+    assert rule.place(numels, 4 * 150, 4, [torch.float32] * 3, shapes) == ([0, 1], [])
+
+
+def test_a_bf16_model_keeps_about_two_bytes_per_deferred_parameter_on_the_device():
+    """bf16 sums: 2 bytes per summed element plus O(rows + cols); "moments" keeps 10."""
+    w = torch.nn.Parameter(torch.randn(256, 512, dtype=torch.bfloat16))
+    opt = zenflow.ZenFlowAdamW([w], lr=1e-3, topk_ratio=0.1, update_interval=4, worker=False,
+                               deferred_credit="factored", device_sum_budget=ALL,
+                               device_sum_dtype="bfloat16")
+    w.grad = torch.randn_like(w)
+    opt.step()
+    deferred = 256 * (512 - 52)
+    per_param = opt.stats()["device_sum_bytes"] / deferred
+    assert opt._pipeline.device_sums.sums[0].dtype == torch.bfloat16
+    assert opt.stats()["device_sum_bytes"] == 2 * 256 * 512 + 8 * 256 + 12 * 512
+    assert 2.2 < per_param < 2.3   # 2.27: 10% of the columns are the device's; 2.0 at 7B shapes
+    opt.close()
+
+
+def _run(rows, cols, grads, **kw):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(rows, cols))
+    twin = torch.nn.Parameter(w.detach().clone())
+    opt = zenflow.ZenFlowAdamW([w], worker=False, device_sum_budget=ALL, **kw)
+    return w, twin, opt
+
+
+def test_one_step_windows_without_overlap_are_adamw():
+    """n = 1: the factored estimate of the mean square is exact, and the install writes the
+    host's values over the interim step."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(6, 10, generator=gen) for _ in range(6)]
+    w, twin, opt = _run(6, 10, grads, lr=1e-2, topk_ratio=0.0, update_interval=1,
+                        overlap_step=False, deferred_credit="factored")
+    adamw = torch.optim.AdamW([twin], lr=1e-2)
+    for g in grads:
+        w.grad, twin.grad = g.clone(), g.clone()
+        opt.step()
+        adamw.step()
+        torch.testing.assert_close(w.detach(), twin.detach(), rtol=1e-5, atol=1e-6)
+    assert opt.stats()["moments_matrices"] == 1
+    opt.close()
+
+
+def test_a_window_of_a_constant_gradient_moves_as_far_as_adamw():
+    g = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    w, twin, opt = _run(5, 8, None, lr=1e-2, weight_decay=0.0, topk_ratio=0.0,
+                        update_interval=4, overlap_step=False, deferred_credit="factored")
+    adamw = torch.optim.AdamW([twin], lr=1e-2, weight_decay=0.0)
+    for _ in range(8):
+        w.grad, twin.grad = g.clone(), g.clone()
+        opt.step()
+        adamw.step()
+    torch.testing.assert_close(w.detach(), twin.detach(), rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+def test_the_mean_square_estimate_is_exact_for_equal_gradients_and_keeps_column_sums():
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(4, 6, generator=gen)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    n = 3
+    squares = (g * mask) ** 2
+    exact = window_mean_square(n * g, n * squares.sum(1), n * squares.sum(0), mask, n)
+    torch.testing.assert_close(exact, g * g, rtol=1e-6, atol=0)
+    # Unequal gradients: the host's columns' estimated mean squares sum, per column, to the
+    # window's true mean square (Adafactor's estimate keeps the column sums).
+    grads = [torch.randn(4, 6, generator=gen) for _ in range(n)]
+    total = sum(grads)
+    true = sum((x * mask) ** 2 for x in grads) / n
+    estimate = window_mean_square(total, n * true.sum(1), n * true.sum(0), mask, n)
+    keep = mask.bool()
+    torch.testing.assert_close(estimate[:, keep].sum(0), true[:, keep].sum(0), rtol=1e-5,
+                               atol=1e-6)
+    assert (estimate >= (total / n) ** 2 - 1e-7).all()
+
+
+def test_the_fit_recovers_rates_that_are_a_row_times_a_column():
+    gen = torch.Generator().manual_seed(4)
+    u, v = torch.rand(5, generator=gen) + 0.5, torch.rand(7, generator=gen) * 100 + 1
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    rate = torch.outer(u, v)
+    rate[:, 1] = 1e8   # the device's columns: whatever the host holds there is not fitted
+    alpha, beta = torch.zeros(5), torch.zeros(7)
+    fit_rates_(rate, mask, alpha, beta)
+    keep = mask.bool()
+    torch.testing.assert_close(torch.outer(alpha, beta)[:, keep], rate[:, keep], rtol=1e-5,
+                               atol=0)
+    assert not beta[~keep].any()
+
+
+def test_the_device_steps_the_deferred_columns_every_step_between_installs():
+    moved = {}
+    for credit in ("mean", "factored"):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(8, 12))
+        opt = zenflow.ZenFlowAdamW([w], lr=1e-2, topk_ratio=0.25, update_interval=4,
+                                   deferred_credit=credit, device_sum_budget=ALL,
+                                   install_lookahead=0.0, worker=False)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(9):   # two windows ended: an update installed at step 8
+            w.grad = torch.randn(8, 12, generator=gen)
+            opt.step()
+        deferred = torch.ones(12, dtype=torch.bool)
+        deferred[opt._host_params[0].selected.column_indices] = False
+        before = w.detach()[:, deferred].clone()
+        w.grad = torch.randn(8, 12, generator=gen)
+        opt.step()    # a step inside the third window
+        moved[credit] = (w.detach()[:, deferred] - before).abs().max().item()
+        opt.close()
+    assert moved["mean"] == 0.0
+    assert moved["factored"] > 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bf16_and_fp32_weights_equal_the_reference(dtype, overlap):
+    """The interim steps and the install's correction compute in fp32 and round once to the
+    weights' dtype, as the reference: bf16 weights equal it bit for bit here."""
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    params, ref_params = [v.clone().requires_grad_() for v in values], [v.clone() for v in values]
+    kw = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1,
+              max_grad_norm=4.0, overlap_step=overlap, deferred_credit="factored",
+              install_lookahead=0.0)
+    opt = zenflow.ZenFlowAdamW(params, select_strategy="step", select_interval=4,
+                               device_sum_budget=ALL, worker=False, **kw)
+    ref = ReferenceZenFlow(ref_params, select_interval=4, **kw)
+    for t in range(16):
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        ref.step([g.clone() for g in grads], reselect=(t, "reselect") in opt.decisions)
+        for p, r in zip(params, ref_params):
+            if dtype == torch.bfloat16:
+                assert torch.equal(p.detach(), r), f"step {t}"
+            else:
+                torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+    assert opt.num_reselections > 0 and opt.stats()["moments_matrices"] == len(MATRICES)
+    opt.close()
+
+
+def test_bf16_sums_stay_close_to_fp32_sums():
+    """device_sum_dtype="bfloat16" rounds the running sum (as under "mean"); the host widens it
+    exactly, and the install's correction reads it widened."""
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(16, 24))
+        opt = zenflow.ZenFlowAdamW([w], lr=1e-3, topk_ratio=0.25, update_interval=4,
+                                   deferred_credit="factored", device_sum_budget=ALL,
+                                   device_sum_dtype=dtype, worker=False)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(12):
+            w.grad = torch.randn(16, 24, generator=gen)
+            opt.step()
+        assert opt._pipeline.device_sums.sums[0].dtype == getattr(torch, dtype)
+        out[dtype] = w.detach().clone()
+        opt.close()
+    assert not torch.equal(out["float32"], out["bfloat16"])
+    torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=0, atol=3e-4)
+
+
+def test_data_parallel_takes_mean_credit():
+    """Each rank's column sums would be of its own rows (FSDP2) or rows of a replica (DDP):
+    every matrix takes "mean" there, as where no sum can be on the device."""
+    from zenflow.host.credit import Credit, FactoredCredit, credit_for
+    assert isinstance(credit_for("factored", ALL, False, False), FactoredCredit)
+    for args in ((ALL, False, True, True), (ALL, True, False, True), (0, True, False, False),
+                 ("auto", False, False, False)):
+        rule = credit_for("factored", *args)
+        assert type(rule) is Credit and not rule.host_factors
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 6)).to(dtype)
+
+
+def _train(model, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 12, generator=gen).to(next(model.parameters()).dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+SETTINGS = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, device_sum_budget=ALL,
+                install_lookahead=0.0, worker=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("load_before_first_step", [True, False])
+def test_a_state_saved_mid_window_resumes_exactly(load_before_first_step, dtype):
+    """Mid-window, with an update in flight: the window's row and column sums, the device's
+    factors and the in-flight update's factors are all in the state."""
+    settings = dict(SETTINGS, deferred_credit="factored",
+                    device_sum_dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+    model = _model(dtype=dtype)
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **settings)
+    _train(model, opt, 8)    # mid-window, an update in flight
+    saved, weights = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert saved["zenflow"]["in_flight_jobs"][0][-1] is True
+    host = saved["state"][0]["host"]
+    assert host["row_factors"].shape == (3, 16) and host["col_factors"].shape == (3, 12)
+    assert host["row_factors"].abs().min() > 0   # sums of 2 gradients, both factors set
+    _train(model, opt, 7, seed=2)
+    resumed = _model(seed=3, dtype=dtype)
+    again = zenflow.ZenFlowAdamW(resumed.parameters(), **settings)
+    if not load_before_first_step:   # the sums already placed on the device
+        _train(resumed, again, 1, seed=4)
+    resumed.load_state_dict(weights)
+    again.load_state_dict(saved)
+    _train(resumed, again, 7, seed=2)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert again.stats()["moments_matrices"] == 2
+    opt.close()
+    again.close()
+
+
+def test_a_factored_state_loads_under_moments_with_its_rates_and_back():
+    """Across the two rules: "moments" takes alpha_i * beta_j as its rates and estimates the
+    window's squares from its sum; "factored" takes no rates until the next install (as a state
+    older than the rates) and the row and column sums of the squares each gradient would have if
+    it were the window's mean (the columns the loaded selection leaves the host); "mean" takes
+    the values. All train on."""
+    model = _model()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="factored")
+    _train(model, opt, 8)
+    saved = opt.state_dict()
+    credit = opt._pipeline.credit
+    rates = torch.outer(credit.alpha[0], credit.beta[0])
+    moments = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="moments")
+    moments.load_state_dict(saved)
+    assert torch.equal(moments.state_dict()["state"][0]["host"]["rate"], rates)
+    _train(model, moments, 2)
+    back = moments.state_dict()
+    host = back["state"][0]["host"]
+    assert "row_factors" not in host and host["num_grads"] == 1
+    factored = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="factored")
+    factored.load_state_dict(back)
+    factored._pipeline.place()    # as the first step does
+    fc = factored._pipeline.credit
+    mask = torch.ones(12)
+    mask[factored._host_params[0].selected.column_indices] = 0.0
+    squares = host["grad_sum"].square() / host["num_grads"] * mask
+    assert not fc.alpha[0].any() and not fc.beta[0].any()
+    torch.testing.assert_close(fc.col_sq[0], squares.sum(0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(fc.row_sq[0], squares.sum(1), rtol=1e-6, atol=0)
+    _train(model, factored, 6)
+    assert fc.alpha[0].all()
+    mean = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="mean")
+    mean.load_state_dict(saved)
+    _train(model, mean, 4)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for o in (opt, moments, factored, mean):
+        o.close()
+
+
+def test_a_version_5_state_loads():
+    """Format 5 had no "factored" flag in its in-flight jobs."""
+    model = _model()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="moments")
+    _train(model, opt, 8)
+    saved = opt.state_dict()
+    jobs = saved["zenflow"]["in_flight_jobs"]
+    old = {**saved, "zenflow": {**saved["zenflow"], "format_version": 5,
+                                "in_flight_jobs": [j[:10] for j in jobs]}}
+    again = zenflow.ZenFlowAdamW(model.parameters(), **SETTINGS, deferred_credit="moments")
+    again.load_state_dict(old)
+    assert again.state_dict()["zenflow"]["in_flight_jobs"] == jobs
+    opt.close()
+    again.close()

@@ -1,0 +1,246 @@
+"""deferred_credit="factored": "moments" in O(rows + cols) of device state beside the window sum
+(docs/semantics.md, "Deferred credit"; benchmarks/prototypes/bf16_rules.py measured it).
+
+Per moving matrix [R, C] the device keeps, beside its window sum S (device_sum_dtype: bf16 halves
+it), fp32 vectors: the row and column sums of the window's squared clipped gradients over the
+columns the host owns (Adafactor's statistics), the rate factors alpha[R] and beta[C] whose
+product alpha_i * beta_j stands for the AdamW rate 1 / (sqrt(v_hat) + eps), and the host-owned
+columns as a 0/1 mask. 8 R + 12 C bytes: about 0.005 bytes per parameter of a 4096 x 4096 matrix.
+
+Each step the device moves every value by -lr * clamp(c g alpha_i beta_j, -B, B) (beta is 0 on
+its own columns, which its update writes over anyway) and adds the squares' row and column sums;
+at a window end the host estimates the window's mean square from S and the two sums
+(zenflow/host/factored.py), takes the window as n AdamW steps as "moments" does, and fits
+alpha and beta to the new rates; an install brings them and corrects the installed values by
+-lr * clamp(S alpha_i beta_j, -n B, n B) for the n gradients the host has not applied yet.
+Weights are rounded to nearest (the reference does the same, bit for bit).
+"""
+from __future__ import annotations
+
+import torch
+
+from zenflow.host.credit_base import Credit, bounded_step, choose_device_summed, chunks_of, kept
+from zenflow.host.layout import HostUpdate
+
+
+def factor_bytes(rows: int, cols: int) -> int:
+    """Device bytes of a matrix's factored state beside its sum: row sums and alpha (fp32 [R]),
+    column sums, beta and the host-owned mask (fp32 [C])."""
+    return 8 * rows + 12 * cols
+
+
+class FactoredCredit(Credit):
+    """The window as that many AdamW steps, from factored squares; interim steps and an
+    install's correction at factored rates."""
+
+    name = "factored"
+    host_factors = True
+
+    def __init__(self):
+        self.row_sq: dict[int, torch.Tensor] = {}    # the window's sums of squares, per row
+        self.col_sq: dict[int, torch.Tensor] = {}    # ... per column
+        self.alpha: dict[int, torch.Tensor] = {}     # rate factors, per row
+        self.beta: dict[int, torch.Tensor] = {}      # ... per column, 0 on the device's columns
+        self.deferred: dict[int, torch.Tensor] = {}  # 1.0 on the columns the host owns
+        self._owned: dict[int, torch.Tensor | None] = {}   # as told, before or after placing
+        self._restored: dict[int, tuple] = {}         # loaded before placed
+        self._from_sum: dict[int, tuple] = {}        # a window summed without the statistics
+        self._placed = False
+
+    def host_update(self, i, adamw, num_grads, delayed, lookahead):
+        if not self.moves(i):
+            return super().host_update(i, adamw, num_grads, delayed, lookahead)
+        lr, *rest = adamw
+        return HostUpdate(lr * num_grads, *rest, lookahead=0.0, moments=True, factored=True)
+
+    def host_steps(self, i, num_grads):
+        return num_grads if self.moves(i) else 1
+
+    def place(self, numels, budget_bytes, sum_bytes, dtypes, shapes):
+        """Every sum first (in device_sum_dtype), then the factored state of as many of those
+        as the rest of the budget holds, in order."""
+        summed = choose_device_summed(numels, budget_bytes, sum_bytes)
+        spare = budget_bytes - sum_bytes * sum(numels[i] for i in summed)
+        chosen = set(summed)
+        moving = choose_device_summed(
+            [factor_bytes(*shapes[i]) if i in chosen else 0 for i in range(len(numels))],
+            spare, 1)
+        return summed, moving
+
+    def allocate(self, moving, device):
+        def zeros(n):
+            return torch.zeros(n, dtype=torch.float32, device=device)
+        for i, (rows, cols, _) in moving.items():
+            self.row_sq[i], self.alpha[i] = zeros(rows), zeros(rows)
+            self.col_sq[i], self.beta[i] = zeros(cols), zeros(cols)
+            self.deferred[i] = torch.ones(cols, dtype=torch.float32, device=device)
+        self._placed = True
+        for i, values in self._restored.items():
+            if i in self.alpha:
+                for dst, src in zip(self._device(i), values):
+                    dst.copy_(src)
+        self._restored = {}
+        for i in moving:
+            self._mask(i)
+
+    def _device(self, i: int) -> tuple[torch.Tensor, ...]:
+        return self.row_sq[i], self.col_sq[i], self.alpha[i], self.beta[i]
+
+    def moves(self, i):
+        return i in self.alpha
+
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for part in
+                   (self.row_sq, self.col_sq, self.alpha, self.beta, self.deferred)
+                   for t in part.values())
+
+    def step_sizes(self, groups):
+        from zenflow.adamw import step_bound
+        return {i: (float(g["lr"]), step_bound(*g["betas"])) for i, g in groups.items()}
+
+    def owned_columns(self, i, columns):
+        self._owned[i] = None if columns is None else columns.detach().clone()
+        self._mask(i)
+
+    def _mask(self, i: int) -> None:
+        """The host-owned mask of matrix i from the columns told, and a window restored without
+        the statistics estimated from its sum (it needs the mask)."""
+        if i not in self.deferred:
+            return
+        mask = self.deferred[i].fill_(1.0)
+        owned = self._owned.get(i)
+        if owned is not None and owned.numel():
+            mask.index_fill_(0, owned.to(mask.device), 0.0)
+        if i in self._from_sum:
+            # Saved where this matrix took another rule: no statistics were summed. Take every
+            # gradient of the window as its mean, as "moments" does (credit.py): the least the
+            # squares can be.
+            grad_sum, n = self._from_sum.pop(i)
+            squares = grad_sum.to(mask.device, torch.float32).square().div_(n) * mask
+            self.row_sq[i].copy_(squares.sum(1))
+            self.col_sq[i].copy_(squares.sum(0))
+
+    def add(self, rows, fresh, coef):
+        """The row and column sums of (coef * g)^2 over the host's columns: the fp32 product,
+        masked, squared (as the reference)."""
+        summed = [i for i in rows if i in self.row_sq]
+        if not summed:
+            return
+        zeroed = [t for i in fresh if i in self.row_sq for t in (self.row_sq[i], self.col_sq[i])]
+        if zeroed:
+            torch._foreach_zero_(zeroed)
+        for chunk in chunks_of(summed, rows):
+            scaled = torch._foreach_mul([rows[i].float() for i in chunk], coef)
+            torch._foreach_mul_(scaled, [self.deferred[i] for i in chunk])
+            torch._foreach_mul_(scaled, scaled)
+            for i, squares in zip(chunk, scaled):
+                self.row_sq[i].add_(squares.sum(1))
+                self.col_sq[i].add_(squares.sum(0))
+
+    def interim(self, weights, rows, coef, sizes):
+        """weights[i] -= lr * clamp(((g alpha_i) beta_j) coef, -bound, bound), computed in fp32
+        and rounded once (as MomentsCredit.interim, with the factored rates)."""
+        groups: dict[tuple, list[int]] = {}
+        for i in rows:
+            if i in self.alpha:
+                groups.setdefault(sizes[i], []).append(i)
+        for (lr, bound), indices in groups.items():
+            for chunk in chunks_of(indices, rows):
+                moves = self._rated(kept([rows[i] for i in chunk], coef), chunk)
+                torch._foreach_mul_(moves, coef)
+                bounded_step([weights[i] for i in chunk], moves, bound, lr)
+
+    def _rated(self, values: list[torch.Tensor], chunk: list[int]) -> list[torch.Tensor]:
+        """(values alpha_i) beta_j, new fp32 tensors."""
+        moves = torch._foreach_mul(values, [self.alpha[i].unsqueeze(1) for i in chunk])
+        torch._foreach_mul_(moves, [self.beta[i] for i in chunk])
+        return moves
+
+    def clear(self):
+        if self.row_sq:
+            torch._foreach_zero_([*self.row_sq.values(), *self.col_sq.values()])
+
+    def copy_out(self, matrices, host, sum_slot):
+        pairs = []
+        for i in matrices:
+            if i in self.row_sq:
+                row_sq, col_sq, deferred, _, _ = host.factors(i)
+                pairs += [(row_sq, self.row_sq[i]), (col_sq, self.col_sq[i]),
+                          (deferred, self.deferred[i])]
+        return pairs
+
+    def install_pairs(self, i, host):
+        if i not in self.alpha:
+            return []
+        _, _, _, alpha, beta = host.factors(i)
+        return [(self.alpha[i], alpha), (self.beta[i], beta)]
+
+    def correct(self, weights, sums, sizes, counts):
+        """weights[i] -= lr * clamp((S alpha_i) beta_j, -counts[i] * bound, counts[i] * bound),
+        S the window's sum in fp32 (a bf16 sum widened exactly)."""
+        groups: dict[tuple, list[int]] = {}
+        for i in weights:
+            groups.setdefault((*sizes[i], counts[i]), []).append(i)
+        for (lr, bound, count), indices in groups.items():
+            for chunk in chunks_of(indices, sums):
+                moves = self._rated([sums[i].float() for i in chunk], chunk)
+                bounded_step([weights[i] for i in chunk], moves, count * bound, lr)
+
+    def device_owns(self, i, columns):
+        if i in self.beta:
+            self.beta[i].index_fill_(0, columns, 0.0)
+
+    @property
+    def interim_taken(self):
+        return bool(self.alpha)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def saved(self, i, like):
+        """No per-value squares; the rates as the device applies them, alpha_i * beta_j (what
+        "moments" loads as its rates)."""
+        factors = None
+        if i in self.alpha:
+            factors = self.alpha[i].cpu(), self.beta[i].cpu()
+        elif i in self._restored:
+            factors = self._restored[i][2:]
+        if factors is None:
+            return super().saved(i, like)
+        return torch.zeros_like(like), torch.outer(*factors).to(like.dtype)
+
+    def saved_factors(self, i, host, num_grads):
+        """"row_factors" [3, R]: the window's row sums of squares, the device's alpha, the
+        host's (an update in flight installs it); "col_factors" [3, C] likewise."""
+        if i in self.alpha:
+            device = [t.to("cpu", copy=True) for t in self._device(i)]
+        elif i in self._restored:
+            device = [t.clone() for t in self._restored[i]]
+        else:
+            return {}
+        if not num_grads:   # stale sums of an ended window
+            device[0].zero_()
+            device[1].zero_()
+        _, _, _, alpha, beta = host.factors(i)
+        return {"row_factors": torch.stack([device[0], device[2], alpha.clone()]),
+                "col_factors": torch.stack([device[1], device[3], beta.clone()])}
+
+    def load_factors(self, i, piece, host):
+        rows, cols = piece.get("row_factors"), piece.get("col_factors")
+        if rows is None or cols is None:
+            # Saved where this matrix took another rule: no rates until the next install (as a
+            # state older than the rates), and the window's statistics from its sum once the
+            # loaded selection says which columns are the host's (owned_columns()).
+            zero_rows, zero_cols = (torch.zeros_like(t) for t in host.factors(i)[:2])
+            values = (zero_rows, zero_cols, zero_rows, zero_cols)
+            if piece["num_grads"]:
+                self._from_sum[i] = (piece["grad_sum"].clone(), piece["num_grads"])
+        else:
+            _, _, _, alpha, beta = host.factors(i)
+            alpha.copy_(rows[2])
+            beta.copy_(cols[2])
+            values = (rows[0].clone(), cols[0].clone(), rows[1].clone(), cols[1].clone())
+            self._from_sum.pop(i, None)
+        if i in self.alpha:
+            for dst, src in zip(self._device(i), values):
+                dst.copy_(src)
+        elif not self._placed:
+            self._restored[i] = values
