@@ -72,11 +72,13 @@ def test_in_place_writes_through_data_at_a_window_boundary_stick_and_are_reporte
 
 
 # Where a matrix's values are updated: the columns the device owns (and every column at
-# topk_ratio=1), and "moments" matrices, which the device moves every step.
+# topk_ratio=1), and "moments" and "factored" matrices, which the device moves every step.
 _PLACEMENTS = {"device-columns": {"topk_ratio": 0.25},
                "topk-1": {"topk_ratio": 1.0},
                "moments": {"topk_ratio": 0.25, "deferred_credit": "moments",
-                           "device_sum_budget": 1 << 22}}
+                           "device_sum_budget": 1 << 22},
+               "factored": {"topk_ratio": 0.25, "deferred_credit": "factored",
+                            "device_sum_budget": 1 << 22}}
 
 
 def _clamp_through_data(model):
