@@ -157,8 +157,10 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     # "moments": the squares (the gradient to fp32 (2 + 4), times the factor (4 + 4), its square
     # added (4 + 4 + 4: the product read once)) and the bounded interim step: the gradient
     # zeroed on a skipped step (2 + 2), times the rate (2 + 2 + 2), scaled and clamped twice in
-    # place (3 x 4), added to the weight (2 + 2 + 2): 54 bytes
-    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + 54 * moments) / 1e12)
+    # place (3 x 4), added to the weight (2 + 2 + 2): 54 bytes; and two fingerprints of a
+    # "moments" matrix, before and after its interim step (2 x 2 bytes read)
+    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + 54 * moments) / 1e12
+                                           + moments * 2 * 2 * P_mat / 1e12)
     assert t["sums_d2h_s"] == pytest.approx((8 if moments else 4) * P_mat / 25e9)
     # the install's bounded correction: sum x rate into an fp32 temporary (4 + 2 + 4), clamped
     # twice in place (2 x 8), added to the weight (4 + 2 + 2)
@@ -418,6 +420,32 @@ def test_the_expected_quality_cost_follows_the_window():
         half["moments_share"] * moments[4] + (1 - half["moments_share"]) * table[4])
     auto = estimate(shapes, update_interval="auto", fwd_bwd_s=0.5)
     assert auto["quality"]["window_steps"] == auto["settings"]["update_interval"]
+
+
+def test_factored_credit_fits_every_sum_of_llama2_7b_where_moments_fits_few():
+    """Issue 36: on one 80 GB GPU with the activations counted, "factored" with bf16 sums puts
+    every deferred matrix of Llama-2-7B under its rule at 2 bytes a parameter (its statistics:
+    8 rows + 12 columns bytes a matrix), where "moments" (10 bytes) fits a few; the quality
+    figure follows the measured "factored" gaps."""
+    from zenflow.tools.estimate import QUALITY_BY_WINDOW
+    shapes = llama_shapes(**LLAMA2_7B)
+    common = dict(update_interval=4, fwd_bwd_s=0.5, gpu_memory_bytes=80 * GIB,
+                  device_sum_dtype="bfloat16", measured=FIGURES)
+    factored = estimate(shapes, deferred_credit="factored", **common)
+    moments = estimate(shapes, deferred_credit="moments", **common)
+    g = factored["per_gpu"]
+    assert g["device_sum_matrices"] == g["moments_matrices"] == 226
+    assert g["credit_rule"] == "factored"
+    deferred = [s for _, s in shapes if len(s) == 2]
+    assert g["device_sum_bytes"] == sum(2 * r * c + 8 * r + 12 * c for r, c in deferred)
+    assert moments["per_gpu"]["moments_matrices"] < 226 / 2
+    q = factored["quality"]
+    assert (q["rule"], q["moments_share"]) == ("factored", 1.0)
+    assert q["held_out_loss_gap_pct"] == dict(QUALITY_BY_WINDOW["factored"])[4]
+    assert moments["quality"]["held_out_loss_gap_pct"] > 2 * q["held_out_loss_gap_pct"]
+    # under data parallel each rank sums its rows only: every matrix takes "mean"
+    ddp = estimate(shapes, gpus=4, deferred_credit="factored", **common)
+    assert ddp["per_gpu"]["moments_matrices"] == 0
 
 
 def test_activations_are_estimated_from_the_shapes_by_default():

@@ -21,6 +21,8 @@ SMALL = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, ffn=160, vocab_size=2
     (10 ** 9, "moments", "float32", torch.float32),      # squares down, rates up
     (10 ** 9, "moments", "float32", torch.bfloat16),     # bf16 rows and rates
     (250_000, "mean", "float32", torch.float32),         # some sums on the device, some not
+    (10 ** 9, "factored", "float32", torch.float32),     # row and column sums down, factors up
+    (10 ** 9, "factored", "bfloat16", torch.bfloat16),   # bf16 sums under "factored"
 ])
 def test_the_bus_bytes_are_what_the_optimizer_counts(budget, credit, sum_dtype, dtype):
     """Windows of 3 steps without overlap, on the CPU: the optimizer's own count of the bytes it
@@ -48,6 +50,25 @@ def test_the_bus_bytes_are_what_the_optimizer_counts(budget, credit, sum_dtype, 
         g["device_sum_matrices"], g["moments_matrices"])
     if budget == 250_000:
         assert 0 < g["device_sum_matrices"] < g["device_sum_matrices"] + g["host_sum_matrices"]
+
+
+def test_the_factored_bytes_per_step_by_hand():
+    """The "factored" add in bf16 with bf16 sums: the sum (2 + 4), the squares (2 + 4 widened,
+    2 x 8 scaled and masked, 8 squared, 8 reduced twice) and the interim step (2 + 4 kept,
+    5 x 8 by alpha, beta, coef and clamped twice, 2 + 4 + 2 added): 86 bytes a parameter, and
+    the two fingerprints around the move; its device memory is the sum and 8 R + 12 C."""
+    c = cost.Counts(item=2, rate_item=2, sum_item=2, world=1, params=12, vector_params=0,
+                    selected_params=0, touched_bytes=0, rank_matrix_params=12,
+                    deferred_params_all=12, host_summed=0, device_plain=0, device_moments=0,
+                    offload_params=12, device_factored=12, factored_rows=3, factored_cols=4)
+    assert cost.factored_squares_bytes(c) == 6 + 16 + 8 + 8
+    assert cost.factored_interim_bytes(c) == 6 + 40 + 8
+    assert cost.sum_add_bytes(c) == 12 * 6 + 12 * (38 + 54)
+    assert cost.device_sums_bytes(c) == 12 * 2 + 8 * 3 + 12 * 4
+    speeds = cost.Speeds(host_adamw=1, host_accumulate=1, device_adamw=1, norm=1, copy=100.0,
+                         fingerprint=50.0, d2h=1, h2d=1)
+    assert cost.sum_add_s(c, speeds) == pytest.approx(12 * (6 + 92) / 100 + 2 * 2 * 12 / 50)
+    assert cost.fingerprint_s(c, speeds) == 0   # its matrices are looked at every step instead
 
 
 def test_the_moments_bytes_per_step_by_hand():

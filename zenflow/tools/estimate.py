@@ -16,7 +16,7 @@ import math
 import torch
 
 from zenflow.host.arena import available_host_bytes
-from zenflow.host.credit import choose_placement, takes_moments
+from zenflow.host.credit import credit_for
 from zenflow.host.layout import rate_dtype
 from zenflow.optim.importance import num_selected
 from zenflow.tools import estimate_memory as memory
@@ -98,9 +98,10 @@ def split_shapes(shapes, topk_ratio: float) -> tuple[list[tuple[int, int, int]],
 
 
 def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
-          on_device: set[int], moving: set[int]) -> Counts:
+          on_device: set[int], moving: set[int], rule: str = "moments") -> Counts:
     """The Counts of rank 0, where `on_device` and `moving` index the deferred matrices (k <
-    columns) whose sums are on the device, and of those the ones under "moments"."""
+    columns) whose sums are on the device, and of those the ones under `rule` ("moments" or
+    "factored")."""
     deferred = [(r, c) for r, c, k in mats if k < c]
     share = [memory.rank_rows(r, 0, world) * c for r, c in deferred]
 
@@ -117,7 +118,11 @@ def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
         deferred_params_all=sum(r * c for r, c in deferred),
         host_summed=total(lambda i: i not in on_device),
         device_plain=total(lambda i: i in on_device and i not in moving),
-        device_moments=total(lambda i: i in moving),
+        device_moments=total(lambda i: i in moving) if rule == "moments" else 0,
+        device_factored=total(lambda i: i in moving) if rule == "factored" else 0,
+        factored_rows=sum(memory.rank_rows(deferred[i][0], 0, world) for i in moving)
+        if rule == "factored" else 0,
+        factored_cols=sum(deferred[i][1] for i in moving) if rule == "factored" else 0,
         offload_params=(sum(memory.rank_rows(r, 0, world) * c for r, c, _ in mats)
                         + sum(memory.rank_rows(1, 0, world) * n for n in vecs)))
 
@@ -203,9 +208,12 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     item = torch.empty((), dtype=dtype).element_size()
     world, cpu = gpus, target == "cpu"
     # as the optimizer decides it: DDP's replicas (world > 1) split rows, FSDP2's shards do not
-    moments = takes_moments(deferred_credit, device_sum_budget, not cpu, splits_rows=world > 1)
-    sharded_moments = takes_moments(deferred_credit, device_sum_budget, not cpu,
-                                    splits_rows=False)
+    rule = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=world > 1,
+                      data_parallel=world > 1)
+    moments = rule.name == "moments"   # per-value squares and rates: the host keeps rates too
+    # FSDP2's shards do not split rows: "moments" applies to them ("factored" does not)
+    sharded_moments = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=False,
+                                 data_parallel=world > 1).name == "moments"
     rate_item = rate_dtype(dtype).itemsize
     fig, fig_source = _figures(measured, target)
     gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
@@ -218,13 +226,16 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
         spare = (gpu["left_for_activations_bytes"]["zenflow"] - activation_bytes
                  - int(0.1 * gpu_memory_bytes))
         device_sum_budget = 0 if cpu else max(0, spare)
-    # every sum first; then, with what is left, "moments" (the square, fp32, and the rate)
+    # every sum first; then, with what is left, the rule's own state ("moments": the square,
+    # fp32, and the rate; "factored": row and column statistics), as the optimizer places them
     sum_item = 2 if device_sum_dtype == "bfloat16" else 4
     deferred = [(r, c) for r, c, k in mats if k < c]
-    summed, moving = choose_placement([memory.rank_rows(r, 0, world) * c for r, c in deferred],
-                                      int(device_sum_budget), 4 + rate_item if moments else 0,
-                                      sum_item)
-    counts = count(mats, vecs, item, rate_item, sum_item, world, set(summed), set(moving))
+    rows = [memory.rank_rows(r, 0, world) for r, _ in deferred]
+    summed, moving = rule.place([n * c for n, (_, c) in zip(rows, deferred)],
+                                int(device_sum_budget), sum_item, [dtype] * len(deferred),
+                                [(n, c) for n, (_, c) in zip(rows, deferred)])
+    counts = count(mats, vecs, item, rate_item, sum_item, world, set(summed), set(moving),
+                   rule.name)
     # two staging slots where copies outlive the step (CUDA), one on a CPU device
     staging = 2 if target == "cuda" else 1
     deferred_index = [i for i, (_, cols, k) in enumerate(mats) if k < cols]   # into mats
@@ -232,16 +243,17 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                     {deferred_index[d] for d in summed}, measured)
     gpu.update({"device_sum_bytes": cost.device_sums_bytes(counts),
                 "device_sum_dtype": device_sum_dtype, "moments_matrices": len(moving),
+                "credit_rule": rule.name,
                 "device_sum_matrices": len(summed),
                 "host_sum_matrices": len(deferred) - len(summed)})
 
     # -- the costs, the window and the step
     spd = speeds(fig, cpu, world)
-    moments_share = counts.device_moments / max(1, counts.deferred)
+    moving_share = counts.moving / max(1, counts.deferred)
 
     def model_at(fwd: float | None) -> tuple[dict, int, dict]:
         """The costs in seconds, the window and the step times at forward+backward `fwd`."""
-        t = work_seconds(counts, spd, mats, set(moving), fwd,
+        t = work_seconds(counts, spd, mats, set(moving) if moments else set(), fwd,
                          per_layer_installs=attached and world == 1 and not cpu)
         U = (timing.expected_window(t, fwd, cpu, overlap) if update_interval == "auto"
              else update_interval)
@@ -252,7 +264,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     window_known = update_interval != "auto" or fwd_bwd_s is not None or not overlap
     by_step_time = [] if fwd_bwd_s is not None else [
         {"fwd_bwd_s": fwd, "window": u, "quality_gap_pct":
-         timing.quality(u, moments_share)["held_out_loss_gap_pct"],
+         timing.quality(u, moving_share, rule.name)["held_out_loss_gap_pct"],
          **{k: tm[k] for k in ("zenflow_step_s", "offload_step_s", "adamw_step_s",
                                "zenflow_vs_floor", "speedup_vs_offload")}}
         for fwd in SAMPLE_FWD_BWD_S for _, u, tm in [model_at(fwd)]]
@@ -272,7 +284,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
             "model": {"params": counts.params, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,
                       "dtype": str(dtype).removeprefix("torch."), "source": source},
-            "quality": timing.quality(U, moments_share),
+            "quality": timing.quality(U, moving_share, rule.name),
             "settings": {"gpus": world, "topk_ratio": topk_ratio, "update_interval": U,
                          "update_interval_asked": update_interval, "window_known": window_known,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s,
@@ -306,8 +318,8 @@ def _check_arguments(**given) -> None:
         "device_sum_budget": (lambda x: x == "auto" or (number(x) and x >= 0),
                               '"auto" or bytes >= 0'),
         "activation_bytes": (lambda x: number(x) and x >= 0, "bytes >= 0"),
-        "deferred_credit": (lambda x: x in ("moments", "mean", "window"),
-                            '"moments", "mean" or "window"'),
+        "deferred_credit": (lambda x: x in ("moments", "factored", "mean", "window"),
+                            '"moments", "factored", "mean" or "window"'),
         "device_sum_dtype": (lambda x: x in ("float32", "bfloat16"), '"float32" or "bfloat16"'),
     }
     for name, value in given.items():

@@ -151,7 +151,8 @@ def device_line(r: dict) -> str:
                      for k, name in names.items())
     sums = (f"The window sums of {g['device_sum_matrices']} of "
             f"{g['device_sum_matrices'] + g['host_sum_matrices']} matrices live on the device "
-            f"({gib(g['device_sum_bytes'])}, {g['moments_matrices']} under 'moments'), out of "
+            f"({gib(g['device_sum_bytes'])}, {g['moments_matrices']} under "
+            f"'{g['credit_rule']}'), out of "
             "what the activations leave (device_sum_budget 'auto' measures it; here "
             f"{s['activation_bytes'] / GIB:.1f} GiB of activations, "
             f"{s.get('activation_note') or 'as given'}; --activation-gib for yours)."

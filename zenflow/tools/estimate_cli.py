@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=_at_least(1, int), default=1,
                    help="sequences per GPU per forward, for the activations' estimate "
                         "(default 1)")
-    p.add_argument("--deferred-credit", choices=("moments", "mean", "window"), default="moments",
+    p.add_argument("--deferred-credit", choices=("moments", "factored", "mean", "window"),
+                   default="moments",
                    help="ZenFlow deferred_credit (default: the optimizer's, moments)")
     p.add_argument("--device-sum-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="ZenFlow device_sum_dtype (default: the optimizer's, float32)")

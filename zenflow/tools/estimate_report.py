@@ -13,7 +13,7 @@ def _quality_line(q: dict) -> str:
     at_least = " or more" if q["beyond_measured"] else ""
     return (f"Quality at windows of {q['window_steps']} steps: about {q['held_out_loss_gap_pct']:+.1f}%"
             f"{at_least} held-out loss against AdamW on the fine-tune benchmark, with "
-            f"{100 * q['moments_share']:.0f}% of the deferred parameters under 'moments' (by "
+            f"{100 * q['moments_share']:.0f}% of the deferred parameters under '{q['rule']}' (by "
             f"window: {measured}; a small model's fine-tune, for the trend: benchmarks/README.md)")
 
 
@@ -22,7 +22,8 @@ def _quality_by_step_time(r: dict) -> str:
                    for row in r["by_step_time"])
     return (f"Quality at windows of {by} (forward+backward): held-out loss against AdamW on the "
             f"fine-tune benchmark, with {100 * r['quality']['moments_share']:.0f}% of the "
-            "deferred parameters under 'moments' (a small model's, for the trend)")
+            f"deferred parameters under '{r['quality']['rule']}' (a small model's, for the "
+            "trend)")
 
 
 def _gib(n) -> str:
@@ -58,7 +59,7 @@ def format_report(r: dict) -> str:
         out.append(f"  {name:<28}" + "".join(f"{_gib(v):>16}" for v in vals))
     out.append(f"  {'fits':<28}" + "".join(f"{'yes' if g['fits'][c] else 'NO':>16}" for c in cols))
     out.append(f"  window sums on the device: {g['device_sum_matrices']} matrices "
-               f"({g['moments_matrices']} under 'moments', with squares and rates), "
+               f"({g['moments_matrices']} under '{g['credit_rule']}'), "
                f"{g['device_sum_bytes'] / GIB:.2f} GiB ({g['device_sum_dtype']} sums); on the "
                f"host: {g['host_sum_matrices']}")
     out += ["", f"{'Per host (' + str(s['gpus']) + f' {unit}(s))':<32}{'OffloadAdamW':>16}"

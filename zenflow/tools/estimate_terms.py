@@ -33,10 +33,18 @@ class Counts:
     device_plain: int        # ... summed on the device, deferred_credit "mean"/"window"
     device_moments: int      # ... summed on the device under deferred_credit "moments"
     offload_params: int      # OffloadAdamW's host share: the rank's rows of every parameter
+    device_factored: int = 0  # the rank's rows of deferred matrices under "factored"
+    factored_rows: int = 0    # ... their rows, and their columns: the O(rows + cols) statistics
+    factored_cols: int = 0    # and factors beside each sum (host/credit_factored.py)
 
     @property
     def device_summed(self) -> int:
-        return self.device_plain + self.device_moments
+        return self.device_plain + self.device_moments + self.device_factored
+
+    @property
+    def moving(self) -> int:
+        """The rank's rows of the matrices a credit rule moves every step on the device."""
+        return self.device_moments + self.device_factored
 
     @property
     def deferred(self) -> int:
@@ -46,7 +54,7 @@ class Counts:
     @property
     def narrow(self) -> int:
         """Device sums kept in bf16, which the host widens to fp32 once per window."""
-        return self.device_plain if self.sum_item < FP32 else 0
+        return self.device_plain + self.device_factored if self.sum_item < FP32 else 0
 
 
 @dataclass(frozen=True)
@@ -72,14 +80,18 @@ def host_rows_d2h_bytes(c: Counts) -> int:
 
 def window_sums_d2h_bytes(c: Counts) -> int:
     """Per window: each device sum crosses once in its own dtype; a "moments" matrix sends its
-    fp32 sum and its fp32 squares (host/device_sums.py copy_out)."""
-    return c.sum_item * c.device_plain + (FP32 + FP32) * c.device_moments
+    fp32 sum and its fp32 squares, a "factored" one its sum (host/device_sums.py copy_out)."""
+    return (c.sum_item * (c.device_plain + c.device_factored)
+            + (FP32 + FP32) * c.device_moments
+            + FP32 * (c.factored_rows + 2 * c.factored_cols))   # row, column sums; the mask
 
 
 def install_h2d_bytes(c: Counts) -> int:
     """Per window: the host's new values of the rank's rows come up in the weights' dtype, and
-    a "moments" matrix's rates with them (host/layout.py install_*, rate_*)."""
-    return c.item * c.deferred + c.rate_item * c.device_moments
+    a "moments" matrix's rates with them, a "factored" one's factors (host/layout.py
+    install_*, rate_*, factors)."""
+    return (c.item * c.deferred + c.rate_item * c.device_moments
+            + FP32 * (c.factored_rows + c.factored_cols))
 
 
 def install_allgather_bytes(c: Counts) -> int:
@@ -100,8 +112,10 @@ def offload_h2d_bytes(c: Counts) -> int:
 
 def device_sums_bytes(c: Counts) -> int:
     """Device memory of the window sums (host/device_sums.py allocate): each in its dtype; a
-    "moments" matrix's fp32 sum, its fp32 squares and its rates."""
-    return c.sum_item * c.device_plain + (FP32 + FP32 + c.rate_item) * c.device_moments
+    "moments" matrix's fp32 sum, its fp32 squares and its rates; a "factored" one's sum."""
+    return (c.sum_item * (c.device_plain + c.device_factored)
+            + (FP32 + FP32 + c.rate_item) * c.device_moments
+            + 8 * c.factored_rows + 12 * c.factored_cols)   # credit_factored.factor_bytes
 
 
 # ------------------------------------------------------------------------------- host passes
@@ -135,11 +149,33 @@ def device_update_s(c: Counts, s: Speeds) -> float:
 def sum_add_bytes(c: Counts) -> int:
     """Per step, the device sums' add (host/device_sums.py add): one addcmul of the gradient
     times the step's factor (a device tensor, never read by the host) into the sum; "moments"
-    also sums the squares and takes the interim step."""
+    also sums the squares and takes the interim step, "factored" the squares' row and column
+    sums and its interim step at factored rates."""
     plain = c.item + 2 * c.sum_item               # read the gradient; read and write the sum
     moments_sum = c.item + 2 * FP32               # the same into an fp32 sum
     return (c.device_plain * plain
-            + c.device_moments * (moments_sum + squares_bytes(c) + interim_step_bytes(c)))
+            + c.device_moments * (moments_sum + squares_bytes(c) + interim_step_bytes(c))
+            + c.device_factored * (plain + factored_squares_bytes(c)
+                                   + factored_interim_bytes(c)))
+
+
+def factored_squares_bytes(c: Counts) -> int:
+    """Per "factored" parameter and step: the squares of the clipped gradient on the host's
+    columns, reduced along rows and along columns (host/credit_factored.py add)."""
+    widen = c.item + FP32                         # the gradient to fp32
+    scale = 2 * (FP32 + FP32)                     # times the step's factor, times the mask
+    square = FP32 + FP32                          # squared in place
+    reduce = 2 * FP32                             # read once for the row sums, once for columns
+    return widen + scale + square + reduce
+
+
+def factored_interim_bytes(c: Counts) -> int:
+    """Per "factored" parameter and step: -lr * clamp(coef * g * alpha_i * beta_j), in fp32
+    (host/credit_factored.py interim)."""
+    keep = c.item + FP32                          # the gradient zeroed on a skipped step, fp32
+    in_place = 5 * (FP32 + FP32)                  # times alpha, beta, coef; clamped twice
+    add = c.item + FP32 + c.item                  # added to the weight, rounded once
+    return keep + in_place + add
 
 
 def squares_bytes(c: Counts) -> int:
@@ -163,7 +199,9 @@ def interim_step_bytes(c: Counts) -> int:
 
 
 def sum_add_s(c: Counts, s: Speeds) -> float:
-    return sum_add_bytes(c) / s.copy
+    """Per step: the sums' add and the rule's device work, and the two fingerprints of the
+    matrices the rule moves, before and after its move (optim/outside_writes.py watch_moves)."""
+    return sum_add_bytes(c) / s.copy + 2 * c.item * c.moving / s.fingerprint
 
 
 def correction_bytes(c: Counts) -> int:
@@ -172,13 +210,17 @@ def correction_bytes(c: Counts) -> int:
     times_rate = FP32 + c.rate_item + FP32        # the sum times the rate, into fp32
     clamp = 2 * (FP32 + FP32)                     # clamped below and above, in place
     add = FP32 + c.item + c.item                  # added to the weight
-    return c.device_moments * (times_rate + clamp + add)
+    factored = (c.sum_item + FP32                 # the sum widened to fp32
+                + 2 * (FP32 + FP32))              # times alpha, times beta
+    return c.device_moments * (times_rate + clamp + add) + c.device_factored * (factored + clamp
+                                                                               + add)
 
 
 def fingerprint_s(c: Counts, s: Speeds) -> float:
-    """Per window: two passes over every matrix not under "moments" check that nothing outside
-    the optimizer wrote its weights (optim/params.py OutsideWrites)."""
-    return 2 * c.item * (c.rank_matrix_params - c.device_moments) / s.fingerprint
+    """Per window: two passes over every matrix a credit rule does not move (those are checked
+    every step, sum_add_s) check that nothing outside the optimizer wrote its weights
+    (optim/outside_writes.py)."""
+    return 2 * c.item * (c.rank_matrix_params - c.moving) / s.fingerprint
 
 
 def offload_fingerprint_s(c: Counts, s: Speeds) -> float:
