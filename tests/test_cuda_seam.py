@@ -202,10 +202,16 @@ def test_page_locks_cover_only_what_the_placement_copies(monkeypatch):
     """The install buffer and the steps' factors always; the staging buffers only over the
     matrices summed on the host, the sum buffers only over those summed on the device."""
     weights = [64 * 32, 32 * 16, 16 * 8]
-    on_device = _locked_by_region(monkeypatch, device_sum_budget=10 ** 9)
+    on_device = _locked_by_region(monkeypatch, device_sum_budget=10 ** 9,
+                                  deferred_credit="moments")
     assert on_device == {"step_coef": 4, "install_float32": 4 * sum(weights),
                          "rate_float32": 4 * sum(weights),   # "moments": the rates cross too
                          "grad_sum0": 4 * sum(weights), "grad_sum1": 4 * sum(weights)}
+    # "factored" (the default): its row and column statistics and factors, 2 R + 3 C fp32
+    factored = _locked_by_region(monkeypatch, device_sum_budget=10 ** 9)
+    assert factored == {"step_coef": 4, "install_float32": 4 * sum(weights),
+                        "factors": 4 * (2 * (32 + 16 + 8) + 3 * (64 + 32 + 16)),
+                        "grad_sum0": 4 * sum(weights), "grad_sum1": 4 * sum(weights)}
     on_host = _locked_by_region(monkeypatch, device_sum_budget=0)
     assert on_host == {"step_coef": 4, "install_float32": 4 * sum(weights),
                        "staging0_float32": 4 * sum(weights)}

@@ -409,10 +409,11 @@ def test_the_expected_quality_cost_follows_the_window():
     assert (fixed["window_steps"], fixed["held_out_loss_gap_pct"]) == (4, table[4])
     assert not fixed["beyond_measured"]
     # "moments" where the sums fit the device (all of them here), "mean" where they do not
-    on_device = estimate(shapes, update_interval=4, fwd_bwd_s=0.5)["quality"]
+    on_device = estimate(shapes, update_interval=4, fwd_bwd_s=0.5,
+                         deferred_credit="moments")["quality"]
     assert on_device["moments_share"] == 1.0
     assert on_device["held_out_loss_gap_pct"] == moments[4]
-    half = estimate(shapes, update_interval=4, fwd_bwd_s=0.5,
+    half = estimate(shapes, update_interval=4, fwd_bwd_s=0.5, deferred_credit="moments",
                     device_sum_budget=5 * sum(math.prod(s) for _, s in shapes if len(s) >= 2)
                     )["quality"]
     assert 0 < half["moments_share"] < 1

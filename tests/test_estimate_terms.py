@@ -99,16 +99,18 @@ def test_page_locked_bytes_follow_where_the_sums_are():
     factors always; the two bf16 staging slots only when some sum is on the host; the fp32 sum
     slots only over the matrices summed on the device."""
     coefs = 2 * 4   # a 4-byte factor per staging slot
-    # The defaults on one GPU: every sum on the device, 2 slots; rates for "moments"; no staging.
-    pinned, g = _pinned()
+    # "moments" on one GPU: every sum on the device, 2 slots; its rates; no staging.
+    pinned, g = _pinned(deferred_credit="moments")
     assert g["host_sum_matrices"] == 0
     assert pinned == 2 * P_MAT + 2 * P_MAT + 2 * 4 * P_MAT + coefs        # 75.3 GiB, not 50.2
+    # The defaults ("factored"): the same without the rates (its O(rows + cols) factors left out)
+    assert _pinned()[0] == 2 * P_MAT + 2 * 4 * P_MAT + coefs
     # Every sum on the host: staging and installs, no rates (no "moments" without device sums).
     assert _pinned(device_sum_budget=0)[0] == 2 * 2 * P_MAT + 2 * P_MAT + coefs
     # "mean" without overlap: one sum slot.
     assert _pinned(deferred_credit="mean", overlap=False)[0] == 2 * P_MAT + 4 * P_MAT + coefs
     # "moments" without overlap still has two: the squares land in the other.
-    pinned, _ = _pinned(overlap=False)
+    pinned, _ = _pinned(overlap=False, deferred_credit="moments")
     assert pinned == 2 * P_MAT + 2 * P_MAT + 2 * 4 * P_MAT + coefs
     # A budget that holds the embedding's fp32 sum alone ("mean": 4 bytes a parameter): the
     # staging slots over every other matrix, the sum slots over the embedding.

@@ -208,12 +208,14 @@ def test_bf16_sums_stay_close_to_fp32_sums():
     torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=0, atol=3e-4)
 
 
-def test_data_parallel_takes_mean_credit():
-    """Each rank's column sums would be of its own rows (FSDP2) or rows of a replica (DDP):
-    every matrix takes "mean" there, as where no sum can be on the device."""
-    from zenflow.host.credit import Credit, FactoredCredit, credit_for
+def test_data_parallel_takes_moments_or_mean_credit():
+    """Each rank's column sums would be of its own rows: FSDP2's shards (whole rows, nothing
+    split) take "moments", which needs no other rank's rows; DDP's replicas, where each rank sums
+    only its rows of every matrix, take "mean", as where no sum can be on the device."""
+    from zenflow.host.credit import Credit, FactoredCredit, MomentsCredit, credit_for
     assert isinstance(credit_for("factored", ALL, False, False), FactoredCredit)
-    for args in ((ALL, False, True, True), (ALL, True, False, True), (0, True, False, False),
+    assert type(credit_for("factored", ALL, True, False, True)) is MomentsCredit
+    for args in ((ALL, False, True, True), (0, True, False, False),
                  ("auto", False, False, False)):
         rule = credit_for("factored", *args)
         assert type(rule) is Credit and not rule.host_factors

@@ -144,10 +144,13 @@ class ZenFlowSettings(_Arguments):
     # the rates (2 bytes; 4 for fp32 weights), two fused launches per step, the squares down and
     # the rates up per window. Measured within 0.75% of AdamW at 4-step windows and 1.2% at 8,
     # where "mean" is 4.9% and 6.1% off; at one-step windows 1.05% where "mean" is 0.35%
-    # (benchmarks/README.md, "The windows a GPU runs"). "factored": "moments" with the squares
-    # kept as their row and column sums and the rates as row x column factors (8 rows + 12 cols
-    # bytes per matrix beside its sum, which may be bf16: ~2 bytes per parameter in all).
-    deferred_credit: DeferredCredit = "moments"
+    # (benchmarks/README.md, "The windows a GPU runs"). "factored" (the default): "moments" with
+    # the squares kept as their row and column sums and the rates as row x column factors (8 rows
+    # + 12 cols bytes per matrix beside its sum, which may be bf16: ~2 bytes per parameter in
+    # all, so it applies where "moments" does not fit); with bf16 weights and sums within 0.94% of
+    # fp32-master AdamW at 4-step windows and 1.24% at 8 (benchmarks/README.md, "bf16 weights").
+    # Under FSDP2, whose shards see only their rows, it takes "moments"; under DDP "mean".
+    deferred_credit: DeferredCredit = "factored"
     # Install the deferred columns this fraction of the next host step ahead of the host's
     # values (0: the values). With overlap_step=True the device computes its gradients on
     # weights that miss the update in flight; leading them by the step the moments predict

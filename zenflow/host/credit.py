@@ -202,11 +202,12 @@ def credit_for(name: str, budget: int | str, cuda: bool, splits_rows: bool,
     rank sums only its rows and every replica must move alike (the interim steps would need every
     rank's sums and rates), nor where no sum can be on the device (a budget of 0; "auto" on a CPU
     "device", which has none to spare): there every matrix takes "mean", and the host keeps no
-    rates. "factored" neither, nor under FSDP2 (`data_parallel`: any world size above 1), where a
-    rank's column sums of the squares would be of its own rows only."""
+    rates. "factored" neither; under FSDP2 (`data_parallel`: any world size above 1, its shards
+    holding whole rows), where a rank's column sums of the squares would be of its own rows
+    only, it takes "moments", which needs no other rank's rows, where its squares and rates fit."""
     no_room = budget == 0 or (budget == "auto" and not cuda)
-    if name == "moments" and (splits_rows or no_room):
+    if name in ("moments", "factored") and (splits_rows or no_room):
         return Credit()
-    if name == "factored" and (splits_rows or data_parallel or no_room):
-        return Credit()
+    if name == "factored" and data_parallel:
+        return CREDITS["moments"]()
     return CREDITS[name]()

@@ -182,7 +182,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              fwd_bwd_s: float | None = None, measured: dict | None = None, target: str = "cuda",
              source: str = "", device_sum_budget: int | str = "auto",
              activation_bytes: int = 0, fsdp: int | None = None,
-             deferred_credit: str = "moments", attached: bool = False,
+             deferred_credit: str = "factored", attached: bool = False,
              device_sum_dtype: str = "float32", activation_note: str = "") -> dict:
     """The estimate as a dict (see estimate_report.format_report); `shapes` is [(name, shape),
     ...]. `fsdp`: also the bytes per rank of the model sharded that many ways with FSDP2

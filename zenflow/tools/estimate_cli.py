@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per GPU per forward, for the activations' estimate "
                         "(default 1)")
     p.add_argument("--deferred-credit", choices=("moments", "factored", "mean", "window"),
-                   default="moments",
-                   help="ZenFlow deferred_credit (default: the optimizer's, moments)")
+                   default="factored",
+                   help="ZenFlow deferred_credit (default: the optimizer's, factored)")
     p.add_argument("--device-sum-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="ZenFlow device_sum_dtype (default: the optimizer's, float32)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
