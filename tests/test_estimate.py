@@ -145,7 +145,8 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     P_mat = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
     r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1,
                  update_interval="auto", overlap=True, fwd_bwd_s=1.5, measured=FIGURES,
-                 device_sum_budget=10 ** 12, deferred_credit=credit, attached=False)
+                 device_sum_budget=10 ** 12, deferred_credit=credit, attached=False,
+                 device_sum_dtype="float32")
     moments = credit == "moments"
     assert r["per_gpu"]["device_sum_matrices"] == 226
     assert r["per_gpu"]["moments_matrices"] == (226 if moments else 0)
@@ -204,8 +205,9 @@ def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_cost_the_host_a_w
     settings = dict(gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,
                     measured=FIGURES, device_sum_budget=10 ** 12, deferred_credit="mean",
                     update_interval=4)
-    fp32 = estimate(shapes, torch.bfloat16, **settings)
+    fp32 = estimate(shapes, torch.bfloat16, device_sum_dtype="float32", **settings)
     bf16 = estimate(shapes, torch.bfloat16, device_sum_dtype="bfloat16", **settings)
+    assert estimate(shapes, torch.bfloat16, **settings)["per_gpu"] == bf16["per_gpu"]   # "auto"
     summed = fp32["per_gpu"]["device_sum_bytes"] / 4    # every deferred parameter
     assert bf16["per_gpu"]["device_sum_bytes"] == 2 * summed
     window = fp32["bus"]["zenflow"]["d2h_bytes_per_window"]
@@ -217,7 +219,8 @@ def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_cost_the_host_a_w
     assert bf16["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 4) / 1e12)
     assert fp32["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 8) / 1e12)
     # a budget that held half the fp32 sums holds all of them in bf16
-    half = estimate(shapes, torch.bfloat16, **{**settings, "device_sum_budget": 2 * summed})
+    half = estimate(shapes, torch.bfloat16, device_sum_dtype="float32",
+                    **{**settings, "device_sum_budget": 2 * summed})
     all_bf16 = estimate(shapes, torch.bfloat16, device_sum_dtype="bfloat16",
                         **{**settings, "device_sum_budget": 2 * summed})
     assert half["per_gpu"]["host_sum_matrices"] > 0

@@ -89,6 +89,7 @@ def test_the_moments_bytes_per_step_by_hand():
 
 
 def _pinned(**settings):
+    settings.setdefault("device_sum_dtype", "float32")   # fp32 sum slots, as counted below
     r = estimate(llama_shapes(**LLAMA2_7B), torch.bfloat16, gpu_memory_bytes=80 * GIB,
                  **settings)
     return r["per_host"]["zenflow"]["pinned_bytes"], r["per_gpu"]

@@ -170,7 +170,8 @@ def test_bf16_and_fp32_weights_equal_the_reference(dtype, overlap):
               max_grad_norm=4.0, overlap_step=overlap, deferred_credit="factored",
               install_lookahead=0.0)
     opt = zenflow.ZenFlowAdamW(params, select_strategy="step", select_interval=4,
-                               device_sum_budget=ALL, worker=False, **kw)
+                               device_sum_budget=ALL, device_sum_dtype="float32", worker=False,
+                               **kw)   # (the reference sums in fp32)
     ref = ReferenceZenFlow(ref_params, select_interval=4, **kw)
     for t in range(16):
         grads = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]

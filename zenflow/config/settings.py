@@ -195,8 +195,11 @@ class ZenFlowSettings(_Arguments):
     # at the cost of rounding the running sum to bf16 after each step's add (a relative error of
     # about 2**-9 per step, where the fp32 sum equals the host's bit for bit); the host widens
     # it to fp32 in place before its AdamW. Matrices under deferred_credit "moments" keep fp32
-    # sums: their interim steps and install corrections read the sum.
-    device_sum_dtype: SumDtype = "float32"
+    # sums: their interim steps and install corrections read the sum. "auto" (the default):
+    # "bfloat16" where every matrix is bf16 (the gradients summed are bf16 already: the sum
+    # rounds as they did, and the default "factored" then fits in 2 bytes a parameter, as
+    # measured), else "float32".
+    device_sum_dtype: SumDtype = "auto"
     # Run the host side in a worker process (False: in the training process, synchronously;
     # for debugging and for machines without a spare core).
     worker: Flag = True

@@ -22,6 +22,15 @@ from zenflow.host.transfers import DONE, Ticket, Transfers
 _CHUNK_ELEMENTS = 1 << 26   # matrices per launch of the add: at most 256 MiB of fp32 sums
 
 
+def sum_dtype(setting: str, weights: list[torch.dtype]) -> torch.dtype:
+    """device_sum_dtype as a dtype: "auto" is bf16 where every matrix is bf16 (its gradients are
+    bf16 already), else fp32."""
+    if setting == "auto":
+        bf16 = bool(weights) and all(dtype == torch.bfloat16 for dtype in weights)
+        return torch.bfloat16 if bf16 else torch.float32
+    return getattr(torch, setting)
+
+
 def launch_runs(items: list, numel, limit: int):
     """`items` in runs whose numel(item) add up to at most `limit` (at least one item each): the
     tensors of one multi-tensor launch, so that its temporaries stay bounded."""

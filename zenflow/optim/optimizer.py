@@ -52,6 +52,7 @@ from zenflow.config.settings import (
 from zenflow.distributed import Partition, environment_without_group, row_sharding_group
 from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.credit import credit_for
+from zenflow.host.device_sums import sum_dtype
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import uses_cuda
@@ -202,8 +203,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
                                       self.device, self.settings.overlap_step, worker_cores,
                                       self._timer, self._NAME, device_sum_budget=budget,
-                                      device_sum_dtype=getattr(torch,
-                                                               self.settings.device_sum_dtype),
+                                      device_sum_dtype=sum_dtype(
+                                          self.settings.device_sum_dtype,
+                                          [m.param.dtype for m in self._host_params]),
                                       credit=credit, lock=self._lock)
         self._closed = False
         self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,

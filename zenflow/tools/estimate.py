@@ -17,6 +17,7 @@ import torch
 
 from zenflow.host.arena import available_host_bytes
 from zenflow.host.credit import credit_for
+from zenflow.host.device_sums import sum_dtype
 from zenflow.host.layout import rate_dtype
 from zenflow.optim.importance import num_selected
 from zenflow.tools import estimate_memory as memory
@@ -183,7 +184,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              source: str = "", device_sum_budget: int | str = "auto",
              activation_bytes: int = 0, fsdp: int | None = None,
              deferred_credit: str = "factored", attached: bool = False,
-             device_sum_dtype: str = "float32", activation_note: str = "") -> dict:
+             device_sum_dtype: str = "auto", activation_note: str = "") -> dict:
     """The estimate as a dict (see estimate_report.format_report); `shapes` is [(name, shape),
     ...]. `fsdp`: also the bytes per rank of the model sharded that many ways with FSDP2
     (`per_rank`), beside DDP's on as many GPUs (`gpus` must then be that number).
@@ -201,6 +202,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                      update_interval=update_interval, fwd_bwd_s=fwd_bwd_s, target=target,
                      device_sum_budget=device_sum_budget, activation_bytes=activation_bytes,
                      deferred_credit=deferred_credit, device_sum_dtype=device_sum_dtype)
+    # "auto", as the optimizer resolves it: bf16 sums for bf16 weights
+    device_sum_dtype = str(sum_dtype(device_sum_dtype, [dtype])).removeprefix("torch.")
     if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1
                              or fsdp != gpus):
         raise ValueError(f"fsdp must be the number of GPUs the model is sharded over (>= 1, "
@@ -320,7 +323,8 @@ def _check_arguments(**given) -> None:
         "activation_bytes": (lambda x: number(x) and x >= 0, "bytes >= 0"),
         "deferred_credit": (lambda x: x in ("moments", "factored", "mean", "window"),
                             '"moments", "factored", "mean" or "window"'),
-        "device_sum_dtype": (lambda x: x in ("float32", "bfloat16"), '"float32" or "bfloat16"'),
+        "device_sum_dtype": (lambda x: x in ("auto", "float32", "bfloat16"),
+                             '"auto", "float32" or "bfloat16"'),
     }
     for name, value in given.items():
         ok, what = rules[name]

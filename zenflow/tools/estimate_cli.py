@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deferred-credit", choices=("moments", "factored", "mean", "window"),
                    default="factored",
                    help="ZenFlow deferred_credit (default: the optimizer's, factored)")
-    p.add_argument("--device-sum-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="ZenFlow device_sum_dtype (default: the optimizer's, float32)")
+    p.add_argument("--device-sum-dtype", choices=("auto", "float32", "bfloat16"),
+                   default="auto", help="ZenFlow device_sum_dtype (default: the optimizer's, "
+                                        "auto: bfloat16 for bf16 weights, else float32)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ZenFlow overlap_step")
     p.add_argument("--attach", action=argparse.BooleanOptionalAction, default=False,
