@@ -27,8 +27,9 @@ from zenflow.tools.selftest_checks import (
 
 # Every window sum on the device, whatever it has spare: deferred_credit "moments" (or
 # "factored") then applies to every matrix, as the reference assumes (it is told no matrix takes
-# "mean"); "mean" runs keep theirs on the host, so that both paths are checked.
-ALL_ON_DEVICE = dict(device_sum_budget=1 << 50)
+# "mean"); "mean" runs keep theirs on the host, so that both paths are checked. The reference
+# sums in fp32: so do these (bf16 weights' default, "auto", would sum in bf16).
+ALL_ON_DEVICE = dict(device_sum_budget=1 << 50, device_sum_dtype="float32")
 ON_HOST = dict(device_sum_budget=0)
 
 
