@@ -85,3 +85,20 @@ def test_a_one_step_window_looks_for_data_writes_once():
         # one per-column bit sum per matrix for the look, one for the new fingerprint
         assert count.by_op["aten.sum"] <= 2 * MATRICES + 8, (t, count.by_op["aten.sum"])
         assert _per_matrix(count) <= 20, (t, count.total, count.by_op.most_common(8))
+
+
+def test_the_default_rule_with_every_sum_on_the_device_stays_within_its_count():
+    """deferred_credit="factored" (the default) where the sums fit the device, as on a GPU:
+    beside the steps above, its squares' row and column sums, its interim step and the two
+    fingerprints around it (optim/outside_writes.py watch_moves): about 19 operators per matrix
+    inside a window (23 before its adds were batched), 100 at a window's end (the statistics
+    down, the factors up, one matrix at a time). Far from issue 38's target; held so that it
+    can only fall."""
+    rows = _steps({"update_interval": 4, "topk_ratio": 0.25, "device_sum_budget": 1 << 30})
+    inside = [(t, c) for t, first, ended, c in rows if not first and not ended]
+    edges = [(t, c) for t, first, ended, c in rows if first or ended]
+    assert inside and edges
+    for t, count in inside:
+        assert _per_matrix(count) <= 20, (t, count.total, count.by_op.most_common(8))
+    for t, count in edges:
+        assert _per_matrix(count) <= 101, (t, count.total, count.by_op.most_common(8))

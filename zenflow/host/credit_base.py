@@ -56,7 +56,8 @@ def kept(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
     0 times those is NaN), must move them by exactly nothing; a kept step's gradients are finite
     and pass unchanged."""
     keep = coef != 0
-    return [torch.where(keep, g, 0.0).float() for g in grads]
+    zero = torch.zeros((), device=coef.device)   # one, not a scalar tensor made per gradient
+    return [torch.where(keep, g, zero).float() for g in grads]
 
 
 def bounded_step(weights: list[torch.Tensor], steps: list[torch.Tensor], bound: float,

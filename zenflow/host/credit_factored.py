@@ -40,6 +40,7 @@ class FactoredCredit(Credit):
         self.row_sq: dict[int, torch.Tensor] = {}    # the window's sums of squares, per row
         self.col_sq: dict[int, torch.Tensor] = {}    # ... per column
         self.alpha: dict[int, torch.Tensor] = {}     # rate factors, per row
+        self._alpha_column: dict[int, torch.Tensor] = {}   # the same as [R, 1] views
         self.beta: dict[int, torch.Tensor] = {}      # ... per column, 0 on the device's columns
         self.deferred: dict[int, torch.Tensor] = {}  # 1.0 on the columns the host owns
         self._owned: dict[int, torch.Tensor | None] = {}   # as told, before or after placing
@@ -72,6 +73,7 @@ class FactoredCredit(Credit):
             return torch.zeros(n, dtype=torch.float32, device=device)
         for i, (rows, cols, _) in moving.items():
             self.row_sq[i], self.alpha[i] = zeros(rows), zeros(rows)
+            self._alpha_column[i] = self.alpha[i].unsqueeze(1)   # [R, 1]: broadcast per row
             self.col_sq[i], self.beta[i] = zeros(cols), zeros(cols)
             self.deferred[i] = torch.ones(cols, dtype=torch.float32, device=device)
         self._placed = True
@@ -133,9 +135,8 @@ class FactoredCredit(Credit):
             scaled = torch._foreach_mul([rows[i].float() for i in chunk], coef)
             torch._foreach_mul_(scaled, [self.deferred[i] for i in chunk])
             torch._foreach_mul_(scaled, scaled)
-            for i, squares in zip(chunk, scaled):
-                self.row_sq[i].add_(squares.sum(1))
-                self.col_sq[i].add_(squares.sum(0))
+            torch._foreach_add_([self.row_sq[i] for i in chunk], [sq.sum(1) for sq in scaled])
+            torch._foreach_add_([self.col_sq[i] for i in chunk], [sq.sum(0) for sq in scaled])
 
     def interim(self, weights, rows, coef, sizes):
         """weights[i] -= lr * clamp(((g alpha_i) beta_j) coef, -bound, bound), computed in fp32
@@ -152,7 +153,7 @@ class FactoredCredit(Credit):
 
     def _rated(self, values: list[torch.Tensor], chunk: list[int]) -> list[torch.Tensor]:
         """(values alpha_i) beta_j, new fp32 tensors."""
-        moves = torch._foreach_mul(values, [self.alpha[i].unsqueeze(1) for i in chunk])
+        moves = torch._foreach_mul(values, [self._alpha_column[i] for i in chunk])
         torch._foreach_mul_(moves, [self.beta[i] for i in chunk])
         return moves
 
