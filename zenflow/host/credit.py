@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from zenflow.adamw import step_bound
 from zenflow.host.credit_base import (
     Credit,
-    bounded_step,
+    MovingCredit,
     choose_device_summed,
     choose_placement,
     chunks_of,
-    kept,
 )
 from zenflow.host.credit_factored import FactoredCredit
 from zenflow.host.layout import HostUpdate, rate_dtype
@@ -49,7 +47,7 @@ class WindowCredit(Credit):
         return HostUpdate(lr * num_grads, *rest, lookahead=lookahead if delayed else 0.0)
 
 
-class MomentsCredit(Credit):
+class MomentsCredit(MovingCredit):
     """The window as that many AdamW steps, with interim steps on the device at the host's last
     rates and an install's correction. Its device state per moving matrix: the window's sum of
     squares (fp32) and the rates (bf16 for 16-bit weights: fp16 cannot hold 1 / eps)."""
@@ -63,16 +61,6 @@ class MomentsCredit(Credit):
         self.rates: dict[int, torch.Tensor] = {}
         self._restored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # loaded before placed
         self._placed = False
-
-    def host_update(self, i, adamw, num_grads, delayed, lookahead):
-        if not self.moves(i):
-            return super().host_update(i, adamw, num_grads, delayed, lookahead)
-        lr, *rest = adamw
-        # the window's n steps at once; the interim steps answer the delay instead of a lookahead
-        return HostUpdate(lr * num_grads, *rest, lookahead=0.0, moments=True)
-
-    def host_steps(self, i, num_grads):
-        return num_grads if self.moves(i) else 1
 
     def place(self, numels, budget_bytes, sum_bytes, dtypes, shapes):
         extra = 4 + max((rate_dtype(d).itemsize for d in dtypes), default=0)
@@ -97,9 +85,6 @@ class MomentsCredit(Credit):
         return sum(t.numel() * t.element_size()
                    for part in (self.squares, self.rates) for t in part.values())
 
-    def step_sizes(self, groups):
-        return {i: (float(g["lr"]), step_bound(*g["betas"])) for i, g in groups.items()}
-
     def add(self, rows, fresh, coef):
         squared = [i for i in rows if i in self.squares]
         if not squared:
@@ -110,25 +95,6 @@ class MomentsCredit(Credit):
         for chunk in chunks_of(squared, rows):   # (coef * g)^2 from an fp32 product, as the reference
             scaled = torch._foreach_mul([rows[i].float() for i in chunk], coef)
             torch._foreach_addcmul_([self.squares[i] for i in chunk], scaled, scaled)
-
-    def interim(self, weights, rows, coef, sizes):
-        """weights[i] -= lr * clamp(coef * rows[i] * rate[i], -bound, bound), (lr, bound) =
-        sizes[i]: the interim step of every value the device does not update itself (its own
-        columns are written over afterwards). `bound` is AdamW's own bound on a step, in units
-        of lr (zenflow.adamw.step_bound): it keeps a value whose rate is stale from moving
-        further than AdamW could, where a row that saw no gradient for long (an embedding's rare
-        token) has v near 0 and a rate near 1 / eps. On a skipped step (coef 0) the step is 0.
-        A few fused launches per (lr, bound) and chunk."""
-        groups: dict[tuple, list[int]] = {}
-        for i in rows:
-            if i in self.rates:
-                groups.setdefault(sizes[i], []).append(i)
-        for (lr, bound), indices in groups.items():
-            for chunk in chunks_of(indices, rows):
-                moves = torch._foreach_mul(kept([rows[i] for i in chunk], coef),
-                                           [self.rates[i] for i in chunk])
-                torch._foreach_mul_(moves, coef)
-                bounded_step([weights[i] for i in chunk], moves, bound, lr)
 
     def clear(self):
         if self.squares:
@@ -141,19 +107,8 @@ class MomentsCredit(Credit):
     def install_pairs(self, i, host):
         return [(self.rates[i], host.rate(i))] if i in self.rates else []
 
-    def correct(self, weights, sums, sizes, counts):
-        """weights[i] -= lr * clamp(sums[i] * rate[i], -counts[i] * bound, counts[i] * bound):
-        the install's step for the counts[i] gradients summed since the update it installs was
-        handed off (weights[i] holds the installed values), each bounded as interim() bounds
-        one."""
-        groups: dict[tuple, list[int]] = {}
-        for i in weights:
-            groups.setdefault((*sizes[i], counts[i]), []).append(i)
-        for (lr, bound, count), indices in groups.items():
-            for chunk in chunks_of(indices, sums):
-                moves = torch._foreach_mul([sums[i] for i in chunk],
-                                           [self.rates[i] for i in chunk])
-                bounded_step([weights[i] for i in chunk], moves, count * bound, lr)
+    def rated(self, values, chunk):
+        return torch._foreach_mul(values, [self.rates[i] for i in chunk])
 
     def device_owns(self, i, columns):
         if i in self.rates:

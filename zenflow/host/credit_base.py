@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zenflow.adamw import step_bound
 from zenflow.host.device_sums import launch_runs
 from zenflow.host.layout import HostUpdate
 
@@ -177,3 +178,57 @@ class Credit:
         may hold none of them: a state saved where it took another rule)."""
 
 
+class MovingCredit(Credit):
+    """A rule that moves the deferred columns on the device between installs ("moments",
+    "factored"): the window counts as its gradients' AdamW steps on the host, and the device
+    takes an interim step every step and an install's correction, each at the rule's own rates.
+    A subclass says what its rates are (`rated`) and which matrices it moves (`moves`)."""
+
+    def rated(self, values: list[torch.Tensor], chunk: list[int]) -> list[torch.Tensor]:
+        """`values` (of the matrices `chunk`) times their rates: new fp32 tensors."""
+        raise NotImplementedError
+
+    def host_update(self, i, adamw, num_grads, delayed, lookahead):
+        if not self.moves(i):
+            return super().host_update(i, adamw, num_grads, delayed, lookahead)
+        lr, *rest = adamw
+        # the window's n steps at once; the interim steps answer the delay instead of a lookahead
+        return HostUpdate(lr * num_grads, *rest, lookahead=0.0, moments=True,
+                          factored=self.host_factors)
+
+    def host_steps(self, i, num_grads):
+        return num_grads if self.moves(i) else 1
+
+    def step_sizes(self, groups):
+        return {i: (float(g["lr"]), step_bound(*g["betas"])) for i, g in groups.items()}
+
+    def interim(self, weights, rows, coef, sizes):
+        """weights[i] -= lr * clamp(coef * rows[i] * rate[i], -bound, bound), (lr, bound) =
+        sizes[i], computed in fp32 and rounded once: the interim step of every value the device
+        does not update itself (its own columns are written over afterwards). `bound` is AdamW's
+        own bound on a step, in units of lr (zenflow.adamw.step_bound): it keeps a value whose
+        rate is stale from moving further than AdamW could, where a row that saw no gradient for
+        long (an embedding's rare token) has v near 0 and a rate near 1 / eps. On a skipped step
+        (coef 0) the step is 0. A few fused launches per (lr, bound) and chunk."""
+        groups: dict[tuple, list[int]] = {}
+        for i in rows:
+            if self.moves(i):
+                groups.setdefault(sizes[i], []).append(i)
+        for (lr, bound), indices in groups.items():
+            for chunk in chunks_of(indices, rows):
+                moves = self.rated(kept([rows[i] for i in chunk], coef), chunk)
+                torch._foreach_mul_(moves, coef)
+                bounded_step([weights[i] for i in chunk], moves, bound, lr)
+
+    def correct(self, weights, sums, sizes, counts):
+        """weights[i] -= lr * clamp(sums[i] * rate[i], -counts[i] * bound, counts[i] * bound):
+        the install's step for the counts[i] gradients summed since the update it installs was
+        handed off (weights[i] holds the installed values; a bf16 sum is read widened), each
+        bounded as interim() bounds one."""
+        groups: dict[tuple, list[int]] = {}
+        for i in weights:
+            groups.setdefault((*sizes[i], counts[i]), []).append(i)
+        for (lr, bound, count), indices in groups.items():
+            for chunk in chunks_of(indices, sums):
+                moves = self.rated([sums[i].float() for i in chunk], chunk)
+                bounded_step([weights[i] for i in chunk], moves, count * bound, lr)

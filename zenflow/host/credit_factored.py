@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from zenflow.host.credit_base import Credit, bounded_step, choose_device_summed, chunks_of, kept
-from zenflow.host.layout import HostUpdate
+from zenflow.host.credit_base import MovingCredit, choose_device_summed, chunks_of
 
 
 def factor_bytes(rows: int, cols: int) -> int:
@@ -29,7 +28,7 @@ def factor_bytes(rows: int, cols: int) -> int:
     return 8 * rows + 12 * cols
 
 
-class FactoredCredit(Credit):
+class FactoredCredit(MovingCredit):
     """The window as that many AdamW steps, from factored squares; interim steps and an
     install's correction at factored rates."""
 
@@ -47,15 +46,6 @@ class FactoredCredit(Credit):
         self._restored: dict[int, tuple] = {}         # loaded before placed
         self._from_sum: dict[int, tuple] = {}        # a window summed without the statistics
         self._placed = False
-
-    def host_update(self, i, adamw, num_grads, delayed, lookahead):
-        if not self.moves(i):
-            return super().host_update(i, adamw, num_grads, delayed, lookahead)
-        lr, *rest = adamw
-        return HostUpdate(lr * num_grads, *rest, lookahead=0.0, moments=True, factored=True)
-
-    def host_steps(self, i, num_grads):
-        return num_grads if self.moves(i) else 1
 
     def place(self, numels, budget_bytes, sum_bytes, dtypes, shapes):
         """Every sum first (in device_sum_dtype), then the factored state of as many of those
@@ -96,10 +86,6 @@ class FactoredCredit(Credit):
                    (self.row_sq, self.col_sq, self.alpha, self.beta, self.deferred)
                    for t in part.values())
 
-    def step_sizes(self, groups):
-        from zenflow.adamw import step_bound
-        return {i: (float(g["lr"]), step_bound(*g["betas"])) for i, g in groups.items()}
-
     def owned_columns(self, i, columns):
         self._owned[i] = None if columns is None else columns.detach().clone()
         self._mask(i)
@@ -138,20 +124,7 @@ class FactoredCredit(Credit):
             torch._foreach_add_([self.row_sq[i] for i in chunk], [sq.sum(1) for sq in scaled])
             torch._foreach_add_([self.col_sq[i] for i in chunk], [sq.sum(0) for sq in scaled])
 
-    def interim(self, weights, rows, coef, sizes):
-        """weights[i] -= lr * clamp(((g alpha_i) beta_j) coef, -bound, bound), computed in fp32
-        and rounded once (as MomentsCredit.interim, with the factored rates)."""
-        groups: dict[tuple, list[int]] = {}
-        for i in rows:
-            if i in self.alpha:
-                groups.setdefault(sizes[i], []).append(i)
-        for (lr, bound), indices in groups.items():
-            for chunk in chunks_of(indices, rows):
-                moves = self._rated(kept([rows[i] for i in chunk], coef), chunk)
-                torch._foreach_mul_(moves, coef)
-                bounded_step([weights[i] for i in chunk], moves, bound, lr)
-
-    def _rated(self, values: list[torch.Tensor], chunk: list[int]) -> list[torch.Tensor]:
+    def rated(self, values, chunk):
         """(values alpha_i) beta_j, new fp32 tensors."""
         moves = torch._foreach_mul(values, [self._alpha_column[i] for i in chunk])
         torch._foreach_mul_(moves, [self.beta[i] for i in chunk])
@@ -175,17 +148,6 @@ class FactoredCredit(Credit):
             return []
         _, _, _, alpha, beta = host.factors(i)
         return [(self.alpha[i], alpha), (self.beta[i], beta)]
-
-    def correct(self, weights, sums, sizes, counts):
-        """weights[i] -= lr * clamp((S alpha_i) beta_j, -counts[i] * bound, counts[i] * bound),
-        S the window's sum in fp32 (a bf16 sum widened exactly)."""
-        groups: dict[tuple, list[int]] = {}
-        for i in weights:
-            groups.setdefault((*sizes[i], counts[i]), []).append(i)
-        for (lr, bound, count), indices in groups.items():
-            for chunk in chunks_of(indices, sums):
-                moves = self._rated([sums[i].float() for i in chunk], chunk)
-                bounded_step([weights[i] for i in chunk], moves, count * bound, lr)
 
     def device_owns(self, i, columns):
         if i in self.beta:
