@@ -29,13 +29,16 @@ def factored_window(s, n, lr, beta1, beta2, eps, wd):
     """deferred_credit="factored" at a window end of n gradients (docs/semantics.md): the mean
     square estimated from the window's sum and the row and column sums of its squares, the
     moments as after n AdamW steps, one step of `lr` (n times the group's), and the rate factors
-    for the next install (bf16_rules.py's "residual" squares and "factored" rates)."""
+    for the next install (bf16_rules.py's "residual" squares and "factored" rates). Each row
+    block (s["blocks"]) is estimated and fitted as if it were the whole matrix."""
     cols = ~s["on_device"]
     mean = s["acc"][:, cols] / n
     sq = mean * mean
     vr = (s["row_sq"] / n - sq.sum(1)).clamp_min(0.0)
-    vc = (s["col_sq"][cols] / n - sq.sum(0)).clamp_min(0.0)
-    mean_square = sq + vr[:, None] * vc[None, :] / vr.sum().clamp_min(1e-30)
+    mean_square = torch.empty_like(sq)
+    for b, rows in enumerate(s["blocks"]):
+        vc = (s["col_sq"][b, cols] / n - sq[rows].sum(0)).clamp_min(0.0)
+        mean_square[rows] = sq[rows] + vr[rows, None] * vc[None, :] / vr[rows].sum().clamp_min(1e-30)
     s["host_count"] += n
     b1, b2 = beta1 ** n, beta2 ** n
     m = b1 * s["m"][:, cols] + (1 - b1) * mean
@@ -47,7 +50,9 @@ def factored_window(s, n, lr, beta1, beta2, eps, wd):
     a = logs.mean(1)
     s["next_alpha"] = a.exp()
     s["next_beta"] = torch.zeros_like(s["col_sq"])
-    s["next_beta"][cols] = (logs - a[:, None]).mean(0).exp()
+    for b, rows in enumerate(s["blocks"]):
+        if rows.stop > rows.start:   # a block without rows has nothing to fit
+            s["next_beta"][b, cols] = (logs[rows] - a[rows, None]).mean(0).exp()
     s["row_sq"].zero_()
     s["col_sq"].zero_()
 
@@ -61,8 +66,22 @@ def factored_install(p, s, lr, bound, correct):
         current = p.data.reshape(s["master"].shape)
         cols = ~s["on_device"]
         most = s["acc_n"] * bound
-        step = (s["acc"][:, cols] * s["alpha"][:, None] * s["beta"][None, cols]).clamp(-most, most)
+        step = (s["acc"][:, cols] * s["alpha"][:, None] * row_betas(s)[:, cols]).clamp(-most, most)
         current[:, cols] = (current[:, cols].float() - lr * step).to(p.dtype)
+
+
+def row_betas(s):
+    """[rows, cols]: each row's column factors (those of its row block)."""
+    return s["beta"][s["block_of_row"]]
+
+
+def row_blocks_of(rows, sizes):
+    """(the row ranges of the blocks, the block of each row) for blocks of `sizes` rows."""
+    if sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(f"row blocks {sizes} do not split {rows} rows")
+    starts = [sum(sizes[:b]) for b in range(len(sizes))]
+    blocks = [slice(start, start + n) for start, n in zip(starts, sizes)]
+    return blocks, torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
 
 
 def rescale(beta, from_step, to_step):
@@ -82,12 +101,16 @@ class ReferenceZenFlow:
     mean_credit: with deferred_credit="moments" or "factored", the positions in `params` of the matrices that
     take "mean" (their window sums on the host, or no room on the device for the squares and
     rates: `device_sum_budget`).
+    row_blocks: with "factored", {position in `params`: the rows of each block} for matrices
+    whose factors are fitted per block of rows, each block as if it were the whole matrix (what
+    FSDP2's ranks do with their row shards); the others are one block.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  topk_ratio=0.1, update_interval=4, full_warm_up_rounds=0, overlap_step=False,
                  max_grad_norm=None, importance="l2", select_interval=None,
-                 deferred_credit="mean", install_lookahead=1.0, mean_credit=()):
+                 deferred_credit="mean", install_lookahead=1.0, mean_credit=(),
+                 row_blocks=None):
         self.params = list(params)
         self.lr, (self.beta1, self.beta2), self.eps, self.wd = lr, betas, eps, weight_decay
         self.topk_ratio, self.update_interval = topk_ratio, update_interval
@@ -121,8 +144,12 @@ class ReferenceZenFlow:
                     s.update(acc_sq=torch.zeros(p.shape[0], cols),
                              rate=torch.zeros(p.shape[0], cols, dtype=rate_dtype))
                 if s["factored"]:  # the squares' row and column sums; the rate factors
-                    s.update(row_sq=torch.zeros(p.shape[0]), col_sq=torch.zeros(cols),
-                             alpha=torch.zeros(p.shape[0]), beta=torch.zeros(cols))
+                    blocks, block_of_row = row_blocks_of(
+                        p.shape[0], (row_blocks or {}).get(index, [p.shape[0]]))
+                    s.update(row_sq=torch.zeros(p.shape[0]), alpha=torch.zeros(p.shape[0]),
+                             blocks=blocks, block_of_row=block_of_row,   # column sums per block
+                             col_sq=torch.zeros(len(blocks), cols),
+                             beta=torch.zeros(len(blocks), cols))
             else:
                 s["count"] = 0
             self.state.append(s)
@@ -266,7 +293,7 @@ class ReferenceZenFlow:
                 g = g.reshape(current.shape)
                 bound = self._step_bound()   # AdamW's largest step, in units of lr
                 if s["factored"]:   # ((g alpha_i) beta_j) c, as the device multiplies
-                    step = g.float() * s["alpha"][:, None] * s["beta"][None, :] * coef
+                    step = g.float() * s["alpha"][:, None] * row_betas(s) * coef
                 else:
                     step = g.float() * s["rate"].float() * coef
                 step = step.clamp(-bound, bound)
@@ -300,7 +327,8 @@ class ReferenceZenFlow:
                 if s.get("factored"):
                     squares = (g2 * (~s["on_device"]).float()) ** 2
                     s["row_sq"] += squares.sum(1)
-                    s["col_sq"] += squares.sum(0)
+                    for b, rows in enumerate(s["blocks"]):
+                        s["col_sq"][b] += squares[rows].sum(0)
                 s["acc_n"] += 1
 
         self.window_steps += 1
