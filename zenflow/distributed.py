@@ -91,18 +91,19 @@ def is_sharded(t: torch.Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
-def sharded_like(t: torch.Tensor, param: torch.Tensor, dim: int = 0) -> torch.Tensor:
+def sharded_like(t: torch.Tensor, param: torch.Tensor, dim: int = 0,
+                 whole: int | None = None) -> torch.Tensor:
     """`t`, this rank's block of optimizer state split along `dim` as the FSDP2 parameter `param`
     is split along its rows, as a DTensor on the parameter's mesh (Shard(dim); the whole
-    tensor's size along `dim` is the parameter's row count), so that
-    torch.distributed.checkpoint saves each rank's block where it belongs and can reshard it.
+    tensor's size along `dim` is the parameter's row count, or `whole`: a block of equal size
+    per rank), so that torch.distributed.checkpoint saves each rank's block where it belongs.
 
     `t` stays where it is: DTensor.from_local would copy it to the mesh's device, which for
     host state (master values and moments) on a CUDA mesh is the very copy ZenFlow avoids. The
     DTensor is built the way FSDP2 builds its own CPU-offloaded parameters, from a spec."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     shape = list(t.shape)
-    shape[dim] = param.shape[0]
+    shape[dim] = param.shape[0] if whole is None else whole
     stride, acc = [0] * len(shape), 1
     for d in reversed(range(len(shape))):
         stride[d], acc = acc, acc * shape[d]

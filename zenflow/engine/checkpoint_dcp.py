@@ -75,6 +75,30 @@ def save_fsdp2_checkpoint(engine, save_dir, tag: str, engine_state: dict, meta: 
         {**meta, "fsdp2": True}, update_latest=update_latest, collective=save)
 
 
+def with_saved_factors(optim_state: dict, saved: dict, prefix: str = "optim") -> dict:
+    """`optim_state` (a template from get_optimizer_state_dict) with a template of each
+    "factored" matrix's factors that the checkpoint holds (`saved`: its metadata's
+    state_dict_metadata, the optimizer's state under `prefix`) and the template lacks. DCP reads
+    only what a template holds, and an optimizer places its factors at its first step, so a
+    fresh one's holds none. Only the factors this rank saved on as many ranks fit its shard
+    (zenflow/optim/state.py); others are left out, and those matrices load as from another
+    rule."""
+    for fqn, piece in optim_state.get("state", {}).items():
+        host = piece.get("host") if isinstance(piece, dict) else None
+        if not isinstance(host, dict) or "row_factors" in host or not is_sharded(host["master"]):
+            continue
+        rows_key, cols_key = (f"{prefix}.state.{fqn}.host.{k}" for k in ("row_factors", "col_factors"))
+        master = host["master"]   # [rows, cols], sharded as the parameter's rows
+        ranks, rank, cols = master.device_mesh.size(), master.device_mesh.get_local_rank(), master.shape[1]
+        blocks = saved.get(cols_key)
+        if rows_key in saved and tuple(getattr(blocks, "size", ())) == (3 * ranks, cols) and any(
+                list(chunk.offsets) == [3 * rank, 0] for chunk in blocks.chunks):
+            rows = local(master).shape[0]
+            host["row_factors"] = sharded_like(torch.zeros(3, rows), master, 1)
+            host["col_factors"] = sharded_like(torch.zeros(3, cols), master, 0, 3 * ranks)
+    return optim_state
+
+
 def load_fsdp2_checkpoint(engine, path: Path, *, load_optimizer: bool, strict: bool) -> None:
     """Load `path/distributed_checkpoint` into the engine's module (the training weights when the
     optimizer state is loaded too, else the synchronized ones) and optimizer. The reads go into
@@ -89,7 +113,8 @@ def load_fsdp2_checkpoint(engine, path: Path, *, load_optimizer: bool, strict: b
         if load_optimizer:
             pending = {k[len(_PENDING):] for k in saved if k.startswith(_PENDING)}
             state["pending"] = {k: weights[k].clone() for k in weights if k in pending}
-            state["optim"] = helpers.get_optimizer_state_dict(module, optimizer)
+            state["optim"] = with_saved_factors(
+                helpers.get_optimizer_state_dict(module, optimizer), saved)
         dcp.load(state, checkpoint_id=folder)
         check = getattr(optimizer, "check_state_dict", None)
         if load_optimizer and check is not None:

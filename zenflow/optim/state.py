@@ -41,7 +41,7 @@ import torch
 
 from zenflow.adamw import FP32_STATE
 from zenflow.config.settings import AdamWHyperparameters
-from zenflow.distributed import is_sharded, local, sharded_like
+from zenflow.distributed import Partition, is_sharded, local, sharded_like
 from zenflow.optim.state_versions import FORMAT_VERSION, migrated, with_squares
 from zenflow.saved_state import check_like, check_saved_tensors
 
@@ -109,6 +109,40 @@ def _sharded(piece: dict, names, param, dim: int) -> dict:
     return {k: sharded_like(v, param, dim) if k in names else v for k, v in piece.items()}
 
 
+def _sharded_factors(piece: dict, param) -> dict:
+    """A "factored" matrix's factors under FSDP2, where each rank fits its own row shard
+    (docs/semantics.md): "row_factors" [3, rows] split as the rows are; "col_factors" [3, cols],
+    of this rank's rows alone, one block per rank (whole: [3 * ranks, cols]). As DTensors, so
+    that DCP keeps every rank's: a plain tensor it takes for a replica and keeps one copy of."""
+    if "col_factors" not in piece:
+        return piece
+    cols = piece["col_factors"]
+    return {**piece, "row_factors": sharded_like(piece["row_factors"], param, 1),
+            "col_factors": sharded_like(cols, param, 0, cols.shape[0] * param.device_mesh.size())}
+
+
+def _own_factors(host, x, parts: StateParts):
+    """A saved host piece with the "factored" factors this rank's rows use. A rank's own state
+    holds them as they are; a full state dict (StateDictOptions(full_state_dict=True)) brings
+    FSDP2's back whole ([3, all rows], [3 * ranks, cols]), and this rank takes its rows and its
+    block. Column factors fitted to another split of the rows (another number of ranks) fit no
+    shard here: the matrix starts as a state saved under another rule does (no factors until
+    its next install). Malformed factors are left for check() to refuse."""
+    rows, cols = (host.get(k) if isinstance(host, dict) else None
+                  for k in ("row_factors", "col_factors"))
+    if not (torch.is_tensor(rows) and torch.is_tensor(cols) and rows.ndim == cols.ndim == 2
+            and len(rows) == 3 and len(cols) % 3 == 0 and len(cols)):
+        return host
+    own_rows = x.local.shape[0]
+    if rows.shape[1] == own_rows and len(cols) == 3:
+        return host
+    if parts.sharded and rows.shape[1] == x.param.shape[0] and len(cols) == 3 * parts.world_size:
+        mine = Partition(rank=parts.rank, world_size=parts.world_size).rows(x.param.shape[0])
+        block = slice(3 * parts.rank, 3 * parts.rank + 3)
+        return {**host, "row_factors": rows[:, mine], "col_factors": cols[block]}
+    return {k: v for k, v in host.items() if k not in ("row_factors", "col_factors")}
+
+
 def _weight_bits(parts: StateParts, x):
     """The fingerprint of the weights this state goes with (OutsideWrites.weight_bits): one
     value per row, split across FSDP2 ranks as the rows are."""
@@ -142,6 +176,7 @@ def compose(parts: StateParts) -> dict:
         host_piece, device_piece = host["params"][m.host_index], m.selected.state_dict()
         if parts.sharded:
             host_piece = _sharded(host_piece, _HOST_TENSORS, m.param, 0 if m.param.ndim >= 2 else 1)
+            host_piece = _sharded_factors(host_piece, m.param)
             if m.param.ndim >= 2:   # a vector on the host (OffloadAdamW) selects no columns
                 device_piece = _sharded(device_piece, _COLUMN_TENSORS, m.param, 0)
         state[number[m.param]] = {"kind": "host", "host": host_piece, "device": device_piece,
@@ -259,6 +294,7 @@ def _check(parts: StateParts, state_dict: dict) -> dict:
     pieces, bits = {}, {}
     for m in parts.host_params:
         piece = pieces[m.param] = _local(_saved_piece(states.get(key[m.param]), "host", m.param))
+        piece["host"] = _own_factors(piece.get("host"), m, parts)
         if not saved.get("squares_saved", True) and isinstance(piece.get("host"), dict):
             piece = pieces[m.param] = {**piece, "host": with_squares(piece["host"])}
         what = f"the selected columns of the parameter of shape {tuple(m.param.shape)}"
