@@ -209,15 +209,20 @@ def test_bf16_sums_stay_close_to_fp32_sums():
     torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=0, atol=3e-4)
 
 
-def test_data_parallel_takes_moments_or_mean_credit():
-    """Each rank's column sums would be of its own rows: FSDP2's shards (whole rows, nothing
-    split) take "moments", which needs no other rank's rows; DDP's replicas, where each rank sums
-    only its rows of every matrix, take "mean", as where no sum can be on the device."""
-    from zenflow.host.credit import Credit, FactoredCredit, MomentsCredit, credit_for
-    assert isinstance(credit_for("factored", ALL, False, False), FactoredCredit)
-    assert type(credit_for("factored", ALL, True, False, True)) is MomentsCredit
-    for args in ((ALL, False, True, True), (0, True, False, False),
-                 ("auto", False, False, False)):
+def test_fsdp2_shards_take_factored_and_ddp_replicas_mean_credit():
+    """FSDP2's ranks hold whole rows (their shards) and each fits the factors of its own rows:
+    "factored" stays. DDP's replicas, where each rank sums only its share of every matrix's rows
+    and every replica must move alike, take "mean", as where no sum can be on the device."""
+    from zenflow.distributed import Partition
+    from zenflow.host.credit import Credit, FactoredCredit, credit_for
+    fsdp2 = Partition(rank=0, world_size=2, rows_are_local=True)
+    ddp = Partition(rank=0, world_size=2)
+    for cuda in (False, True):
+        for partition in (Partition(), fsdp2):
+            rule = credit_for("factored", ALL, cuda, partition.splits_rows)
+            assert type(rule) is FactoredCredit and rule.host_factors
+    for args in ((ALL, False, ddp.splits_rows), (ALL, True, ddp.splits_rows),
+                 (0, True, fsdp2.splits_rows), ("auto", False, fsdp2.splits_rows)):
         rule = credit_for("factored", *args)
         assert type(rule) is Credit and not rule.host_factors
 

@@ -12,7 +12,8 @@ window's deferred columns are credited with, from the window's end until its upd
               rates: a matrix that does not fit the device budget takes "mean"
     factored  "moments" with the squares as their row and column sums and the rates as a row
               factor times a column factor (zenflow/host/credit_factored.py): O(rows + cols)
-              beside the window sum, which may be bf16
+              beside the window sum, which may be bf16. Under FSDP2 each rank fits its own row
+              shard's factors, as if the shard were the whole matrix
 
 A rule is a `Credit` (zenflow/host/credit_base.py), called by the pipeline and the installs at
 fixed points of a step; the base class is "mean", whose every hook does nothing. Adding a rule is
@@ -143,26 +144,26 @@ class MomentsCredit(MovingCredit):
 CREDITS = {rule.name: rule for rule in (Credit, WindowCredit, MomentsCredit, FactoredCredit)}
 
 
-def takes_moments(name: str, budget: int | str, cuda: bool, splits_rows: bool,
-                  data_parallel: bool = False) -> bool:
+def takes_moments(name: str, budget: int | str, cuda: bool, splits_rows: bool) -> bool:
     """Whether deferred_credit `name` can put any matrix under a rule that moves the deferred
     columns on the device ("moments", "factored"; credit_for says why not)."""
-    rule = credit_for(name, budget, cuda, splits_rows, data_parallel)
-    return rule.name in ("moments", "factored")
+    return credit_for(name, budget, cuda, splits_rows).name in ("moments", "factored")
 
 
-def credit_for(name: str, budget: int | str, cuda: bool, splits_rows: bool,
-               data_parallel: bool = False) -> Credit:
-    """The rule `name` (deferred_credit). "moments" cannot apply under data parallel, where each
-    rank sums only its rows and every replica must move alike (the interim steps would need every
-    rank's sums and rates), nor where no sum can be on the device (a budget of 0; "auto" on a CPU
-    "device", which has none to spare): there every matrix takes "mean", and the host keeps no
-    rates. "factored" neither; under FSDP2 (`data_parallel`: any world size above 1, its shards
-    holding whole rows), where a rank's column sums of the squares would be of its own rows
-    only, it takes "moments", which needs no other rank's rows, where its squares and rates fit."""
+def credit_for(name: str, budget: int | str, cuda: bool, splits_rows: bool) -> Credit:
+    """The rule `name` (deferred_credit). "moments" and "factored" cannot apply where each rank
+    sums only its share of every matrix's rows and every replica must move alike (DDP:
+    `splits_rows`; the interim steps would need every rank's sums and rates), nor where no sum
+    can be on the device (a budget of 0; "auto" on a CPU "device", which has none to spare):
+    there every matrix takes "mean", and the host keeps no rates.
+
+    Under FSDP2 a rank's rows are its whole local shard, and each rank runs the rule on its own
+    rows: "moments" per value, and "factored" as if the shard were the whole matrix (the row
+    and column sums of its squares over its own rows, its own alpha for its rows and beta for
+    its shard). That is a finer fit than one factorization of the whole matrix: FSDP2's
+    "factored" equals one process's whose factors are fitted per row block (FSDP2's blocks of
+    ceil(rows / ranks) rows), not one process's "factored" (docs/semantics.md)."""
     no_room = budget == 0 or (budget == "auto" and not cuda)
     if name in ("moments", "factored") and (splits_rows or no_room):
         return Credit()
-    if name == "factored" and data_parallel:
-        return CREDITS["moments"]()
     return CREDITS[name]()

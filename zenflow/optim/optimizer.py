@@ -199,7 +199,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
         budget = self.settings.device_sum_budget
         credit = credit_for(self.settings.deferred_credit, budget, uses_cuda(self.device),
-                            self._partition.splits_rows, self._partition.active)
+                            self._partition.splits_rows)
         self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
                                       self.device, self.settings.overlap_step, worker_cores,
                                       self._timer, self._NAME, device_sum_budget=budget,
