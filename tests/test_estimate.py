@@ -260,12 +260,29 @@ def test_fsdp_shards_every_device_cost_but_not_the_host_state_by_hand():
     assert ddp["state_bytes"] == 16 * columns + 8 * indices + 12 * P_vec
     assert fsdp["state_bytes"] == 16 * columns // 4 + 8 * indices + 12 * P_vec // 4
     assert ddp["host_bytes"] == fsdp["host_bytes"] == r["per_host"]["zenflow"]["host_bytes_rank0"]
-    # With a device-sum budget FSDP2's shards take deferred_credit "moments" (DDP's replicas do
-    # not): the bf16 rates of the rank's rows too
+    # With a device-sum budget FSDP2's shards take the rule on their own rows (DDP's replicas
+    # take "mean"). "moments": the bf16 rates of the rank's rows too
     budget = estimate(shapes, torch.bfloat16, gpus=4, fsdp=4, gpu_memory_bytes=24 * GIB,
-                      measured=FIGURES, device_sum_budget=10 ** 9)["per_rank"]
+                      measured=FIGURES, device_sum_budget=10 ** 9,
+                      deferred_credit="moments")["per_rank"]
+    assert (budget["ddp"]["credit_rule"], budget["fsdp2"]["credit_rule"]) == ("mean", "moments")
     assert budget["fsdp2"]["host_bytes"] == ddp["host_bytes"] + 2 * P_mat // 4
     assert budget["ddp"]["host_bytes"] == ddp["host_bytes"]
+    # "factored" (the default): each rank fits its own rows' factors. Its host keeps them (fp32,
+    # 2 rows + 3 cols a matrix), its device 8 rows + 12 cols bytes a matrix beside the sums
+    # (on 80 GiB every sum and every matrix's factors fit, as DDP's sums do).
+    mats = [(shape[0], math.prod(shape[1:])) for _, shape in shapes if len(shape) >= 2]
+    assert len(mats) == 226
+    factored = estimate(shapes, torch.bfloat16, gpus=4, fsdp=4, gpu_memory_bytes=80 * GIB,
+                        measured=FIGURES)["per_rank"]
+    ddp80, fsdp80 = factored["ddp"], factored["fsdp2"]
+    assert (ddp80["credit_rule"], fsdp80["credit_rule"]) == ("mean", "factored")
+    assert (ddp80["moments_matrices"], fsdp80["moments_matrices"]) == (0, 226)
+    assert ddp80["device_sum_bytes"] == 2 * P_mat // 4   # every bf16 sum of the rank's rows
+    assert fsdp80["device_sum_bytes"] == ddp80["device_sum_bytes"] + sum(
+        8 * math.ceil(r / 4) + 12 * c for r, c in mats)
+    assert fsdp80["host_bytes"] == ddp80["host_bytes"] + 4 * sum(
+        2 * math.ceil(r / 4) + 3 * c for r, c in mats)
     assert ddp["sums_d2h_bytes_per_window"] == fsdp["sums_d2h_bytes_per_window"] == P_mat
     assert ddp["install_h2d_bytes_per_window"] == fsdp["install_h2d_bytes_per_window"] == P_mat // 2
     assert ddp["install_allgather_bytes_per_window"] == 2 * P_mat * 3 // 4

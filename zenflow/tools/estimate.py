@@ -128,6 +128,25 @@ def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
                         + sum(memory.rank_rows(1, 0, world) * n for n in vecs)))
 
 
+def _budget(asked: int | str, left_for_activations: int, activation_bytes: int,
+            gpu_memory_bytes: int, cpu: bool) -> int:
+    """device_sum_budget in bytes: as asked, or "auto" as the optimizer decides it (what the
+    device has left after its peak, less a tenth of its memory; 0 on a CPU device)."""
+    if asked != "auto":
+        return int(asked)
+    spare = left_for_activations - activation_bytes - int(0.1 * gpu_memory_bytes)
+    return 0 if cpu else max(0, spare)
+
+
+def place(rule, mats, world: int, budget: int, sum_item: int, dtype) -> tuple[list, list]:
+    """(summed on the device, moving) of rank 0's rows of the deferred matrices (k < columns;
+    indices into those) under `rule`, as the optimizer places them: every sum first, then, with
+    what is left, the rule's own state ("moments": the square, fp32, and the rate; "factored":
+    row and column statistics and factors)."""
+    deferred = [(memory.rank_rows(r, 0, world), c) for r, c, k in mats if k < c]
+    return rule.place([n * c for n, c in deferred], budget, sum_item, [dtype] * len(deferred), deferred)
+
+
 def per_host(mats, vecs, dtype: torch.dtype, world: int, overlap: bool, staging: int,
              moments: bool, device_summed: set[int], measured: dict | None) -> dict:
     """Host memory of ZenFlowAdamW and OffloadAdamW (every matrix has host state whatever
@@ -191,10 +210,11 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     `device_sum_budget`: bytes, or "auto" as the optimizer decides it (what the device has left
     after its peak, here the weights, gradients, device state, reserve and `activation_bytes`,
     less a tenth of its memory; 0 on a CPU device). `deferred_credit`: the optimizer's; "moments"
-    applies to the matrices summed on the device, on one GPU (data-parallel replicas take
-    "mean"). `attached`: the model is attached to the optimizer (`ZenFlowAdamW.attach`, or the
-    framework callbacks' attach=True), so each block's forward waits only for its own install;
-    else (the default, as zenflow.initialize runs) the step waits for the whole install.
+    and "factored" apply to the matrices summed on the device, on one GPU and on FSDP2's shards
+    (`per_rank`: each its own rows), not on DDP's replicas ("mean"). `attached`: the model is
+    attached to the optimizer (`ZenFlowAdamW.attach`, or the framework callbacks' attach=True),
+    so each block's forward waits only for its own install; else (the default, as
+    zenflow.initialize runs) the step waits for the whole install.
     `device_sum_dtype`: the optimizer's ("bfloat16": half the bytes of every device sum not
     under "moments", which the host widens once per window). `activation_note`: where
     `activation_bytes` came from (printed with it)."""
@@ -210,13 +230,12 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          f"equal to gpus={gpus}), got {fsdp!r}")
     item = torch.empty((), dtype=dtype).element_size()
     world, cpu = gpus, target == "cpu"
-    # as the optimizer decides it: DDP's replicas (world > 1) split rows, FSDP2's shards do not
-    rule = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=world > 1,
-                      data_parallel=world > 1)
+    # as the optimizer decides it: DDP's replicas (world > 1) split rows and take "mean";
+    # FSDP2's shards do not, and each rank runs the rule on its own rows
+    rule = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=world > 1)
+    shard_rule = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=False)
     moments = rule.name == "moments"   # per-value squares and rates: the host keeps rates too
-    # FSDP2's shards do not split rows: "moments" applies to them ("factored" does not)
-    sharded_moments = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=False,
-                                 data_parallel=world > 1).name == "moments"
+    budget_asked = device_sum_budget
     rate_item = rate_dtype(dtype).itemsize
     fig, fig_source = _figures(measured, target)
     gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
@@ -225,18 +244,10 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     gpu = memory.per_gpu(mats, vecs, item, gpu_memory_bytes)
 
     # -- where the window sums live (rank 0's rows: the largest share), as the optimizer decides
-    if device_sum_budget == "auto":
-        spare = (gpu["left_for_activations_bytes"]["zenflow"] - activation_bytes
-                 - int(0.1 * gpu_memory_bytes))
-        device_sum_budget = 0 if cpu else max(0, spare)
-    # every sum first; then, with what is left, the rule's own state ("moments": the square,
-    # fp32, and the rate; "factored": row and column statistics), as the optimizer places them
+    device_sum_budget = _budget(budget_asked, gpu["left_for_activations_bytes"]["zenflow"],
+                                activation_bytes, gpu_memory_bytes, cpu)
     sum_item = 2 if device_sum_dtype == "bfloat16" else 4
-    deferred = [(r, c) for r, c, k in mats if k < c]
-    rows = [memory.rank_rows(r, 0, world) for r, _ in deferred]
-    summed, moving = rule.place([n * c for n, (_, c) in zip(rows, deferred)],
-                                int(device_sum_budget), sum_item, [dtype] * len(deferred),
-                                [(n, c) for n, (_, c) in zip(rows, deferred)])
+    summed, moving = place(rule, mats, world, device_sum_budget, sum_item, dtype)
     counts = count(mats, vecs, item, rate_item, sum_item, world, set(summed), set(moving),
                    rule.name)
     # two staging slots where copies outlive the step (CUDA), one on a CPU device
@@ -248,7 +259,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                 "device_sum_dtype": device_sum_dtype, "moments_matrices": len(moving),
                 "credit_rule": rule.name,
                 "device_sum_matrices": len(summed),
-                "host_sum_matrices": len(deferred) - len(summed)})
+                "host_sum_matrices": len(deferred_index) - len(summed)})
 
     # -- the costs, the window and the step
     spd = speeds(fig, cpu, world)
@@ -280,9 +291,22 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                        "model_bytes": counts.params * item},
            "offload": {"d2h_bytes_per_step": cost.offload_d2h_bytes(counts),
                        "h2d_bytes_per_step": cost.offload_h2d_bytes(counts)}}
-    sharded = (memory.fits_per_rank(per_rank(mats, vecs, dtype, world, overlap, staging,
-                                             moments=sharded_moments), gpu_memory_bytes)
-               if fsdp else None)
+    sharded = None
+    if fsdp:
+        sharded = memory.fits_per_rank(per_rank(mats, vecs, dtype, world, overlap, staging,
+                                                shard_rule.name), gpu_memory_bytes)
+        # Each shard places the sums of its rows, and its rule's state beside them ("factored":
+        # 8 rows + 12 cols bytes a matrix, of its own rows), in what its device has left.
+        budget = _budget(budget_asked, sharded["fsdp2"]["left_for_activations_bytes"],
+                         activation_bytes, gpu_memory_bytes, cpu)
+        shard_summed, shard_moving = place(shard_rule, mats, world, budget, sum_item, dtype)
+        shard_counts = count(mats, vecs, item, rate_item, sum_item, world, set(shard_summed),
+                             set(shard_moving), shard_rule.name)
+        for layout, rule_name, sums_bytes, moved in (
+                ("ddp", rule.name, gpu["device_sum_bytes"], moving),
+                ("fsdp2", shard_rule.name, cost.device_sums_bytes(shard_counts), shard_moving)):
+            sharded[layout].update(credit_rule=rule_name, device_sum_bytes=sums_bytes,
+                                   moments_matrices=len(moved))
     return {"per_rank": sharded,
             "model": {"params": counts.params, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,

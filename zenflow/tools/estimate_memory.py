@@ -85,11 +85,12 @@ def _span(matrices: list, typed: bool = False) -> int:
 
 
 def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slots: int,
-                staging_slots: int, rates: bool = False, device_summed: set[int] = frozenset()
-                ) -> dict:
+                staging_slots: int, rates: bool = False, device_summed: set[int] = frozenset(),
+                factors: bool = False) -> dict:
     """Host memory of every rank on the host, from the optimizer's own HostLayout (two staging
     buffers where copies outlive the step, as on CUDA: zenflow/host/pipeline.py; "moments": the
-    rates, and always two sum slots), and what of it is page-locked (`pinned_bytes`; every rank
+    rates, and always two sum slots; `factors`: "factored"'s factors buffer), and what of it is
+    page-locked (`pinned_bytes`; every rank
     with rank 0's placement of the sums: `device_summed`, indices into `entries`, the others
     summed on the host). `entries`: (rows, columns, dtype) of each matrix."""
     total = arena = pinned = first = 0
@@ -97,7 +98,7 @@ def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slot
         layout = HostLayout.build([(rank_rows(rows, rank, gpus), cols, dtype)
                                    for rows, cols, dtype in entries],
                                   2 if rates else sum_slots, staging_slots=staging_slots,
-                                  rates=rates)
+                                  rates=rates, factors=factors)
         regions, size = plan(layout.regions())
         nbytes = sum(r.nbytes for r in regions)
         total, arena = total + nbytes, arena + size
@@ -109,12 +110,13 @@ def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slot
 
 
 def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dtype, world: int,
-             overlap: bool, staging_slots: int, moments: bool = False) -> dict:
+             overlap: bool, staging_slots: int, shard_credit: str = "mean") -> dict:
     """Bytes per rank of ZenFlowAdamW on `world` ranks, replicas (DDP) against row shards (FSDP2),
     for rank 0, which holds the largest share (ceil(rows / world) rows of every matrix, as both
     split them): the table of docs/fsdp2.md, exactly. `mats` holds (rows, columns, k) per matrix,
-    `vecs` each vector's length. Under FSDP2 a rank also holds one unsharded block's weights while
-    it computes (not counted: it depends on how the model was wrapped)."""
+    `vecs` each vector's length; `shard_credit`: the deferred-credit rule FSDP2's shards take
+    (DDP's replicas take "mean"). Under FSDP2 a rank also holds one unsharded block's weights
+    while it computes (not counted: it depends on how the model was wrapped)."""
     item = torch.empty((), dtype=dtype).element_size()
 
     def rows0(n: int) -> int:
@@ -129,9 +131,11 @@ def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dty
 
     entries = [(r, c, dtype) for r, c, _ in mats]
     host = host_memory(entries, world, 2 if overlap else 1, staging_slots)["host_bytes_rank0"]
-    # "moments" applies to FSDP2's shards (not to DDP's replicas, whose ranks sum their rows)
+    # "moments" and "factored" apply to FSDP2's shards (not to DDP's replicas, whose ranks sum
+    # their share of every matrix's rows): "moments"' rates, "factored"'s factors of its rows
     host_fsdp2 = host_memory(entries, world, 2 if overlap else 1, staging_slots,
-                             rates=moments)["host_bytes_rank0"]
+                             rates=shard_credit == "moments",
+                             factors=shard_credit == "factored")["host_bytes_rank0"]
     deferred = [(r, c) for r, c, k in mats if k < c]
     own = sum(rows0(r) * c for r, c in deferred)
     # with device sums: the fp32 sums of the rank's rows down, its rows (weights' dtype) up

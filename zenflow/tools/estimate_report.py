@@ -129,6 +129,7 @@ def _format_per_rank(pr: dict) -> list[str]:
     for name, key in (("device: weights", "weights_bytes"), ("device: gradients", "grads_bytes"),
                       ("device: ZenFlow state", "state_bytes"), ("device: total", "total_bytes"),
                       ("device: left for activations", "left_for_activations_bytes"),
+                      ("device: window sums, rule's state", "device_sum_bytes"),
                       ("host: ZenFlow state", "host_bytes"),
                       ("bus per window: fp32 sums down", "sums_d2h_bytes_per_window"),
                       ("bus per window: rows up", "install_h2d_bytes_per_window"),
@@ -136,6 +137,9 @@ def _format_per_rank(pr: dict) -> list[str]:
         out.append(f"  {name:<38}{_gib(d[key]):>18}{_gib(f[key]):>18}")
     out.append(f"  {'fits':<38}{'yes' if d['fits'] else 'NO':>18}"
                f"{'yes' if f['fits'] else 'NO':>18}")
+    out.append(f"  {'deferred credit (matrices moving)':<38}"
+               f"{d['credit_rule'] + ' (' + str(d['moments_matrices']) + ')':>18}"
+               f"{f['credit_rule'] + ' (' + str(f['moments_matrices']) + ')':>18}")
     out.append("  (FSDP2 also holds one unsharded block's weights while it computes; both "
                "exchange column norms, and FSDP2 two numbers per step for clipping)")
     return out
