@@ -10,6 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import zenflow
+from zenflow.distributed import local
 
 from helpers.dist_ranks import my_share, optimizer_kwargs
 from helpers.models import make_mlp
@@ -51,7 +52,8 @@ def _fsdp(rank, world, steps, options, result):
     model = sharded_mlp(options.get("mixed_precision", False))
     cls = zenflow.OffloadAdamW if options.get("offload") else zenflow.ZenFlowAdamW
     kwargs = dict(optimizer_kwargs(options.get("overlap", False), options.get("moments", False)),
-                  weight_decay=0.01, worker=options.get("worker", False))
+                  weight_decay=0.01, worker=options.get("worker", False),
+                  **options.get("settings", {}))   # knobs that override the tests' usual ones
     if cls is zenflow.OffloadAdamW:
         kwargs = {k: kwargs[k] for k in ("lr", "weight_decay", "max_grad_norm", "worker")}
     opt = cls(model.parameters(), **kwargs)
@@ -106,7 +108,8 @@ def _refused(rank, world, steps, options, result):
 def _resume(rank, world, steps, options, result):
     """20 steps straight, and 10 steps, a save of each rank's shards (the model's sharded state
     dict and the optimizer's per-rank state), a fresh model and optimizer loading them, 10 more."""
-    kwargs = dict(optimizer_kwargs(True), weight_decay=0.01, worker=True)
+    kwargs = dict(optimizer_kwargs(True), weight_decay=0.01, worker=True,
+                  **options.get("settings", {}))
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
         train(model, opt, 0, steps, rank, world)
@@ -116,6 +119,11 @@ def _resume(rank, world, steps, options, result):
         train(model, opt, 0, steps // 2, rank, world)
         saved = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
                  "optimizer": opt.state_dict()}
+        result["saved_window_steps"] = saved["optimizer"]["zenflow"]["window_steps"]
+        # "factored"'s factors of the first matrix, as this rank holds them
+        result["saved_factors"] = {k: tuple(local(t).shape) for k, t in
+                                   saved["optimizer"]["state"][0]["host"].items()
+                                   if k.endswith("_factors")}
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
         model.load_state_dict(saved["model"])
@@ -144,7 +152,8 @@ def dcp_load(model, opt, path: str) -> None:
 
 
 def _dcp_kwargs(options):
-    return dict(optimizer_kwargs(True), weight_decay=0.01, worker=options.get("worker", True))
+    return dict(optimizer_kwargs(True), weight_decay=0.01, worker=options.get("worker", True),
+                **options.get("settings", {}))
 
 
 def _dcp_resume(rank, world, steps, options, result):
@@ -197,6 +206,32 @@ def _dcp_resume(rank, world, steps, options, result):
                        options=whole)
         train(model, opt, steps // 2, steps, rank, world)
         result["resumed_whole"] = full_weights(model)
+
+
+def _dcp_factors(rank, world, steps, options, result):
+    """The DCP checkpoint _dcp_resume saved at step steps // 2 (options["dir"]), loaded where the
+    template asks for "factored"'s factors, which DCP reads only then (an optimizer places them
+    at its first step: a fresh one's template holds none): by an optimizer that has taken a few
+    steps of its own (options["stepped"]; each rank must get its own back), or by a fresh one
+    whose template the engine's with_saved_factors completes from the checkpoint's metadata.
+    Then the second half."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from zenflow.engine.checkpoint_dcp import with_saved_factors
+    model = sharded_mlp()
+    with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
+        if options.get("stepped"):
+            train(model, opt, 0, 3, rank, world)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        if not options.get("stepped"):
+            saved = dcp.FileSystemReader(options["dir"]).read_metadata().state_dict_metadata
+            optim_sd = with_saved_factors(optim_sd, saved)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=options["dir"])
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        result["loaded_step"] = opt.counters.step
+        train(model, opt, steps // 2, steps, rank, world)
+        result["resumed"] = full_weights(model)
 
 
 def _dcp_reshard(rank, world, steps, options, result):
@@ -313,7 +348,7 @@ def _engine_refused(rank, world, steps, options, result):
 
 MODES = {"fsdp": _fsdp, "engine": _engine, "engine_reshard": _engine_reshard,
          "engine_refused": _engine_refused, "refused": _refused, "resume": _resume, "dcp_resume": _dcp_resume,
-         "dcp_reshard": _dcp_reshard}
+         "dcp_reshard": _dcp_reshard, "dcp_factors": _dcp_factors}
 
 
 def _runs(rank, world, steps, options, result):
