@@ -358,6 +358,15 @@ class Partition:
         self._all_gather(what, out, padded)
         return out[:num_rows]
 
+    def gather_stacked(self, own: torch.Tensor, what: str) -> torch.Tensor:
+        """[world_size, *own.shape]: every rank's `own` (of one shape on every rank), in rank
+        order, on `self.device` (own must be there: see from_host)."""
+        if not self.active:
+            return own.unsqueeze(0)
+        out = own.new_empty(self.world_size * own.numel())   # gloo takes no stacked output
+        self._all_gather(what, out, own.contiguous())
+        return out.view(self.world_size, *own.shape)
+
     def own_rows_buffer(self, num_rows: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed [rows_per_rank, n] buffer on `self.device` for this rank's rows of a matrix
         like `like` ([num_rows, n]); fill its first rows, then gather_rows_into()."""
