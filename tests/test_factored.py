@@ -209,19 +209,19 @@ def test_bf16_sums_stay_close_to_fp32_sums():
     torch.testing.assert_close(out["bfloat16"], out["float32"], rtol=0, atol=3e-4)
 
 
-def test_fsdp2_shards_take_factored_and_ddp_replicas_mean_credit():
-    """FSDP2's ranks hold whole rows (their shards) and each fits the factors of its own rows:
-    "factored" stays. DDP's replicas, where each rank sums only its share of every matrix's rows
-    and every replica must move alike, take "mean", as where no sum can be on the device."""
+def test_fsdp2_shards_and_ddp_replicas_take_factored_credit():
+    """FSDP2's ranks hold whole rows (their shards) and each fits the factors of its own rows;
+    DDP's ranks each fit their row block of the replicas (tests/test_ddp_factored.py): "factored"
+    stays on both. Only where no sum can be on the device does every matrix take "mean"."""
     from zenflow.distributed import Partition
     from zenflow.host.credit import Credit, FactoredCredit, credit_for
     fsdp2 = Partition(rank=0, world_size=2, rows_are_local=True)
     ddp = Partition(rank=0, world_size=2)
     for cuda in (False, True):
-        for partition in (Partition(), fsdp2):
+        for partition in (Partition(), fsdp2, ddp):
             rule = credit_for("factored", ALL, cuda, partition.splits_rows)
             assert type(rule) is FactoredCredit and rule.host_factors
-    for args in ((ALL, False, ddp.splits_rows), (ALL, True, ddp.splits_rows),
+    for args in ((0, True, ddp.splits_rows), ("auto", False, ddp.splits_rows),
                  (0, True, fsdp2.splits_rows), ("auto", False, fsdp2.splits_rows)):
         rule = credit_for("factored", *args)
         assert type(rule) is Credit and not rule.host_factors

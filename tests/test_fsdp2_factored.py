@@ -12,10 +12,11 @@ import torch.distributed.checkpoint as dcp
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
 
+from helpers.ddp_factored_ranks import per_block_reference
 from helpers.dist_ranks import batch, optimizer_kwargs
 from helpers.fsdp_ranks import STEPS, run_fsdp
 from helpers.models import make_mlp, mlp_loss
-from helpers.spawn import ROWS, assert_ok, assert_same, rows_of
+from helpers.spawn import assert_ok, assert_same, rows_of
 
 WORLD = 2
 # Every window sum on the (CPU) device, with room for the factors: every matrix moves.
@@ -39,34 +40,11 @@ def ranks(tmp_path_factory):
     return out, ckpt
 
 
-def per_block_reference(steps: int) -> tuple[dict, list[list[int]]]:
-    """(weights, selected columns) of one process on the whole batch: the reference with each
-    matrix's factors fitted per FSDP2 row block, at the ranks' settings."""
-    model = make_mlp()
-    params = list(model.parameters())
-    matrices = [i for i, p in enumerate(params) if p.ndim >= 2]
-    assert [params[i].shape[0] for i in matrices] == ROWS
-    blocks = {i: [rows_of(rank, WORLD)[k] for rank in range(WORLD)]
-              for k, i in enumerate(matrices)}
-    kw = optimizer_kwargs(True)
-    ref = ReferenceZenFlow(params, lr=kw["lr"], weight_decay=0.01, topk_ratio=kw["topk_ratio"],
-                           update_interval=kw["update_interval"], overlap_step=True,
-                           max_grad_norm=kw["max_grad_norm"], select_interval=kw["select_interval"],
-                           deferred_credit="factored", row_blocks=blocks)
-    for t in range(steps):
-        x, y = batch(t)
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        ref.step([p.grad.clone() for p in params])
-    chosen = [ref.state[i]["on_device"].nonzero().flatten().tolist() for i in matrices]
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, chosen
-
-
 @pytest.mark.slow
 def test_each_rank_fits_its_own_shard_as_the_per_block_reference(ranks):
     out, _ = ranks
     runs = [r["factored"] for r in out]
-    weights, chosen = per_block_reference(STEPS)
+    weights, chosen = per_block_reference(STEPS, WORLD)   # FSDP2's shards are DDP's row blocks
     for r in runs:
         assert r["moments_matrices"] == 3   # every matrix under "factored"
         assert r["selections"] == runs[0]["selections"] == chosen

@@ -20,6 +20,8 @@ and in tests/programs/ (which put tests/ on sys.path themselves where they need 
     spawn.py            spawning gloo ranks on 127.0.0.1 and checking what they wrote
     dist_ranks.py       code that runs inside the DDP and engine ranks
     fsdp_ranks.py       code that runs inside the FSDP2 ranks
+    ddp_factored_ranks.py  code that runs inside the DDP ranks of deferred_credit="factored", and
+                        the reference fitted per row block they (and FSDP2's ranks) equal
     fsdp_frameworks.py  code that runs inside the FSDP2 ranks of Accelerate and Lightning
     collective_check.py collectives checked against a declared backend (NCCL on a CPU)
 """

@@ -149,8 +149,9 @@ class ZenFlowSettings(_Arguments):
     # + 12 cols bytes per matrix beside its sum, which may be bf16: ~2 bytes per parameter in
     # all, so it applies where "moments" does not fit); with bf16 weights and sums within 0.94% of
     # fp32-master AdamW at 4-step windows and 1.24% at 8 (benchmarks/README.md, "bf16 weights").
-    # Under FSDP2 each rank fits its own row shard's factors (a finer fit than one of the whole
-    # matrix); under DDP it takes "mean".
+    # On several ranks each rank fits its own row block's factors (FSDP2's shard, DDP's share of
+    # the replica's rows: a finer fit than one of the whole matrix); under DDP "moments" takes
+    # "mean".
     deferred_credit: DeferredCredit = "factored"
     # Install the deferred columns this fraction of the next host step ahead of the host's
     # values (0: the values). With overlap_step=True the device computes its gradients on

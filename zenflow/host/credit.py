@@ -13,7 +13,8 @@ window's deferred columns are credited with, from the window's end until its upd
     factored  "moments" with the squares as their row and column sums and the rates as a row
               factor times a column factor (zenflow/host/credit_factored.py): O(rows + cols)
               beside the window sum, which may be bf16. Under FSDP2 each rank fits its own row
-              shard's factors, as if the shard were the whole matrix
+              shard's factors, as if the shard were the whole matrix; under DDP each rank its
+              own row block's (zenflow/host/credit_replicas.py)
 
 A rule is a `Credit` (zenflow/host/credit_base.py), called by the pipeline and the installs at
 fixed points of a step; the base class is "mean", whose every hook does nothing. Adding a rule is
@@ -32,10 +33,12 @@ from zenflow.host.credit_base import (
     chunks_of,
 )
 from zenflow.host.credit_factored import FactoredCredit
+from zenflow.host.credit_replicas import ReplicaFactoredCredit
 from zenflow.host.layout import HostUpdate, rate_dtype
 
-__all__ = ["CREDITS", "Credit", "FactoredCredit", "MomentsCredit", "WindowCredit",
-           "choose_device_summed", "choose_placement", "credit_for", "takes_moments"]
+__all__ = ["CREDITS", "Credit", "FactoredCredit", "MomentsCredit", "ReplicaFactoredCredit",
+           "WindowCredit", "choose_device_summed", "choose_placement", "credit_for",
+           "on_replicas", "takes_moments"]
 
 
 class WindowCredit(Credit):
@@ -151,19 +154,37 @@ def takes_moments(name: str, budget: int | str, cuda: bool, splits_rows: bool) -
 
 
 def credit_for(name: str, budget: int | str, cuda: bool, splits_rows: bool) -> Credit:
-    """The rule `name` (deferred_credit). "moments" and "factored" cannot apply where each rank
-    sums only its share of every matrix's rows and every replica must move alike (DDP:
-    `splits_rows`; the interim steps would need every rank's sums and rates), nor where no sum
-    can be on the device (a budget of 0; "auto" on a CPU "device", which has none to spare):
-    there every matrix takes "mean", and the host keeps no rates.
+    """The rule `name` (deferred_credit). "moments" and "factored" cannot apply where no sum can
+    be on the device (a budget of 0; "auto" on a CPU "device", which has none to spare): there
+    every matrix takes "mean", and the host keeps no rates.
 
-    Under FSDP2 a rank's rows are its whole local shard, and each rank runs the rule on its own
-    rows: "moments" per value, and "factored" as if the shard were the whole matrix (the row
+    Each rank runs the rule on its own rows. Under FSDP2 a rank's rows are its whole local
+    shard: "moments" per value, and "factored" as if the shard were the whole matrix (the row
     and column sums of its squares over its own rows, its own alpha for its rows and beta for
-    its shard). That is a finer fit than one factorization of the whole matrix: FSDP2's
-    "factored" equals one process's whose factors are fitted per row block (FSDP2's blocks of
-    ceil(rows / ranks) rows), not one process's "factored" (docs/semantics.md)."""
+    its shard). Under DDP (`splits_rows`) each rank sums its share of every replica's rows and
+    every replica must move alike: "factored" fits each rank's row block the same way, and the
+    ranks gather the factors (O(rows + ranks * cols) a matrix per window; on_replicas() makes
+    the pipeline's rule of it); "moments" takes "mean" there, since its rates are per value and
+    gathering them would move a whole matrix per window. Fitted per block is finer than one
+    factorization of the whole matrix: "factored" on several ranks equals one process's whose
+    factors are fitted per row block of ceil(rows / ranks) rows, not one process's
+    (docs/semantics.md)."""
     no_room = budget == 0 or (budget == "auto" and not cuda)
-    if name in ("moments", "factored") and (splits_rows or no_room):
+    if (name in ("moments", "factored") and no_room) or (name == "moments" and splits_rows):
         return Credit()
     return CREDITS[name]()
+
+
+def on_replicas(credit: Credit, partition, whole_rows: list[int]) -> Credit:
+    """`credit` as the host pipeline of `partition` runs it, whose matrices have `whole_rows`
+    rows: under DDP (`partition.splits_rows`) "factored" fits each rank's row block and gathers
+    every rank's factors (ReplicaFactoredCredit); everything else as it is. "moments" cannot
+    run on replicas (credit_for gives "mean" there)."""
+    if not partition.splits_rows:
+        return credit
+    if type(credit) is FactoredCredit:
+        return ReplicaFactoredCredit(partition, whole_rows)
+    if isinstance(credit, MomentsCredit):
+        raise ValueError("deferred_credit='moments' cannot run on DDP replicas, whose ranks each "
+                         "sum their share of every matrix's rows (credit_for gives 'mean' there)")
+    return credit

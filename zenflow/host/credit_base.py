@@ -120,9 +120,11 @@ class Credit:
         """After the window's sums took this step's `rows` (times `coef`): the rule's own sums
         (`fresh`: the window's first gradient)."""
 
-    def interim(self, weights: dict[int, torch.Tensor], rows: dict[int, torch.Tensor],
+    def interim(self, weights: dict[int, torch.Tensor], grads: dict[int, torch.Tensor],
                 coef: torch.Tensor, sizes: dict[int, tuple[float, float]] | None) -> None:
-        """The interim step of the values the device does not update itself."""
+        """The interim step of the values the device does not update itself: `weights` and
+        `grads` are the [rows, cols] views of every row the device holds (a DDP replica's
+        every rank's)."""
 
     def clear(self) -> None:
         """A window with a skipped step: the rule's sums count for nothing."""
@@ -142,10 +144,22 @@ class Credit:
         its values, from `host` (a HostState)."""
         return []
 
+    def gather_rates(self, matrices: list[int], host) -> None:
+        """DDP: an install brings `matrices` new rates from `host` (a HostState), which holds
+        this rank's share of them; the rule's device state takes every rank's. A collective:
+        every rank calls it at the same install with the same matrices."""
+
+    def gather_loaded(self) -> None:
+        """DDP: after a load (or the first placement), the rule's device state that spans every
+        rank's rows from each rank's own. At every HostPipeline.place(), on every rank alike,
+        before anything of the step reads or installs that state."""
+
     def correct(self, weights: dict[int, torch.Tensor], sums: dict[int, torch.Tensor],
                 sizes: dict[int, tuple[float, float]], counts: dict[int, int]) -> None:
-        """An install's correction of the installed values `weights` for the `counts[i]`
-        gradients summed (in the window's device `sums`) since its update was handed off."""
+        """An install's correction of the installed values `weights` of this rank's rows (all
+        of them but under DDP, where each rank corrects its own before they are gathered) for
+        the `counts[i]` gradients summed (in the window's device `sums`) since its update was
+        handed off."""
 
     def device_owns(self, i: int, columns: torch.Tensor) -> None:
         """The device steps `columns` of matrix i itself (they were just written over)."""
@@ -185,8 +199,14 @@ class MovingCredit(Credit):
     A subclass says what its rates are (`rated`) and which matrices it moves (`moves`)."""
 
     def rated(self, values: list[torch.Tensor], chunk: list[int]) -> list[torch.Tensor]:
-        """`values` (of the matrices `chunk`) times their rates: new fp32 tensors."""
+        """`values` (of the matrices `chunk`, every row the device holds) times their rates: new
+        fp32 tensors."""
         raise NotImplementedError
+
+    def own_rated(self, values: list[torch.Tensor], chunk: list[int]) -> list[torch.Tensor]:
+        """rated() of this rank's own rows of the matrices (an install's correction): the same
+        where a rank's rows are all it holds; DDP's replicas hold every rank's."""
+        return self.rated(values, chunk)
 
     def host_update(self, i, adamw, num_grads, delayed, lookahead):
         if not self.moves(i):
@@ -202,8 +222,8 @@ class MovingCredit(Credit):
     def step_sizes(self, groups):
         return {i: (float(g["lr"]), step_bound(*g["betas"])) for i, g in groups.items()}
 
-    def interim(self, weights, rows, coef, sizes):
-        """weights[i] -= lr * clamp(coef * rows[i] * rate[i], -bound, bound), (lr, bound) =
+    def interim(self, weights, grads, coef, sizes):
+        """weights[i] -= lr * clamp(coef * grads[i] * rate[i], -bound, bound), (lr, bound) =
         sizes[i], computed in fp32 and rounded once: the interim step of every value the device
         does not update itself (its own columns are written over afterwards). `bound` is AdamW's
         own bound on a step, in units of lr (zenflow.adamw.step_bound): it keeps a value whose
@@ -211,12 +231,12 @@ class MovingCredit(Credit):
         long (an embedding's rare token) has v near 0 and a rate near 1 / eps. On a skipped step
         (coef 0) the step is 0. A few fused launches per (lr, bound) and chunk."""
         groups: dict[tuple, list[int]] = {}
-        for i in rows:
+        for i in grads:
             if self.moves(i):
                 groups.setdefault(sizes[i], []).append(i)
         for (lr, bound), indices in groups.items():
-            for chunk in chunks_of(indices, rows):
-                moves = self.rated(kept([rows[i] for i in chunk], coef), chunk)
+            for chunk in chunks_of(indices, grads):
+                moves = self.rated(kept([grads[i] for i in chunk], coef), chunk)
                 torch._foreach_mul_(moves, coef)
                 bounded_step([weights[i] for i in chunk], moves, bound, lr)
 
@@ -230,5 +250,5 @@ class MovingCredit(Credit):
             groups.setdefault((*sizes[i], counts[i]), []).append(i)
         for (lr, bound, count), indices in groups.items():
             for chunk in chunks_of(indices, sums):
-                moves = self.rated([sums[i].float() for i in chunk], chunk)
+                moves = self.own_rated([sums[i].float() for i in chunk], chunk)
                 bounded_step([weights[i] for i in chunk], moves, count * bound, lr)

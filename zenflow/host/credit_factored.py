@@ -54,17 +54,22 @@ class FactoredCredit(MovingCredit):
         spare = budget_bytes - sum_bytes * sum(numels[i] for i in summed)
         chosen = set(summed)
         moving = choose_device_summed(
-            [factor_bytes(*shapes[i]) if i in chosen else 0 for i in range(len(numels))],
+            [self.state_bytes(i, *shapes[i]) if i in chosen else 0 for i in range(len(numels))],
             spare, 1)
         return summed, moving
 
+    def state_bytes(self, i: int, rows: int, cols: int) -> int:
+        """Device bytes of matrix i's factored state beside its sum (`rows`: this rank's)."""
+        return factor_bytes(rows, cols)
+
     def allocate(self, moving, device):
-        def zeros(n):
-            return torch.zeros(n, dtype=torch.float32, device=device)
+        def zeros(*shape):
+            return torch.zeros(shape, dtype=torch.float32, device=device)
         for i, (rows, cols, _) in moving.items():
-            self.row_sq[i], self.alpha[i] = zeros(rows), zeros(rows)
+            self.row_sq[i], self.col_sq[i] = zeros(rows), zeros(cols)
+            alpha_shape, beta_shape = self.factor_shapes(i, rows, cols)
+            self.alpha[i], self.beta[i] = zeros(*alpha_shape), zeros(*beta_shape)
             self._alpha_column[i] = self.alpha[i].unsqueeze(1)   # [R, 1]: broadcast per row
-            self.col_sq[i], self.beta[i] = zeros(cols), zeros(cols)
             self.deferred[i] = torch.ones(cols, dtype=torch.float32, device=device)
         self._placed = True
         for i, values in self._restored.items():
@@ -75,8 +80,18 @@ class FactoredCredit(MovingCredit):
         for i in moving:
             self._mask(i)
 
+    def factor_shapes(self, i: int, rows: int, cols: int) -> tuple[tuple[int, ...], ...]:
+        """The shapes of matrix i's alpha and beta on the device (`rows`: this rank's)."""
+        return (rows,), (cols,)
+
+    def own_factors(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device's alpha of this rank's rows and beta of its row block: its whole alpha
+        and beta but under DDP (zenflow/host/credit_replicas.py)."""
+        return self.alpha[i], self.beta[i]
+
     def _device(self, i: int) -> tuple[torch.Tensor, ...]:
-        return self.row_sq[i], self.col_sq[i], self.alpha[i], self.beta[i]
+        """What this rank's state holds of matrix i's device state (saved, loaded)."""
+        return self.row_sq[i], self.col_sq[i], *self.own_factors(i)
 
     def moves(self, i):
         return i in self.alpha
@@ -150,8 +165,8 @@ class FactoredCredit(MovingCredit):
         return [(self.alpha[i], alpha), (self.beta[i], beta)]
 
     def device_owns(self, i, columns):
-        if i in self.beta:
-            self.beta[i].index_fill_(0, columns, 0.0)
+        if i in self.beta:   # its last dimension is the columns (DDP: one row per rank's block)
+            self.beta[i].index_fill_(-1, columns, 0.0)
 
     @property
     def interim_taken(self):
@@ -163,7 +178,7 @@ class FactoredCredit(MovingCredit):
         "moments" loads as its rates)."""
         factors = None
         if i in self.alpha:
-            factors = self.alpha[i].cpu(), self.beta[i].cpu()
+            factors = tuple(t.cpu() for t in self.own_factors(i))
         elif i in self._restored:
             factors = self._restored[i][2:]
         if factors is None:

@@ -45,7 +45,7 @@ from zenflow.distributed import Partition, local
 from zenflow.host import numa, pipeline_state
 from zenflow.host.buffers import HostState, landing_of
 from zenflow.host.commands import Accumulate, Update
-from zenflow.host.credit import Credit
+from zenflow.host.credit import Credit, on_replicas
 from zenflow.host.device_sums import DeviceSums
 from zenflow.host.early_copies import EarlyCopies
 from zenflow.host.layout import HostJob, HostLayout
@@ -96,7 +96,9 @@ class HostPipeline:
         shapes = [(len(range(host_view(local(p)).shape[0])[r]), host_view(local(p)).shape[1],
                    p.dtype) for p, r in zip(params, self.rows)]
         self.transfers = Transfers(device, copy_cores=worker_cores)
-        self.credit = credit if credit is not None else Credit()
+        # DDP: "factored" fits each rank's row block and gathers every rank's factors
+        self.credit = on_replicas(credit if credit is not None else Credit(), partition,
+                                  [host_view(local(p)).shape[0] for p in params])
         # A rule's rates go to the device through the host's rate buffers, and its squares
         # through the sum slot the window does not fill (zenflow/host/layout.py).
         rates = self.credit.host_rates
@@ -148,9 +150,11 @@ class HostPipeline:
         """Place the window sums and the credit rule's device state, once, at the first step
         (its backward has run: "auto" measures the room left), before anything installs: a
         reselection at the first step after a load installs the update in flight, with the
-        rates of the matrices the rule moves."""
+        rates of the matrices the rule moves. Every rank calls it at the same points (a
+        rule's collective may run here: Credit.gather_loaded)."""
         if not self.placement.placed:
             self.placement.place(self)
+        self.credit.gather_loaded()
 
     def stage(self, grads: dict[int, torch.Tensor], coef: torch.Tensor,
               sizes: dict[int, tuple[float, float]] | None = None) -> None:
@@ -168,8 +172,9 @@ class HostPipeline:
             fresh = [i for i in on_device if self.num_grads[i] == 0]
             self.device_sums.add(on_device, fresh, coef)
             self.credit.add(on_device, fresh, coef)
+            # every row the device holds moves (DDP: every rank's, alike on every replica)
             self.credit.interim({i: self.weights(i) for i in on_device if self.credit.moves(i)},
-                                on_device, coef, sizes)
+                                {i: host_view(grads[i]) for i in on_device}, coef, sizes)
             for i in on_device:
                 self.num_grads[i] += 1
             grads = {i: g for i, g in grads.items() if i not in self.device_sums}
@@ -336,8 +341,8 @@ class HostPipeline:
         self._install_reader = ticket
 
     def weights(self, i: int) -> torch.Tensor:
-        """The [rows, cols] view of parameter i that the device's steps write (this rank's: the
-        credit rules that move values never split rows across replicas)."""
+        """The [rows, cols] view of parameter i that the device's steps write: every row the
+        device holds (a DDP replica's every rank's, an FSDP2 shard's own)."""
         return host_view(local(self.params[i]).data)
 
     def fence(self) -> None:

@@ -41,10 +41,12 @@ class SumPlacement:
         pipe.early_copies.stop_watching(summed)
         _lock_copied_spans(pipe, summed)
         self.placed = True
+        # (DDP's ranks move the matrices every rank placed: fewer than `moving`, maybe)
+        moved = sum(map(pipe.credit.moves, range(len(matrices))))
         log.info("window sums of %d of %d matrices on the device (%.2f GiB of a budget of "
                  "%.2f GiB); the rest on the host; deferred_credit %r on %d of them",
                  len(summed), len(matrices), pipe.device_sums.nbytes() / 2**30,
-                 int(budget) / 2**30, pipe.credit.name, len(moving) if moving else len(matrices))
+                 int(budget) / 2**30, pipe.credit.name, moved if moving else len(matrices))
 
     def watch(self, pipe) -> None:
         """At a window end: with "auto" the sums were placed for the first step's activations

@@ -78,12 +78,10 @@ class Installs:
         if flight is None:
             return []
         moving = {j.matrix for j in flight.jobs if j.update.moments and self._credit.moves(j.matrix)}
-        queued = self._queue(flight.matrices, moving)
         num_grads = self._pipeline.num_grads
-        if sizes is not None:
-            for q in queued:
-                if q.matrix in moving and num_grads[q.matrix]:
-                    q.sizes, q.count = sizes[q.matrix], num_grads[q.matrix]
+        corrections = {} if sizes is None else {
+            i: (sizes[i], num_grads[i]) for i in flight.matrices if i in moving and num_grads[i]}
+        queued = self._queue(flight.matrices, moving, corrections)
         self._add(queued)
         return [q.matrix for q in queued]
 
@@ -94,10 +92,21 @@ class Installs:
         self._pipeline.take_masters(indices)
         self._add(self._queue(indices, set()))
 
-    def _queue(self, indices: list[int], with_rates: set[int]) -> list[QueuedInstall]:
+    def _queue(self, indices: list[int], with_rates: set[int],
+               corrections: dict[int, tuple[tuple[float, float], int]] | None = None
+               ) -> list[QueuedInstall]:
+        """Queue the copies; `corrections`: index -> ((lr, bound), gradients summed since the
+        hand-off) of the matrices the credit rule corrects. Under DDP each rank corrects its own
+        rows before the ranks gather them (no other rank has their window sums), at the copy;
+        elsewhere finishing corrects the installed values."""
+        corrections = corrections or {}
+        replicas = self._pipeline.partition.splits_rows
         self._pipeline.transfers.new_install()
-        queued = [QueuedInstall(i, ticket) for i, ticket in
-                  copy_rows_to_params(self._pipeline, indices, with_rates).items()]
+        tickets = copy_rows_to_params(self._pipeline, indices, with_rates,
+                                      corrections if replicas else {})
+        later = {} if replicas else corrections
+        queued = [QueuedInstall(i, ticket, *later.get(i, (None, 0)))
+                  for i, ticket in tickets.items()]
         self._pipeline.read_by(all_of(*(q.ticket for q in queued)))
         return queued
 
@@ -194,17 +203,24 @@ class Installs:
 
 
 def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
-                        with_rates: set[int] = frozenset()) -> dict[int, Ticket]:
+                        with_rates: set[int] = frozenset(),
+                        corrections: dict[int, tuple[tuple[float, float], int]] | None = None
+                        ) -> dict[int, Ticket]:
     """Queue the install buffer's values of `indices` into their parameters, every rank's rows
     (FSDP2: this rank's shard, which is all it holds), in the order given (the model's, as a
     forward reads them), with the credit rule's rates for the matrices `with_rates`; returns
     each one's Ticket (its batch's). NCCL's all-gather of the other ranks' rows runs on the
-    current stream, which waits for the copy first (a rule with rates never splits rows)."""
+    current stream, which waits for the copy first. Under DDP the rule's rates are gathered
+    from every rank first (one collective), and `corrections` (index -> ((lr, bound), count))
+    correct this rank's rows before the ranks gather them (Installs._queue)."""
     start = time.perf_counter()
     host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
+    corrections = corrections or {}
     tickets, nbytes = {}, 0
     batch, batch_pairs, batch_bytes = [], [], 0
     what = "installing host-updated rows"
+    if partition.splits_rows:
+        pipe.credit.gather_rates([i for i in indices if i in with_rates], host)
 
     def queue_batch() -> None:
         nonlocal batch, batch_pairs, batch_bytes, nbytes
@@ -222,10 +238,16 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
             # waits for the copy now, the host's next update only once it has been read.
             tickets[i] = transfers.to_device([(own[: values.shape[0]], values)])
             transfers.order_after([tickets[i]])
+            if i in corrections:
+                _correct_own_rows(pipe, i, own[: values.shape[0]], corrections[i])
             partition.gather_rows_into(param, own, what)
             nbytes += values.numel() * values.element_size()
             continue
         if partition.splits_rows:  # gloo: every rank's rows, gathered in host memory
+            if i in corrections:   # on the device, where the sums are, and back
+                own = values.to(pipe.device, copy=True)
+                _correct_own_rows(pipe, i, own, corrections[i])
+                values = own.to(partition.device)
             values = partition.gather_rows(values, param.shape[0], what)
         pairs = [(param, values)]
         if i in with_rates:
@@ -240,3 +262,11 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
     pipe.timer.moved(h2d=nbytes)
     pipe.timer.offload(time.perf_counter() - start)
     return tickets
+
+
+def _correct_own_rows(pipe: HostPipeline, i: int, own: torch.Tensor,
+                      correction: tuple[tuple[float, float], int]) -> None:
+    """The credit rule's install correction of this rank's rows `own` of matrix i (DDP), from
+    its own window sum, for `correction` = ((lr, bound), gradients summed since the hand-off)."""
+    sizes, count = correction
+    pipe.credit.correct({i: own}, pipe.device_sums.sums, {i: sizes}, {i: count})

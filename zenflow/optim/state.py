@@ -123,7 +123,8 @@ def _sharded_factors(piece: dict, param) -> dict:
 
 def _own_factors(host, x, parts: StateParts):
     """A saved host piece with the "factored" factors this rank's rows use. A rank's own state
-    holds them as they are; a full state dict (StateDictOptions(full_state_dict=True)) brings
+    (FSDP2's, or a DDP rank's, whose rows are its share of the replica's) holds them as they
+    are; a full state dict (StateDictOptions(full_state_dict=True)) brings
     FSDP2's back whole ([3, all rows], [3 * ranks, cols]), and this rank takes its rows and its
     block. Column factors fitted to another split of the rows (another number of ranks) fit no
     shard here: the matrix starts as a state saved under another rule does (no factors until
@@ -134,6 +135,9 @@ def _own_factors(host, x, parts: StateParts):
             and len(rows) == 3 and len(cols) % 3 == 0 and len(cols)):
         return host
     own_rows = x.local.shape[0]
+    if parts.replica_rows:   # DDP: this rank's host holds its share of the replica's rows
+        own_rows = len(range(own_rows)[Partition(rank=parts.rank,
+                                                 world_size=parts.world_size).rows(own_rows)])
     if rows.shape[1] == own_rows and len(cols) == 3:
         return host
     if parts.sharded and rows.shape[1] == x.param.shape[0] and len(cols) == 3 * parts.world_size:
