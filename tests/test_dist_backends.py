@@ -9,6 +9,7 @@ import torch
 
 import zenflow.distributed as zd
 
+from helpers.ddp_factored_ranks import FACTORED, run_ddp_factored
 from helpers.dist_ranks import single_process_run
 from helpers.spawn import STEPS, assert_ok, assert_same, run_ranks
 
@@ -47,6 +48,30 @@ def test_every_collective_gets_tensors_where_its_backend_wants_them(tmp_path, ba
         # (read through the engine's state_dict(), which installs the update in flight)
         assert_same(ranks[0]["weights"],
                     single_process_run(STEPS, overlap, synchronized=True)["weights"], exact=False)
+
+
+def test_ddp_factored_collectives_get_tensors_where_their_backend_wants_them(tmp_path):
+    """deferred_credit="factored" on DDP adds the all-gathers of the factors (at each install,
+    and at the first step after a load) and each rank's correction of its rows before they are
+    gathered: under a declared NCCL and under gloo (one spawn), no tensor reaches the group where
+    its backend does not take it, and both paths compute the same bits, through a resume."""
+    runs = {backend: ("checked", {"backend": backend, "settings": FACTORED})
+            for backend in ("nccl", "gloo")}
+    ranks = run_ddp_factored(tmp_path, runs)
+    assert_ok(ranks)
+    for r in ranks:
+        for backend in ("nccl", "gloo"):
+            run = r[backend]
+            assert run["violations"] == [], run["violations"][:5]
+            assert run["moments_matrices"] == 3
+            assert {"installing deferred_credit='factored' factors",
+                    "gathering loaded deferred_credit='factored' factors"} <= set(run["purposes"])
+            assert_same(run["resumed"], run["straight"], exact=True)
+            assert_same(run["weights"], ranks[0]["gloo"]["weights"], exact=True)
+        # not vacuous: the host's factors handed to NCCL as they are would be caught
+        probes = r["nccl"]["probe_violations"]
+        assert probes and all("host memory" in v for v in probes), probes
+        assert r["gloo"]["probe_violations"] == []
 
 
 def test_partition_takes_its_device_from_the_backend(monkeypatch):
