@@ -261,7 +261,8 @@ def test_fsdp_shards_every_device_cost_but_not_the_host_state_by_hand():
     assert fsdp["state_bytes"] == 16 * columns // 4 + 8 * indices + 12 * P_vec // 4
     assert ddp["host_bytes"] == fsdp["host_bytes"] == r["per_host"]["zenflow"]["host_bytes_rank0"]
     # With a device-sum budget FSDP2's shards take the rule on their own rows (DDP's replicas
-    # take "mean"). "moments": the bf16 rates of the rank's rows too
+    # take "mean" for "moments", whose rates are per value). "moments": the bf16 rates of the
+    # rank's rows too
     budget = estimate(shapes, torch.bfloat16, gpus=4, fsdp=4, gpu_memory_bytes=24 * GIB,
                       measured=FIGURES, device_sum_budget=10 ** 9,
                       deferred_credit="moments")["per_rank"]
@@ -269,20 +270,27 @@ def test_fsdp_shards_every_device_cost_but_not_the_host_state_by_hand():
     assert budget["fsdp2"]["host_bytes"] == ddp["host_bytes"] + 2 * P_mat // 4
     assert budget["ddp"]["host_bytes"] == ddp["host_bytes"]
     # "factored" (the default): each rank fits its own rows' factors. Its host keeps them (fp32,
-    # 2 rows + 3 cols a matrix), its device 8 rows + 12 cols bytes a matrix beside the sums
-    # (on 80 GiB every sum and every matrix's factors fit, as DDP's sums do).
+    # 2 rows + 3 cols a matrix), an FSDP2 shard's device 8 rows + 12 cols bytes a matrix beside
+    # the sums, a DDP replica's every rank's factors beside its own rows' statistics: 4 own
+    # rows + 4 rows + 8 cols + 4 ranks cols, which it all-gathers at each install (on 80 GiB
+    # every sum and every matrix's factors fit on both).
     mats = [(shape[0], math.prod(shape[1:])) for _, shape in shapes if len(shape) >= 2]
     assert len(mats) == 226
     factored = estimate(shapes, torch.bfloat16, gpus=4, fsdp=4, gpu_memory_bytes=80 * GIB,
                         measured=FIGURES)["per_rank"]
     ddp80, fsdp80 = factored["ddp"], factored["fsdp2"]
-    assert (ddp80["credit_rule"], fsdp80["credit_rule"]) == ("mean", "factored")
-    assert (ddp80["moments_matrices"], fsdp80["moments_matrices"]) == (0, 226)
-    assert ddp80["device_sum_bytes"] == 2 * P_mat // 4   # every bf16 sum of the rank's rows
-    assert fsdp80["device_sum_bytes"] == ddp80["device_sum_bytes"] + sum(
+    assert (ddp80["credit_rule"], fsdp80["credit_rule"]) == ("factored", "factored")
+    assert (ddp80["moments_matrices"], fsdp80["moments_matrices"]) == (226, 226)
+    sums = 2 * P_mat // 4   # every bf16 sum of the rank's rows
+    assert fsdp80["device_sum_bytes"] == sums + sum(
         8 * math.ceil(r / 4) + 12 * c for r, c in mats)
-    assert fsdp80["host_bytes"] == ddp80["host_bytes"] + 4 * sum(
+    assert ddp80["device_sum_bytes"] == sums + sum(
+        4 * math.ceil(r / 4) + 4 * r + 8 * c + 4 * 4 * c for r, c in mats)
+    assert fsdp80["host_bytes"] == ddp80["host_bytes"] == ddp["host_bytes"] + 4 * sum(
         2 * math.ceil(r / 4) + 3 * c for r, c in mats)
+    assert ddp80["install_allgather_bytes_per_window"] == 2 * P_mat * 3 // 4 + 4 * sum(
+        r - math.ceil(r / 4) + 3 * c for r, c in mats)   # the other 3 ranks' alpha and beta
+    assert fsdp80["install_allgather_bytes_per_window"] == 0
     assert ddp["sums_d2h_bytes_per_window"] == fsdp["sums_d2h_bytes_per_window"] == P_mat
     assert ddp["install_h2d_bytes_per_window"] == fsdp["install_h2d_bytes_per_window"] == P_mat // 2
     assert ddp["install_allgather_bytes_per_window"] == 2 * P_mat * 3 // 4
@@ -464,9 +472,12 @@ def test_factored_credit_fits_every_sum_of_llama2_7b_where_moments_fits_few():
     assert (q["rule"], q["moments_share"]) == ("factored", 1.0)
     assert q["held_out_loss_gap_pct"] == dict(QUALITY_BY_WINDOW["factored"])[4]
     assert moments["quality"]["held_out_loss_gap_pct"] > 2 * q["held_out_loss_gap_pct"]
-    # under data parallel each rank sums its rows only: every matrix takes "mean"
-    ddp = estimate(shapes, gpus=4, deferred_credit="factored", **common)
-    assert ddp["per_gpu"]["moments_matrices"] == 0
+    # under DDP each rank fits its own row block: every matrix too, with every rank's factors
+    # beside the quarter of each sum it keeps (host/credit_replicas.py)
+    ddp = estimate(shapes, gpus=4, deferred_credit="factored", **common)["per_gpu"]
+    assert (ddp["credit_rule"], ddp["moments_matrices"]) == ("factored", 226)
+    assert ddp["device_sum_bytes"] == sum(2 * math.ceil(r / 4) * c + 4 * math.ceil(r / 4)
+                                          + 4 * r + 8 * c + 4 * 4 * c for r, c in deferred)
 
 
 def test_activations_are_estimated_from_the_shapes_by_default():

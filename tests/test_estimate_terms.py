@@ -69,6 +69,14 @@ def test_the_factored_bytes_per_step_by_hand():
                          fingerprint=50.0, d2h=1, h2d=1)
     assert cost.sum_add_s(c, speeds) == pytest.approx(12 * (6 + 92) / 100 + 2 * 2 * 12 / 50)
     assert cost.fingerprint_s(c, speeds) == 0   # its matrices are looked at every step instead
+    # On rank 0 of 2 DDP replicas of a [6, 4] matrix (its 3 rows are the 12 above): the interim
+    # step moves the other rank's 12 values too, and the device holds (and each install gathers)
+    # the other rank's alpha of 3 rows and beta of 4 columns.
+    ddp = cost.Counts(**{**c.__dict__, "world": 2, "deferred_params_all": 24,
+                         "factored_other_factors": 3 + 4, "factored_other_params": 12})
+    assert cost.sum_add_bytes(ddp) == cost.sum_add_bytes(c) + 12 * 54
+    assert cost.device_sums_bytes(ddp) == cost.device_sums_bytes(c) + 4 * 7
+    assert cost.install_allgather_bytes(ddp) == 2 * 12 + 4 * 7
 
 
 def test_the_moments_bytes_per_step_by_hand():

@@ -5,8 +5,9 @@ alone (a Hugging Face config, a bench preset or a shape list) plus measured figu
 
 `estimate()` puts together: the memory (estimate_memory.py: exact where the package decides it,
 the host's from the optimizer's own HostLayout), where the window sums live (the optimizer's own
-placement rule), the costs (estimate_terms.py: one function per cost, its formula in code) and
-the step-time model (estimate_time.py). The command is estimate_cli.py; what it prints,
+placement rule, estimate_counts.py, which counts what the costs read), the costs
+(estimate_terms.py: one function per cost, its formula in code) and the step-time model
+(estimate_time.py). The command is estimate_cli.py; what it prints,
 estimate_report.py.
 """
 from __future__ import annotations
@@ -15,14 +16,15 @@ import math
 
 import torch
 
+from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes
-from zenflow.host.credit import credit_for
+from zenflow.host.credit import credit_for, on_replicas
 from zenflow.host.device_sums import sum_dtype
 from zenflow.host.layout import rate_dtype
-from zenflow.optim.importance import num_selected
 from zenflow.tools import estimate_memory as memory
 from zenflow.tools import estimate_terms as cost
 from zenflow.tools import estimate_time as timing
+from zenflow.tools.estimate_counts import count, place, split_shapes
 from zenflow.tools.estimate_memory import GIB, RESERVE_BYTES, per_rank
 from zenflow.tools.estimate_terms import Counts, Speeds
 from zenflow.tools.estimate_terms import exposed_install_s as _exposed_install_s
@@ -84,50 +86,6 @@ def speeds(fig: dict, cpu: bool, world: int) -> Speeds:
                   fingerprint=fig["device_fingerprint_bytes_per_s"], d2h=d2h, h2d=h2d)
 
 
-def split_shapes(shapes, topk_ratio: float) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """(rows, columns, k selected columns) of each matrix (a tensor of 2 or more dimensions,
-    viewed [rows, the rest]) and the length of each vector, as the optimizer views them."""
-    mats, vecs = [], []
-    for _, shape in shapes:
-        n = math.prod(shape)
-        if len(shape) >= 2:
-            rows, cols = shape[0], n // shape[0]
-            mats.append((rows, cols, num_selected(topk_ratio, cols)))
-        else:
-            vecs.append(n)
-    return mats, vecs
-
-
-def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
-          on_device: set[int], moving: set[int], rule: str = "moments") -> Counts:
-    """The Counts of rank 0, where `on_device` and `moving` index the deferred matrices (k <
-    columns) whose sums are on the device, and of those the ones under `rule` ("moments" or
-    "factored")."""
-    deferred = [(r, c) for r, c, k in mats if k < c]
-    share = [memory.rank_rows(r, 0, world) * c for r, c in deferred]
-
-    def total(where) -> int:
-        return sum(n for i, n in enumerate(share) if where(i))
-    return Counts(
-        item=item, rate_item=rate_item, sum_item=sum_item, world=world,
-        params=sum(r * c for r, c, _ in mats) + sum(vecs), vector_params=sum(vecs),
-        selected_params=sum(r * k for r, _, k in mats),
-        # gathering a column reads every 64-byte line that holds one of its values: sparse
-        # columns cost nearly the whole matrix's traffic
-        touched_bytes=sum(r * min(c * item, k * cost.CACHE_LINE) for r, c, k in mats if k),
-        rank_matrix_params=sum(memory.rank_rows(r, 0, world) * c for r, c, _ in mats),
-        deferred_params_all=sum(r * c for r, c in deferred),
-        host_summed=total(lambda i: i not in on_device),
-        device_plain=total(lambda i: i in on_device and i not in moving),
-        device_moments=total(lambda i: i in moving) if rule == "moments" else 0,
-        device_factored=total(lambda i: i in moving) if rule == "factored" else 0,
-        factored_rows=sum(memory.rank_rows(deferred[i][0], 0, world) for i in moving)
-        if rule == "factored" else 0,
-        factored_cols=sum(deferred[i][1] for i in moving) if rule == "factored" else 0,
-        offload_params=(sum(memory.rank_rows(r, 0, world) * c for r, c, _ in mats)
-                        + sum(memory.rank_rows(1, 0, world) * n for n in vecs)))
-
-
 def _budget(asked: int | str, left_for_activations: int, activation_bytes: int,
             gpu_memory_bytes: int, cpu: bool) -> int:
     """device_sum_budget in bytes: as asked, or "auto" as the optimizer decides it (what the
@@ -136,15 +94,6 @@ def _budget(asked: int | str, left_for_activations: int, activation_bytes: int,
         return int(asked)
     spare = left_for_activations - activation_bytes - int(0.1 * gpu_memory_bytes)
     return 0 if cpu else max(0, spare)
-
-
-def place(rule, mats, world: int, budget: int, sum_item: int, dtype) -> tuple[list, list]:
-    """(summed on the device, moving) of rank 0's rows of the deferred matrices (k < columns;
-    indices into those) under `rule`, as the optimizer places them: every sum first, then, with
-    what is left, the rule's own state ("moments": the square, fp32, and the rate; "factored":
-    row and column statistics and factors)."""
-    deferred = [(memory.rank_rows(r, 0, world), c) for r, c, k in mats if k < c]
-    return rule.place([n * c for n, c in deferred], budget, sum_item, [dtype] * len(deferred), deferred)
 
 
 def per_host(mats, vecs, dtype: torch.dtype, world: int, overlap: bool, staging: int,
@@ -210,8 +159,9 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     `device_sum_budget`: bytes, or "auto" as the optimizer decides it (what the device has left
     after its peak, here the weights, gradients, device state, reserve and `activation_bytes`,
     less a tenth of its memory; 0 on a CPU device). `deferred_credit`: the optimizer's; "moments"
-    and "factored" apply to the matrices summed on the device, on one GPU and on FSDP2's shards
-    (`per_rank`: each its own rows), not on DDP's replicas ("mean"). `attached`: the model is
+    and "factored" apply to the matrices summed on the device, each rank on its own rows (FSDP2's
+    shards: `per_rank`); DDP's replicas hold every rank's "factored" factors and take "mean" for
+    "moments". `attached`: the model is
     attached to the optimizer (`ZenFlowAdamW.attach`, or the framework callbacks' attach=True),
     so each block's forward waits only for its own install; else (the default, as
     zenflow.initialize runs) the step waits for the whole install.
@@ -230,8 +180,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          f"equal to gpus={gpus}), got {fsdp!r}")
     item = torch.empty((), dtype=dtype).element_size()
     world, cpu = gpus, target == "cpu"
-    # as the optimizer decides it: DDP's replicas (world > 1) split rows and take "mean";
-    # FSDP2's shards do not, and each rank runs the rule on its own rows
+    # as the optimizer decides it: each rank runs the rule on its own rows; DDP's replicas
+    # (world > 1) hold every rank's "factored" factors too, and take "mean" for "moments"
     rule = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=world > 1)
     shard_rule = credit_for(deferred_credit, device_sum_budget, not cpu, splits_rows=False)
     moments = rule.name == "moments"   # per-value squares and rates: the host keeps rates too
@@ -240,6 +190,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     fig, fig_source = _figures(measured, target)
     gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
     mats, vecs = split_shapes(shapes, topk_ratio)
+    # (placed with rank 0's rows and every rank's factors of the deferred matrices)
+    rule = on_replicas(rule, Partition(rank=0, world_size=world), [r for r, c, k in mats if k < c])
     P_mat, P_vec = sum(r * c for r, c, _ in mats), sum(vecs)
     gpu = memory.per_gpu(mats, vecs, item, gpu_memory_bytes)
 
@@ -249,7 +201,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     sum_item = 2 if device_sum_dtype == "bfloat16" else 4
     summed, moving = place(rule, mats, world, device_sum_budget, sum_item, dtype)
     counts = count(mats, vecs, item, rate_item, sum_item, world, set(summed), set(moving),
-                   rule.name)
+                   rule.name, replicas=True)
     # two staging slots where copies outlive the step (CUDA), one on a CPU device
     staging = 2 if target == "cuda" else 1
     deferred_index = [i for i, (_, cols, k) in enumerate(mats) if k < cols]   # into mats
@@ -294,7 +246,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     sharded = None
     if fsdp:
         sharded = memory.fits_per_rank(per_rank(mats, vecs, dtype, world, overlap, staging,
-                                                shard_rule.name), gpu_memory_bytes)
+                                                shard_rule.name, rule.name), gpu_memory_bytes)
         # Each shard places the sums of its rows, and its rule's state beside them ("factored":
         # 8 rows + 12 cols bytes a matrix, of its own rows), in what its device has left.
         budget = _budget(budget_asked, sharded["fsdp2"]["left_for_activations_bytes"],
@@ -307,6 +259,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                 ("fsdp2", shard_rule.name, cost.device_sums_bytes(shard_counts), shard_moving)):
             sharded[layout].update(credit_rule=rule_name, device_sum_bytes=sums_bytes,
                                    moments_matrices=len(moved))
+        # the replicas' rows, and their "factored" factors, as the rows' placement has them
+        sharded["ddp"]["install_allgather_bytes_per_window"] = cost.install_allgather_bytes(counts)
     return {"per_rank": sharded,
             "model": {"params": counts.params, "matrices": len(mats), "matrix_params": P_mat,
                       "vectors": len(vecs), "vector_params": P_vec,

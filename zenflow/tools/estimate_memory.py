@@ -110,13 +110,15 @@ def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slot
 
 
 def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dtype, world: int,
-             overlap: bool, staging_slots: int, shard_credit: str = "mean") -> dict:
+             overlap: bool, staging_slots: int, shard_credit: str = "mean",
+             replica_credit: str = "mean") -> dict:
     """Bytes per rank of ZenFlowAdamW on `world` ranks, replicas (DDP) against row shards (FSDP2),
     for rank 0, which holds the largest share (ceil(rows / world) rows of every matrix, as both
     split them): the table of docs/fsdp2.md, exactly. `mats` holds (rows, columns, k) per matrix,
-    `vecs` each vector's length; `shard_credit`: the deferred-credit rule FSDP2's shards take
-    (DDP's replicas take "mean"). Under FSDP2 a rank also holds one unsharded block's weights
-    while it computes (not counted: it depends on how the model was wrapped)."""
+    `vecs` each vector's length; `shard_credit`, `replica_credit`: the deferred-credit rule
+    FSDP2's shards and DDP's replicas take (DDP's: "factored" or "mean"). Under FSDP2 a rank
+    also holds one unsharded block's weights while it computes (not counted: it depends on how
+    the model was wrapped)."""
     item = torch.empty((), dtype=dtype).element_size()
 
     def rows0(n: int) -> int:
@@ -130,9 +132,10 @@ def per_rank(mats: list[tuple[int, int, int]], vecs: list[int], dtype: torch.dty
                 "total_bytes": 2 * weights + state}
 
     entries = [(r, c, dtype) for r, c, _ in mats]
-    host = host_memory(entries, world, 2 if overlap else 1, staging_slots)["host_bytes_rank0"]
-    # "moments" and "factored" apply to FSDP2's shards (not to DDP's replicas, whose ranks sum
-    # their share of every matrix's rows): "moments"' rates, "factored"'s factors of its rows
+    # Each rank's host keeps its rule's own state of its rows: "moments"' rates (FSDP2's shards
+    # only: DDP's replicas take "mean" for it), "factored"'s factors
+    host = host_memory(entries, world, 2 if overlap else 1, staging_slots,
+                       factors=replica_credit == "factored")["host_bytes_rank0"]
     host_fsdp2 = host_memory(entries, world, 2 if overlap else 1, staging_slots,
                              rates=shard_credit == "moments",
                              factors=shard_credit == "factored")["host_bytes_rank0"]

@@ -36,6 +36,11 @@ class Counts:
     device_factored: int = 0  # the rank's rows of deferred matrices under "factored"
     factored_rows: int = 0    # ... their rows, and their columns: the O(rows + cols) statistics
     factored_cols: int = 0    # and factors beside each sum (host/credit_factored.py)
+    # DDP's replicas (host/credit_replicas.py): the other ranks' factors of the "factored"
+    # matrices, which every replica holds and gathers at each install (fp32 values: alpha of
+    # their rows, beta of their blocks), and the other ranks' rows, which its interim step moves
+    factored_other_factors: int = 0
+    factored_other_params: int = 0
 
     @property
     def device_summed(self) -> int:
@@ -96,8 +101,11 @@ def install_h2d_bytes(c: Counts) -> int:
 
 def install_allgather_bytes(c: Counts) -> int:
     """Per window, several ranks: every rank installs its rows and all-gathers the other ranks'
-    on the device (NCCL; DDP's replicas must end equal)."""
-    return c.item * (c.deferred_params_all - c.deferred) if c.world > 1 else 0
+    on the device (NCCL; DDP's replicas must end equal), and the other ranks' "factored"
+    factors."""
+    if c.world == 1:
+        return 0
+    return c.item * (c.deferred_params_all - c.deferred) + FP32 * c.factored_other_factors
 
 
 def offload_d2h_bytes(c: Counts) -> int:
@@ -115,7 +123,8 @@ def device_sums_bytes(c: Counts) -> int:
     "moments" matrix's fp32 sum, its fp32 squares and its rates; a "factored" one's sum."""
     return (c.sum_item * (c.device_plain + c.device_factored)
             + (FP32 + FP32 + c.rate_item) * c.device_moments
-            + 8 * c.factored_rows + 12 * c.factored_cols)   # credit_factored.factor_bytes
+            + 8 * c.factored_rows + 12 * c.factored_cols   # credit_factored.factor_bytes
+            + FP32 * c.factored_other_factors)             # DDP: credit_replicas' too
 
 
 # ------------------------------------------------------------------------------- host passes
@@ -156,7 +165,8 @@ def sum_add_bytes(c: Counts) -> int:
     return (c.device_plain * plain
             + c.device_moments * (moments_sum + squares_bytes(c) + interim_step_bytes(c))
             + c.device_factored * (plain + factored_squares_bytes(c)
-                                   + factored_interim_bytes(c)))
+                                   + factored_interim_bytes(c))
+            + c.factored_other_params * factored_interim_bytes(c))   # DDP: the whole replica
 
 
 def factored_squares_bytes(c: Counts) -> int:
