@@ -20,8 +20,9 @@ small keys, no collective) and find out who is there:
   (evaluation on rank 0 only, then a barrier) knows it will not come and reads at once.
 
 Periods are counted by this object (one per optimizer step), not by the engine's step counter,
-which a checkpoint load rewinds; each engine gets its own key prefix, in creation order, which
-is the same on every rank.
+which a checkpoint load rewinds; each engine gets its own key prefix, in creation order under
+the default process group, which is the same on every rank (a process that builds a new group
+after destroy_process_group() counts from 0 again, as the other ranks' new processes do).
 """
 from __future__ import annotations
 
@@ -38,12 +39,21 @@ from zenflow.compat.deepspeed import comm
 POLL_S = 0.002
 # The meeting points `missing_from` waits in: the engine's collective methods.
 MEETINGS = ("save_checkpoint", "save_16bit_model")
-_engines = itertools.count()
+_numbering: list = [None, itertools.count()]   # the default group, and its engines so far
+
+
+def _engine_number() -> int:
+    """This engine's number under the default process group (the group object is held, so a
+    later group cannot take its id)."""
+    group = dist.group.WORLD
+    if _numbering[0] is not group:
+        _numbering[:] = [group, itertools.count()]
+    return next(_numbering[1])
 
 
 class StepAgreement:
     def __init__(self, store, rank: int, world_size: int):
-        self._store = dist.PrefixStore(f"zenflow/engine{next(_engines)}/", store)
+        self._store = dist.PrefixStore(f"zenflow/engine{_engine_number()}/", store)
         self.rank = rank
         self.world_size = world_size
         self.period = 0

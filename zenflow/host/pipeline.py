@@ -173,8 +173,10 @@ class HostPipeline:
             self.device_sums.add(on_device, fresh, coef)
             self.credit.add(on_device, fresh, coef)
             # every row the device holds moves (DDP: every rank's, alike on every replica)
+            whole = ({i: host_view(grads[i]) for i in on_device} if self.partition.splits_rows
+                     else on_device)
             self.credit.interim({i: self.weights(i) for i in on_device if self.credit.moves(i)},
-                                {i: host_view(grads[i]) for i in on_device}, coef, sizes)
+                                whole, coef, sizes)
             for i in on_device:
                 self.num_grads[i] += 1
             grads = {i: g for i, g in grads.items() if i not in self.device_sums}
