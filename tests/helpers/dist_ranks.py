@@ -268,33 +268,36 @@ def _checked(rank, world, overlap, steps, out_dir, options, result):
     taint = HostTaint()
     checked = CheckedDist(dist, options["backend"], torch.device("cpu"), taint)
     zd.dist = checked
-    config = engine_config(overlap, world, options.get("update_interval", 3))
-    ckpt = os.path.join(out_dir, "ckpt")
-    engine, *_ = zenflow.initialize(model=make_mlp(), config=config)
-    taint.add_arena(engine.optimizer)
-    with taint:
-        _train_engine(engine, steps // 2)
-        engine.save_checkpoint(ckpt)
-        engine.close()
+    try:   # the intercepted module back as it was, for whatever runs next in this process
+        config = engine_config(overlap, world, options.get("update_interval", 3))
+        ckpt = os.path.join(out_dir, "ckpt")
         engine, *_ = zenflow.initialize(model=make_mlp(), config=config)
-        taint.ranges = []   # the closed engine's arena is unmapped; the new one replaces it
         taint.add_arena(engine.optimizer)
-        engine.load_checkpoint(ckpt)
-        _train_engine(engine, steps, start=steps // 2)
-        opt = engine.optimizer
-        result["purposes"] = sorted(opt.stats()["collective_bytes_sent"])
-        result["windows"] = opt.num_windows
-        result["reselections"] = opt.num_reselections
-        result["weights"] = _weights(engine.module)
-        result["violations"] = list(checked.violations)
-        result["calls"] = dict(checked.calls)
-        # Probes: what the code did before (a host copy for the norms; a host buffer gathered)
-        # must be caught, or the check proves nothing.
-        part = opt._partition
-        part.sum_(torch.ones(4, device=part.device).cpu(), "probe: norms copied to the host")
-        part.gather_rows(opt._pipeline.host.fp32("master", 0), 24, "probe: host rows")
-        result["probe_violations"] = checked.violations[len(result["violations"]):]
-    engine.close()
+        with taint:
+            _train_engine(engine, steps // 2)
+            engine.save_checkpoint(ckpt)
+            engine.close()
+            engine, *_ = zenflow.initialize(model=make_mlp(), config=config)
+            taint.ranges = []   # the closed engine's arena is unmapped; the new one replaces it
+            taint.add_arena(engine.optimizer)
+            engine.load_checkpoint(ckpt)
+            _train_engine(engine, steps, start=steps // 2)
+            opt = engine.optimizer
+            result["purposes"] = sorted(opt.stats()["collective_bytes_sent"])
+            result["windows"] = opt.num_windows
+            result["reselections"] = opt.num_reselections
+            result["weights"] = _weights(engine.module)
+            result["violations"] = list(checked.violations)
+            result["calls"] = dict(checked.calls)
+            # Probes: what the code did before (a host copy for the norms; a host buffer gathered)
+            # must be caught, or the check proves nothing.
+            part = opt._partition
+            part.sum_(torch.ones(4, device=part.device).cpu(), "probe: norms copied to the host")
+            part.gather_rows(opt._pipeline.host.fp32("master", 0), 24, "probe: host rows")
+            result["probe_violations"] = checked.violations[len(result["violations"]):]
+        engine.close()
+    finally:
+        zd.dist = dist
 
 
 def _unseeded(rank, world, steps, worker, result):

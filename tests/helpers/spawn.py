@@ -7,8 +7,12 @@ import torch
 import torch.multiprocessing as mp
 
 from helpers.dist_ranks import rank_main
+from helpers.rank_pool import pool
 
 STEPS = 20
+# rank_main modes whose test needs a rank's process to end with its target (a pool process
+# would live on)
+ENDS_ITS_PROCESS = {"save_after_a_rank_exits", "checkpoint_calls"}
 ROWS = [24, 24, 5]   # rows of the MLP's matrices
 COLS = [12, 24, 24]
 
@@ -19,17 +23,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(target, args: tuple, tmp_path, world: int, timeout: float) -> list:
+def spawn_ranks(target, args: tuple, tmp_path, world: int, timeout: float,
+                fresh: bool = False) -> list:
     """Run target(rank, world, port, *args) on `world` processes; each writes rank<r>.pt under
-    tmp_path. Fails as a hang when a rank is still running after `timeout` seconds."""
-    ctx = mp.spawn(target, args=(world, free_port(), *args), nprocs=world, join=False)
-    deadline = time.monotonic() + timeout
-    for p in ctx.processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"ranks still running after {timeout}s: a hang"
+    tmp_path. Fails as a hang when a rank is still running after `timeout` seconds. The
+    processes are the session's rank pool (helpers/rank_pool.py), or with `fresh` new ones, for
+    a test that needs a rank's process to end when its target returns."""
+    if fresh:
+        ctx = mp.spawn(target, args=(world, free_port(), *args), nprocs=world, join=False)
+        deadline = time.monotonic() + timeout
+        for p in ctx.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in ctx.processes if p.is_alive()]
+        for p in alive:
+            p.kill()
+        problems = [f"ranks still running after {timeout}s: a hang"] if alive else []
+    else:
+        problems = pool().run(target, (world, free_port(), *args), world, timeout)
+    assert not problems, problems
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
             if (tmp_path / f"rank{r}.pt").exists() else None for r in range(world)]
 
@@ -37,7 +48,7 @@ def spawn_ranks(target, args: tuple, tmp_path, world: int, timeout: float) -> li
 def run_ranks(tmp_path, mode, overlap=False, steps=STEPS, worker=False, timeout=120, world=2,
               options=None):
     return spawn_ranks(rank_main, (mode, overlap, str(tmp_path), steps, worker, options),
-                       tmp_path, world, timeout)
+                       tmp_path, world, timeout, fresh=mode in ENDS_ITS_PROCESS)
 
 
 def assert_same(a, b, exact):
