@@ -1,9 +1,17 @@
 """Fixtures only. Code the tests share is in tests/helpers/, the programs they run as child
 processes in tests/programs/."""
+import os
 import signal
 
-import pytest
-import torch
+# One intra-op thread in the test process and the programs it starts (the spawned ranks set
+# theirs too): the workers the tests start share the machine's cores, and OpenMP threads that
+# share a core with a busy worker wait on each other, 10x slower under load.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture
