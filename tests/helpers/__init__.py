@@ -18,6 +18,7 @@ and in tests/programs/ (which put tests/ on sys.path themselves where they need 
     autograd_thread.py  the backward on a thread of its own, as CUDA runs it
     children.py         tests/programs/ and the environment child processes run in
     spawn.py            spawning gloo ranks on 127.0.0.1 and checking what they wrote
+    rank_pool.py        the session's rank processes spawn.py runs them in (torch imported once)
     dist_ranks.py       code that runs inside the DDP and engine ranks
     fsdp_ranks.py       code that runs inside the FSDP2 ranks
     ddp_factored_ranks.py  code that runs inside the DDP ranks of deferred_credit="factored", and
