@@ -63,6 +63,30 @@ def test_a_bf16_model_keeps_about_two_bytes_per_deferred_parameter_on_the_device
     opt.close()
 
 
+def test_the_allocator_sees_at_most_2_5_bytes_per_deferred_parameter_in_that_budget():
+    """Issue 36's budget, measured where the memory comes from: the bytes the first step (which
+    places the sums and the rule's state) leaves allocated, by the profiler's count of the CPU
+    allocator's events, for bf16 matrices given 2.5 bytes per parameter: every matrix under
+    "factored" (the defaults: its rule, bf16 sums), within the budget, and what stats() says."""
+    from torch.profiler import ProfilerActivity, profile
+    shapes = [(512, 1024), (1024, 512), (768, 768)]
+    params = [torch.nn.Parameter(torch.randn(*s, dtype=torch.bfloat16)) for s in shapes]
+    numel = sum(p.numel() for p in params)
+    opt = zenflow.ZenFlowAdamW(params, lr=1e-3, topk_ratio=0.05, update_interval=4, worker=False,
+                               device_sum_budget=int(2.5 * numel))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    kept = sum(e.self_cpu_memory_usage for e in prof.events())
+    stats = opt.stats()
+    opt.close()
+    assert stats["moments_matrices"] == len(shapes)
+    deferred = sum(r * (c - max(1, round(0.05 * c))) for r, c in shapes)
+    assert stats["device_sum_bytes"] <= kept <= 1.01 * stats["device_sum_bytes"]
+    assert 2.0 < kept / deferred <= 2.5, kept / deferred
+
+
 def _run(rows, cols, grads, **kw):
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(rows, cols))
