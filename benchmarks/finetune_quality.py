@@ -124,6 +124,10 @@ SYSTEMS = {
         deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=4), 0, 2.5),
     "factored, 2.5 B/param, U=8": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=8), 0, 2.5),
+    # The auto window `zenflow estimate` predicts with its defaults for Llama-2-7B bf16 on one
+    # H100 (forward+backward 0.5 s, 20 GiB of activations): 14 steps (benchmarks/README.md, bf16)
+    "factored, 2.5 B/param, host 14 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), 14, 2.5),
     "moments, 5.7 B/param, U=4": System("zenflow", dict(
         deferred_credit="moments", update_interval=4), 0, 5.7),
     "moments, 5.7 B/param, U=8": System("zenflow", dict(
