@@ -33,6 +33,14 @@ pretrained model, (L0 - L) / (L0 - L_base), is in the summary too.
 
     python benchmarks/finetune_quality.py --dtype bf16 --systems OffloadAdamW "moments, U=4"
     python benchmarks/finetune_quality.py --dtype bf16 --lr-ulp 0.1 --systems OffloadAdamW ...
+
+`--ranks N`: the ZenFlow systems train as N data-parallel replicas (gloo ranks on this machine,
+spawned by torch.multiprocessing; each the same model and seed, each 1/N of every batch; the
+gradients widened to fp32, averaged by one all_reduce before step() and rounded back; each rank a
+plain ZenFlowAdamW, under which "factored" fits each rank's row block: docs/semantics.md); the
+other systems in one process, the same full-batch training. Runs record `ranks`.
+
+    python benchmarks/finetune_quality.py --dtype bf16 --ranks 2 --systems "factored, 2.5 B/param, U=4"
 """
 from __future__ import annotations
 
