@@ -4,7 +4,9 @@ bf16 runs, one file per direction, learning rate, seed and set of systems) into 
 For each direction and learning rate, each system's held-out losses over the seeds it ran, its gap
 to the baseline (OffloadAdamW: fp32 master weights and moments, the same bf16 model) computed seed
 by seed against that seed's baseline run (mean ± std over seeds), the old domain's gap, and its
-share of the baseline's improvement over the pretrained model, (L0 - L) / (L0 - L_base). Writes
+share of the baseline's improvement over the pretrained model, (L0 - L) / (L0 - L_base). Runs on
+several data-parallel ranks (finetune_quality.py --ranks N) are rows of their own, the system's
+name suffixed " (N ranks)", against the same single-process baseline. Writes
 benchmarks/results/finetune_quality_bf16.json (the table and every run, the machines named) and
 finetune_quality_bf16.png, and prints the table as markdown.
 
@@ -44,6 +46,8 @@ def load(folder: Path) -> dict:
         for run in result["runs"]:
             run = dict(run, machine=result["machine"], system_settings=result["systems"].get(
                 run["system"]))
+            if run.get("ranks", 1) > 1:   # --ranks N: N data-parallel replicas, a row of its own
+                run["system"] = f"{run['system']} ({run['ranks']} ranks)"
             group["runs"][(run["system"], run["seed"])] = run   # a rerun replaces an older one
     return groups
 

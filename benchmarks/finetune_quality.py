@@ -33,6 +33,14 @@ pretrained model, (L0 - L) / (L0 - L_base), is in the summary too.
 
     python benchmarks/finetune_quality.py --dtype bf16 --systems OffloadAdamW "moments, U=4"
     python benchmarks/finetune_quality.py --dtype bf16 --lr-ulp 0.1 --systems OffloadAdamW ...
+
+`--ranks N`: the ZenFlow systems train as N data-parallel replicas (gloo ranks on this machine,
+spawned by torch.multiprocessing; each the same model and seed, each 1/N of every batch; the
+gradients widened to fp32, averaged by one all_reduce before step() and rounded back; each rank a
+plain ZenFlowAdamW, under which "factored" fits each rank's row block: docs/semantics.md); the
+other systems in one process, the same full-batch training. Runs record `ranks`.
+
+    python benchmarks/finetune_quality.py --dtype bf16 --ranks 2 --systems "factored, 2.5 B/param, U=4"
 """
 from __future__ import annotations
 
@@ -124,6 +132,10 @@ SYSTEMS = {
         deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=4), 0, 2.5),
     "factored, 2.5 B/param, U=8": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=8), 0, 2.5),
+    # The auto window `zenflow estimate` predicts with its defaults for Llama-2-7B bf16 on one
+    # H100 (forward+backward 0.5 s, 20 GiB of activations): 14 steps (benchmarks/README.md, bf16)
+    "factored, 2.5 B/param, host 14 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), 14, 2.5),
     "moments, 5.7 B/param, U=4": System("zenflow", dict(
         deferred_credit="moments", update_interval=4), 0, 5.7),
     "moments, 5.7 B/param, U=8": System("zenflow", dict(
@@ -300,24 +312,47 @@ def build_optimizer(system: System, model: GPT, setting: Setting):
                           emulated_host_steps=system.emulated_host_steps, **kwargs)
 
 
+def average_gradients(model: GPT, world: int) -> None:
+    """DDP's averaging, done by hand before step(): every rank's gradients (bf16 under --dtype
+    bf16) widened to fp32, summed by one all_reduce over a flat buffer, divided by the ranks and
+    rounded back to the gradients' dtype once."""
+    import torch.distributed as dist
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.float().flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def finetune(name: str, seed: int, weights, setting: Setting, direction: Direction,
-             data) -> dict:
+             data, rank: int = 0, world: int = 1) -> dict | None:
+    """One fine-tune. On `world` > 1 ranks (a process group up, `--ranks`): every rank the same
+    model and batches, each taking its `rank`-th 1/world of every batch, the gradients averaged
+    before step() (average_gradients); rank 0 evaluates and returns the run, the others None."""
     system = SYSTEMS[name]
     kind = system.kind
     model = make_model(weights, direction, setting)
     opt = build_optimizer(system, model, setting)
     gen = torch.Generator().manual_seed(seed)
     train = data["new"][0]
+    share = setting.batch_size // world
     losses, times = [], []
     try:
         for step in range(setting.steps):
             for group in opt.param_groups:
                 group["lr"] = setting.lr * schedule(step, setting.warmup, setting.steps)
             x, y = batch(train, setting.batch_size, gen)
+            if world > 1:
+                x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
             start = time.perf_counter()
             loss = forward(model, x, y, setting.compute)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if world > 1:
+                average_gradients(model, world)
             if kind == "adamw":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), setting.max_grad_norm)
             opt.step()
@@ -329,8 +364,15 @@ def finetune(name: str, seed: int, weights, setting: Setting, direction: Directi
     finally:
         if hasattr(opt, "close"):
             opt.close()
+    if world > 1:   # the whole batch's training loss: the mean of the ranks' shares
+        import torch.distributed as dist
+        mean = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(mean)
+        losses = (mean / world).tolist()
+        if rank != 0:
+            return None
     return {
-        "system": name, "seed": seed,
+        "system": name, "seed": seed, "ranks": world,
         "new_loss": held_out_loss(model, data["new"][1], setting.eval_windows),
         "old_loss": held_out_loss(model, data["old"][1], setting.eval_windows),
         "train_loss_last20": statistics.fmean(losses[-20:]),
@@ -345,6 +387,40 @@ def finetune(name: str, seed: int, weights, setting: Setting, direction: Directi
             stats.get("bus_bytes_per_window_per_deferred_param"),
         "losses": losses,
     }
+
+
+def _rank_main(rank: int, world: int, port: int, args: tuple, out: str) -> None:
+    """One rank of `finetune_ranks`: gloo over 127.0.0.1, one thread; rank 0 saves the run."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        run = finetune(*args, rank=rank, world=world)
+        if rank == 0:
+            Path(out).write_text(json.dumps(run))
+    finally:
+        dist.destroy_process_group()
+
+
+def finetune_ranks(name: str, seed: int, weights, setting: Setting, direction: Direction, data,
+                   world: int) -> dict:
+    """`finetune` as `world` data-parallel replicas (processes spawned by torch.multiprocessing,
+    each a plain ZenFlowAdamW with the system's kwargs on a process group of gloo ranks)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+    if setting.batch_size % world:
+        raise SystemExit(f"--ranks {world} must divide the batch ({setting.batch_size})")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.json")
+        mp.spawn(_rank_main, args=(world, port, (name, seed, weights, setting, direction, data),
+                                   out), nprocs=world)
+        return json.loads(Path(out).read_text())
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -492,6 +568,10 @@ def main(argv=None) -> int:
                     help="combine result files of separate runs (a long comparison run seed by "
                          "seed) into --out/--name: the systems every file has, their runs, a "
                          "new summary and plot; nothing is trained")
+    ap.add_argument("--ranks", type=int, default=1, metavar="N",
+                    help="train the ZenFlow systems as N data-parallel replicas (gloo ranks on "
+                         "this machine, each 1/N of every batch, gradients averaged by an "
+                         "all_reduce before step()); the others in one process")
     ap.add_argument("--quick", action="store_true",
                     help="a tiny run to check the script works (20 pretraining steps, 10 "
                          "fine-tuning steps of 8 sequences, 64 evaluation windows); not a "
@@ -536,7 +616,10 @@ def main(argv=None) -> int:
     for i, seed in enumerate(args.seeds):
         order = args.systems[i % len(args.systems):] + args.systems[:i % len(args.systems)]
         for name in order:
-            run = finetune(name, seed, weights, setting, direction, data)
+            if args.ranks > 1 and SYSTEMS[name].kind == "zenflow":
+                run = finetune_ranks(name, seed, weights, setting, direction, data, args.ranks)
+            else:
+                run = finetune(name, seed, weights, setting, direction, data)
             runs.append(run)
             if not args.quiet:
                 print(f"[{len(runs)}/{total}] seed {seed} {name:34s} new {run['new_loss']:.4f}  "
@@ -545,6 +628,7 @@ def main(argv=None) -> int:
                       f"({time.perf_counter() - start:.0f} s)", flush=True)
     result = {"benchmark": "finetune_quality", "machine": machine(), "setting": asdict(setting),
               "direction": args.direction, "model": asdict(direction.model), "seeds": args.seeds,
+              "ranks": args.ranks,
               "systems": {n: asdict(SYSTEMS[n]) for n in args.systems},
               "baseline": baseline, "median_matrix_weight": median,
               "lr_in_bf16_ulps": setting.lr / bf16_ulp(median),
