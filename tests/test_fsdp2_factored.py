@@ -13,7 +13,7 @@ import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
 
 from helpers.ddp_factored_ranks import per_block_reference
-from helpers.dist_ranks import batch, optimizer_kwargs
+from helpers.dist_ranks import adamw_on_the_whole_batch
 from helpers.fsdp_ranks import STEPS, run_fsdp
 from helpers.models import make_mlp, mlp_loss
 from helpers.spawn import assert_ok, assert_same, rows_of
@@ -57,18 +57,10 @@ def test_each_rank_fits_its_own_shard_as_the_per_block_reference(ranks):
 @pytest.mark.slow
 def test_one_step_windows_without_overlap_are_adamw(ranks):
     out, _ = ranks
-    model = make_mlp()
-    kw = optimizer_kwargs(False)
-    adamw = torch.optim.AdamW(model.parameters(), lr=kw["lr"], weight_decay=0.01)
-    for t in range(STEPS):
-        x, y = batch(t)
-        adamw.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), kw["max_grad_norm"])
-        adamw.step()
+    adamw = adamw_on_the_whole_batch(STEPS)
     for r in out:
         assert r["adamw"]["moments_matrices"] == 3
-        assert_same(r["adamw"]["weights"], model.state_dict(), exact=False)
+        assert_same(r["adamw"]["weights"], adamw, exact=False)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import zenflow
 from zenflow.optim.reference import ReferenceZenFlow
 
-from helpers.dist_ranks import batch, my_share, optimizer_kwargs
+from helpers.dist_ranks import batch, optimizer_kwargs, train_share
 from helpers.models import make_mlp
 from helpers.spawn import ROWS, rows_of, spawn_ranks
 
@@ -63,19 +63,11 @@ def _optimizer(model, options, taint=None):
     return opt
 
 
-def _train(model, opt, start: int, stop: int, rank: int, world: int) -> None:
-    for t in range(start, stop):
-        x, y = my_share(t, rank, world)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def _ddp(rank, world, steps, options, result, taint=None):
     """`steps` steps of the bare optimizer on a DDP-wrapped MLP."""
     model = torch.nn.parallel.DistributedDataParallel(make_mlp())
     opt = _optimizer(model, options, taint)
-    _train(model, opt, 0, steps, rank, world)
+    train_share(model, opt, 0, steps, rank, world)
     stats = opt.stats()
     result.update(weights=_weights(model), selections=_selections(opt),
                   windows=stats["windows"], reselections=stats["reselections"],
@@ -89,11 +81,11 @@ def _resume(rank, world, steps, options, result, taint=None):
     and the optimizer's), a fresh model and optimizer that load it, the other half."""
     model = torch.nn.parallel.DistributedDataParallel(make_mlp())
     with _optimizer(model, options, taint) as opt:
-        _train(model, opt, 0, steps, rank, world)
+        train_share(model, opt, 0, steps, rank, world)
         result["straight"] = _weights(model)
     model = torch.nn.parallel.DistributedDataParallel(make_mlp())
     with _optimizer(model, options, taint) as opt:
-        _train(model, opt, 0, steps // 2, rank, world)
+        train_share(model, opt, 0, steps // 2, rank, world)
         saved = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
                  "optimizer": opt.state_dict()}
     result["saved_window_steps"] = saved["optimizer"]["zenflow"]["window_steps"]
@@ -104,7 +96,7 @@ def _resume(rank, world, steps, options, result, taint=None):
     with _optimizer(model, options, taint) as opt:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
-        _train(model, opt, steps // 2, steps, rank, world)
+        train_share(model, opt, steps // 2, steps, rank, world)
         result["resumed"] = _weights(model)
         result["purposes"] = sorted(opt.stats()["collective_bytes_sent"])
 
@@ -127,7 +119,7 @@ def _checked(rank, world, steps, options, result):
             result["calls"] = dict(checked.calls)
             model = torch.nn.parallel.DistributedDataParallel(make_mlp())
             with _optimizer(model, options, taint) as opt:
-                _train(model, opt, 0, 4, rank, world)
+                train_share(model, opt, 0, 4, rank, world)
                 host_alpha = opt._pipeline.host.factors(0)[3]
                 opt._partition.gather_stacked(host_alpha, "probe: host factors")
             result["probe_violations"] = checked.violations[len(result["violations"]):]

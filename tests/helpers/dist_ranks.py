@@ -212,6 +212,31 @@ def my_share(t: int, rank: int, world: int):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
+def train_share(model, opt, start: int, stop: int, rank: int, world: int) -> None:
+    """Steps start..stop-1 of a bare optimizer, each rank on its share of the global batch."""
+    for t in range(start, stop):
+        x, y = my_share(t, rank, world)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def adamw_on_the_whole_batch(steps: int) -> dict:
+    """The MLP's weights after `steps` steps of torch's AdamW with gradient clipping, one
+    process on the whole batch, at optimizer_kwargs' settings (weight decay 0.01): what one-step
+    windows without overlap equal."""
+    model = make_mlp()
+    kw = optimizer_kwargs(False)
+    adamw = torch.optim.AdamW(model.parameters(), lr=kw["lr"], weight_decay=0.01)
+    for t in range(steps):
+        x, y = batch(t)
+        adamw.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), kw["max_grad_norm"])
+        adamw.step()
+    return model.state_dict()
+
+
 def _train_engine(engine, steps, start=0):
     for t in range(start, steps):
         x, y = my_share(t, dist.get_rank(), dist.get_world_size())

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 import zenflow
 from zenflow.distributed import local
 
-from helpers.dist_ranks import my_share, optimizer_kwargs
+from helpers.dist_ranks import my_share, optimizer_kwargs, train_share
 from helpers.models import make_mlp
 from helpers.spawn import spawn_ranks
 
@@ -40,14 +40,6 @@ def selections(opt) -> list[list[int]]:
     return [m.selected.column_indices.tolist() for m in opt._host_params]
 
 
-def train(model, opt, start: int, stop: int, rank: int, world: int) -> None:
-    for t in range(start, stop):
-        x, y = my_share(t, rank, world)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 def _fsdp(rank, world, steps, options, result):
     model = sharded_mlp(options.get("mixed_precision", False))
     cls = zenflow.OffloadAdamW if options.get("offload") else zenflow.ZenFlowAdamW
@@ -57,7 +49,7 @@ def _fsdp(rank, world, steps, options, result):
     if cls is zenflow.OffloadAdamW:
         kwargs = {k: kwargs[k] for k in ("lr", "weight_decay", "max_grad_norm", "worker")}
     opt = cls(model.parameters(), **kwargs)
-    train(model, opt, 0, steps, rank, world)
+    train_share(model, opt, 0, steps, rank, world)
     stats = opt.stats()
     result.update(
         weights=full_weights(model), selections=selections(opt),
@@ -112,11 +104,11 @@ def _resume(rank, world, steps, options, result):
                   **options.get("settings", {}))
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
-        train(model, opt, 0, steps, rank, world)
+        train_share(model, opt, 0, steps, rank, world)
         result["straight"] = full_weights(model)
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
-        train(model, opt, 0, steps // 2, rank, world)
+        train_share(model, opt, 0, steps // 2, rank, world)
         saved = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
                  "optimizer": opt.state_dict()}
         result["saved_window_steps"] = saved["optimizer"]["zenflow"]["window_steps"]
@@ -128,7 +120,7 @@ def _resume(rank, world, steps, options, result):
     with zenflow.ZenFlowAdamW(model.parameters(), **kwargs) as opt:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
-        train(model, opt, steps // 2, steps, rank, world)
+        train_share(model, opt, steps // 2, steps, rank, world)
         result["resumed"] = full_weights(model)
 
 
@@ -163,14 +155,14 @@ def _dcp_resume(rank, world, steps, options, result):
     path = options["dir"]
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
-        train(model, opt, 0, steps, rank, world)
+        train_share(model, opt, 0, steps, rank, world)
         result["straight"] = full_weights(model)
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
-        train(model, opt, 0, steps // 2, rank, world)
+        train_share(model, opt, 0, steps // 2, rank, world)
         dcp_save(model, opt, path)
         result["selections_saved"] = selections(opt)
-        train(model, opt, steps // 2, steps, rank, world)
+        train_share(model, opt, steps // 2, steps, rank, world)
         result["continued"] = full_weights(model)
     model = sharded_mlp()
     before = full_weights(model)
@@ -184,7 +176,7 @@ def _dcp_resume(rank, world, steps, options, result):
         dcp_load(model, opt, path)
         result["loaded_step"] = opt.counters.step
         result["selections_loaded"] = selections(opt)
-        train(model, opt, steps // 2, steps, rank, world)
+        train_share(model, opt, steps // 2, steps, rank, world)
         result["resumed"] = full_weights(model)
         result["selections"] = selections(opt)
     # Whole tensors in memory (full_state_dict=True, as some frameworks save), loaded by
@@ -197,14 +189,14 @@ def _dcp_resume(rank, world, steps, options, result):
     whole = StateDictOptions(full_state_dict=True)
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
-        train(model, opt, 0, steps // 2, rank, world)
+        train_share(model, opt, 0, steps // 2, rank, world)
         model_sd, optim_sd = get_state_dict(model, opt, options=whole)
         result["whole_shape"] = tuple(optim_sd["state"]["0.weight"]["host"]["master"].shape)
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=whole)
-        train(model, opt, steps // 2, steps, rank, world)
+        train_share(model, opt, steps // 2, steps, rank, world)
         result["resumed_whole"] = full_weights(model)
 
 
@@ -222,7 +214,7 @@ def _dcp_factors(rank, world, steps, options, result):
     model = sharded_mlp()
     with zenflow.ZenFlowAdamW(model.parameters(), **_dcp_kwargs(options)) as opt:
         if options.get("stepped"):
-            train(model, opt, 0, 3, rank, world)
+            train_share(model, opt, 0, 3, rank, world)
         model_sd, optim_sd = get_state_dict(model, opt)
         if not options.get("stepped"):
             saved = dcp.FileSystemReader(options["dir"]).read_metadata().state_dict_metadata
@@ -230,7 +222,7 @@ def _dcp_factors(rank, world, steps, options, result):
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=options["dir"])
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         result["loaded_step"] = opt.counters.step
-        train(model, opt, steps // 2, steps, rank, world)
+        train_share(model, opt, steps // 2, steps, rank, world)
         result["resumed"] = full_weights(model)
 
 
@@ -253,7 +245,7 @@ def _dcp_reshard(rank, world, steps, options, result):
         result["loaded_step"] = opt.counters.step
         result["host_rows"] = [m.local.shape[0] for m in opt._host_params]
         result["selections_loaded"] = selections(opt)
-        train(model, opt, steps // 2, steps, rank, world)
+        train_share(model, opt, steps // 2, steps, rank, world)
         result["resumed"] = full_weights(model)
         result["selections"] = selections(opt)
 
