@@ -586,6 +586,9 @@ def main(argv=None) -> int:
                       compute=args.bf16_compute if args.dtype != "fp32" else "native")
     if args.lr is not None:
         setting = replace(setting, lr=args.lr)
+    if args.ranks < 1 or setting.batch_size % args.ranks:   # before the pretraining, not after
+        ap.error(f"--ranks {args.ranks}: must be at least 1 and divide the batch of "
+                 f"{setting.batch_size} sequences")
     baseline = args.baseline or ("AdamW" if args.dtype == "fp32" else "OffloadAdamW")
     for text in args.zenflow:
         kwargs = json.loads(text)

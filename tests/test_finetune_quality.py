@@ -73,3 +73,12 @@ def test_runs_of_separate_seeds_merge_into_one_result(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="differ in 'direction'"):
         fq.main(["--merge", str(paths[0]), str(tmp_path / "other.json"), "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("ranks", ["0", "3"])
+def test_ranks_that_cannot_split_the_batch_are_refused_before_any_work(ranks, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import finetune_quality as fq
+    with pytest.raises(SystemExit):
+        fq.main(["--quick", "--ranks", ranks, "--out", "/nonexistent"])
+    assert f"--ranks {ranks}: must be at least 1 and divide the batch of 8" in capsys.readouterr().err
