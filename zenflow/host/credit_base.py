@@ -3,6 +3,8 @@ of the window sums and a rule's device state, the fused steps the moving rules t
 `Credit`, the base class, which is the "mean" rule."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zenflow.adamw import step_bound
@@ -78,6 +80,7 @@ class Credit:
     host_rates = False    # the host layout keeps a rate buffer per dtype (zenflow/host/layout.py)
     host_factors = False  # ... and the factors buffer ("factored")
     fp32_sums = False     # the moving matrices' window sums are fp32 whatever device_sum_dtype
+    fuses = False         # fused_step() takes a compiled kernel where the device has one
 
     # -- the host's update ----------------------------------------------------------------------
     def host_update(self, i: int, adamw: tuple[float, float, float, float, float],
@@ -115,6 +118,14 @@ class Credit:
         """Each matrix's (learning rate, AdamW's step bound) for the interim steps and the
         install's correction, from its param group (index -> group); None: the rule takes none."""
         return None
+
+    def fused_step(self, rows: dict[int, torch.Tensor], sums: dict[int, torch.Tensor],
+                   weights: Callable[[int], torch.Tensor], fresh: list[int], coef: torch.Tensor,
+                   sizes: dict[int, tuple[float, float]] | None) -> set[int]:
+        """Before the sums' add: the matrices of `rows` whose window sum (`sums`), add() and
+        interim() (`weights(i)`: the [rows, cols] view the interim step writes) the rule took in
+        one fused kernel each (none here), which the step then leaves out of the three."""
+        return set()
 
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
         """After the window's sums took this step's `rows` (times `coef`): the rule's own sums

@@ -17,9 +17,15 @@ Weights are rounded to nearest (the reference does the same, bit for bit).
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
+from zenflow.host.compiled import compiled_for, scalar
 from zenflow.host.credit_base import MovingCredit, choose_device_summed, chunks_of
+
+log = logging.getLogger("zenflow")
 
 
 def factor_bytes(rows: int, cols: int) -> int:
@@ -28,12 +34,48 @@ def factor_bytes(rows: int, cols: int) -> int:
     return 8 * rows + 12 * cols
 
 
+def factored_step_(weight: torch.Tensor, grad: torch.Tensor, grad_sum: torch.Tensor,
+                    row_sq: torch.Tensor, col_sq: torch.Tensor, alpha: torch.Tensor,
+                    beta: torch.Tensor, host_cols: torch.Tensor, coef: torch.Tensor,
+                    neg_lr: torch.Tensor, bound: torch.Tensor) -> None:
+    """One step of one moving matrix ([R, C] `weight`, `grad`, `grad_sum`), everything the op-by-op
+    path does to it in a step, in its order and arithmetic: the window sum's add
+    (buffers.add_scaled_), the squares' row and column sums over the host's columns (add) and the
+    interim step at factored rates (MovingCredit.interim, with kept() and bounded_step()), each
+    with the op-by-op path's operators, so that run eagerly it gives their bits. `neg_lr` (minus
+    the learning rate) and `bound` are 0-dim tensors (compiled.scalar). Compiled (compiled.py)
+    it reads the gradient three times (its row sums, its column sums, the pointwise pass) and
+    the sum and the weights once, and writes those two once: 14 bytes a bf16 value where the
+    op-by-op path moves about 100 (zenflow/tools/estimate_terms.py counts both)."""
+    c = coef.reshape(1)   # 1-element: fp32 arithmetic beside bf16 (buffers.add_scaled_)
+    grad_sum.addcmul_(grad, c)
+    scaled = grad.float() * c * host_cols
+    squares = scaled * scaled
+    row_sq.add_(squares.sum(1))
+    col_sq.add_(squares.sum(0))
+    kept = torch.where(coef != 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    move = (kept.float() * alpha.unsqueeze(1)) * beta * coef
+    move = move.clamp(-bound, bound)
+    weight.addcmul_(move, neg_lr)
+
+
+def factored_correct_(weight: torch.Tensor, grad_sum: torch.Tensor, alpha: torch.Tensor,
+                      beta: torch.Tensor, neg_lr: torch.Tensor, most: torch.Tensor) -> None:
+    """An install's correction of one matrix (MovingCredit.correct at rated()'s rates: the
+    window sum's (S alpha_i) beta_j, each at most `most`), with the op-by-op path's operators.
+    Compiled: the sum read and the weights read and written once (6 bytes a bf16 value, where the
+    op-by-op path moves about 46)."""
+    move = (grad_sum.float() * alpha.unsqueeze(1)) * beta
+    weight.addcmul_(move.clamp(-most, most), neg_lr)
+
+
 class FactoredCredit(MovingCredit):
     """The window as that many AdamW steps, from factored squares; interim steps and an
     install's correction at factored rates."""
 
     name = "factored"
     host_factors = True
+    fuses = True   # fused_step() may take the compiled kernel (DDP's replicas may not)
 
     def __init__(self):
         self.row_sq: dict[int, torch.Tensor] = {}    # the window's sums of squares, per row
@@ -46,6 +88,10 @@ class FactoredCredit(MovingCredit):
         self._restored: dict[int, tuple] = {}         # loaded before placed
         self._from_sum: dict[int, tuple] = {}        # a window summed without the statistics
         self._placed = False
+        # factored_step_ and factored_correct_ compiled for the device (allocate()), by name
+        self._kernels: dict[str, Callable] = {}
+        self._scalars: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.fused_steps = 0        # matrix steps the compiled kernel took (stats())
 
     def place(self, numels, budget_bytes, sum_bytes, dtypes, shapes):
         """Every sum first (in device_sum_dtype), then the factored state of as many of those
@@ -72,6 +118,10 @@ class FactoredCredit(MovingCredit):
             self._alpha_column[i] = self.alpha[i].unsqueeze(1)   # [R, 1]: broadcast per row
             self.deferred[i] = torch.ones(cols, dtype=torch.float32, device=device)
         self._placed = True
+        kernels = {"step": factored_step_, "correct": factored_correct_}
+        self._kernels = {name: kernel for name, fn in kernels.items()
+                         if moving and self.fuses
+                         for kernel in [compiled_for(fn, device)] if kernel is not None}
         for i, values in self._restored.items():
             if i in self.alpha:
                 for dst, src in zip(self._device(i), values):
@@ -138,6 +188,66 @@ class FactoredCredit(MovingCredit):
             torch._foreach_mul_(scaled, scaled)
             torch._foreach_add_([self.row_sq[i] for i in chunk], [sq.sum(1) for sq in scaled])
             torch._foreach_add_([self.col_sq[i] for i in chunk], [sq.sum(0) for sq in scaled])
+
+    def fused_step(self, rows, sums, weights, fresh, coef, sizes):
+        """The sum's add, add() and interim() of the moving matrices of `rows` in one compiled
+        kernel each, where allocate() compiled one;
+        returns the indices it took, whose three steps the caller leaves out. A compile that
+        fails is logged and the op-by-op path takes the rest, now and from then on."""
+        taken: set[int] = set()
+        if "step" not in self._kernels:
+            return taken
+        moving = [i for i in rows if i in self.row_sq]
+        zeroed = [t for i in fresh if i in self.row_sq
+                  for t in (sums[i], self.row_sq[i], self.col_sq[i])]
+        if zeroed:   # (a fallback's op-by-op add zeroes the fresh sums it takes again)
+            torch._foreach_zero_(zeroed)
+        for i in moving:
+            neg_lr, bound = self._scalars_of(*sizes[i], coef.device)
+            if not self._run("step", weights(i), rows[i], sums[i], self.row_sq[i],
+                             self.col_sq[i], self.alpha[i], self.beta[i], self.deferred[i], coef,
+                             neg_lr, bound):
+                break
+            taken.add(i)
+        self.fused_steps += len(taken)
+        return taken
+
+    def correct(self, weights, sums, sizes, counts):
+        """MovingCredit.correct, in one compiled kernel a matrix where allocate() compiled one."""
+        rest = {}
+        for i, weight in weights.items():
+            lr, bound = sizes[i]
+            neg_lr, most = self._scalars_of(lr, counts[i] * bound, weight.device)
+            if not self._run("correct", weight, sums[i], *self.own_factors(i), neg_lr, most):
+                rest[i] = weight
+        if rest:
+            super().correct(rest, sums, sizes, counts)
+
+    def _run(self, name: str, *args) -> bool:
+        """Kernel `name` on `args` if it is compiled; False where it is not, or it failed: then
+        it is logged once and every kernel is dropped, so the op-by-op path runs from now on."""
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            return False
+        try:
+            kernel(*args)
+        except Exception as exc:   # noqa: BLE001 - any compiler failure: fall back, loudly
+            log.warning("deferred_credit='factored': the compiled %s failed on %s (%s: %s); the "
+                        "op-by-op path runs instead from now on", name, args[0].device,
+                        type(exc).__name__, exc)
+            self._kernels = {}
+            return False
+        return True
+
+    def _scalars_of(self, lr: float, bound: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(-lr, bound) as device scalars, made again only when they change (a scheduler's lr,
+        a correction's bound for its count)."""
+        found = self._scalars.get((lr, bound))
+        if found is None:
+            if len(self._scalars) > 32:
+                self._scalars.clear()
+            found = self._scalars[lr, bound] = (scalar(-lr, device), scalar(bound, device))
+        return found
 
     def rated(self, values, chunk):
         """(values alpha_i) beta_j, new fp32 tensors."""

@@ -39,6 +39,9 @@ class ReplicaFactoredCredit(FactoredCredit):
     """"factored" on DDP replicas (module doc). `whole_rows`: every host matrix's rows in the
     replica, in the pipeline's order."""
 
+    # the interim step moves every rank's rows and the statistics sum this rank's: not one kernel
+    fuses = False
+
     def __init__(self, partition: Partition, whole_rows: list[int]):
         if not partition.splits_rows:
             raise ValueError("ReplicaFactoredCredit is for DDP's replicas (a partition that "

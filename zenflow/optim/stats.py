@@ -28,6 +28,8 @@ def optimizer_stats(opt) -> dict:
         "host_sum_matrices": len(opt._host_params) - len(opt._pipeline.device_sums.sums),
         "device_sum_bytes": opt._pipeline.device_sums.nbytes() + opt._pipeline.credit.nbytes(),
         "moments_matrices": sum(map(opt._pipeline.credit.moves, range(len(opt._host_params)))),
+        # matrix steps of the credit rule that one compiled kernel took (a GPU's "factored")
+        "fused_steps": getattr(opt._pipeline.credit, "fused_steps", 0),
         # host-summed gradients whose copy started in backward / waited for step()
         "early_copies": opt._pipeline.early_copies.early,
         "late_copies": opt._pipeline.early_copies.late,

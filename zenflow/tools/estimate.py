@@ -18,6 +18,7 @@ import torch
 
 from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes
+from zenflow.host.compiled import COMPILE_ON
 from zenflow.host.credit import credit_for, on_replicas
 from zenflow.host.device_sums import sum_dtype
 from zenflow.host.layout import rate_dtype
@@ -201,7 +202,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     sum_item = 2 if device_sum_dtype == "bfloat16" else 4
     summed, moving = place(rule, mats, world, device_sum_budget, sum_item, dtype)
     counts = count(mats, vecs, item, rate_item, sum_item, world, set(summed), set(moving),
-                   rule.name, replicas=True)
+                   rule.name, replicas=True, fused=rule.fuses and target in COMPILE_ON)
     # two staging slots where copies outlive the step (CUDA), one on a CPU device
     staging = 2 if target == "cuda" else 1
     deferred_index = [i for i, (_, cols, k) in enumerate(mats) if k < cols]   # into mats
@@ -253,7 +254,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          activation_bytes, gpu_memory_bytes, cpu)
         shard_summed, shard_moving = place(shard_rule, mats, world, budget, sum_item, dtype)
         shard_counts = count(mats, vecs, item, rate_item, sum_item, world, set(shard_summed),
-                             set(shard_moving), shard_rule.name)
+                             set(shard_moving), shard_rule.name,
+                             fused=shard_rule.fuses and target in COMPILE_ON)
         for layout, rule_name, sums_bytes, moved in (
                 ("ddp", rule.name, gpu["device_sum_bytes"], moving),
                 ("fsdp2", shard_rule.name, cost.device_sums_bytes(shard_counts), shard_moving)):

@@ -28,11 +28,12 @@ def split_shapes(shapes, topk_ratio: float) -> tuple[list[tuple[int, int, int]],
 
 def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
           on_device: set[int], moving: set[int], rule: str = "moments",
-          replicas: bool = False) -> Counts:
+          replicas: bool = False, fused: bool = False) -> Counts:
     """The Counts of rank 0, where `on_device` and `moving` index the deferred matrices (k <
     columns) whose sums are on the device, and of those the ones under `rule` ("moments" or
     "factored"). `replicas`: every rank holds the whole model (DDP), so "factored" holds and
-    moves every rank's rows (host/credit_replicas.py)."""
+    moves every rank's rows (host/credit_replicas.py). `fused`: the rule's step is a compiled
+    kernel a matrix (Credit.fuses, on a device in host/compiled.py's COMPILE_ON)."""
     deferred = [(r, c) for r, c, k in mats if k < c]
     share = [memory.rank_rows(r, 0, world) * c for r, c in deferred]
     replicated = [deferred[i] for i in moving] if rule == "factored" and replicas else []
@@ -53,6 +54,7 @@ def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
         device_plain=total(lambda i: i in on_device and i not in moving),
         device_moments=total(lambda i: i in moving) if rule == "moments" else 0,
         device_factored=total(lambda i: i in moving) if rule == "factored" else 0,
+        fused_factored=fused and rule == "factored",
         factored_rows=sum(memory.rank_rows(deferred[i][0], 0, world) for i in moving)
         if rule == "factored" else 0,
         factored_cols=sum(deferred[i][1] for i in moving) if rule == "factored" else 0,

@@ -41,6 +41,8 @@ class Counts:
     # their rows, beta of their blocks), and the other ranks' rows, which its interim step moves
     factored_other_factors: int = 0
     factored_other_params: int = 0
+    # the "factored" step is one compiled kernel a matrix (a GPU; not DDP's replicas)
+    fused_factored: bool = False
 
     @property
     def device_summed(self) -> int:
@@ -162,11 +164,20 @@ def sum_add_bytes(c: Counts) -> int:
     sums and its interim step at factored rates."""
     plain = c.item + 2 * c.sum_item               # read the gradient; read and write the sum
     moments_sum = c.item + 2 * FP32               # the same into an fp32 sum
+    factored = (fused_factored_bytes(c) if c.fused_factored
+                else plain + factored_squares_bytes(c) + factored_interim_bytes(c))
     return (c.device_plain * plain
             + c.device_moments * (moments_sum + squares_bytes(c) + interim_step_bytes(c))
-            + c.device_factored * (plain + factored_squares_bytes(c)
-                                   + factored_interim_bytes(c))
+            + c.device_factored * factored
             + c.factored_other_params * factored_interim_bytes(c))   # DDP: the whole replica
+
+
+def fused_factored_bytes(c: Counts) -> int:
+    """Per "factored" parameter and step, compiled (host/credit_factored.py factored_step_):
+    the gradient read for its row sums, for its column sums and for the pointwise pass (the
+    sum's add and the interim step: the loops the CPU backend writes; Triton may fuse the first
+    into the last), the sum and the weight each read and written once."""
+    return 3 * c.item + 2 * c.sum_item + 2 * c.item
 
 
 def factored_squares_bytes(c: Counts) -> int:
@@ -222,6 +233,9 @@ def correction_bytes(c: Counts) -> int:
     add = FP32 + c.item + c.item                  # added to the weight
     factored = (c.sum_item + FP32                 # the sum widened to fp32
                 + 2 * (FP32 + FP32))              # times alpha, times beta
+    if c.fused_factored:   # compiled (host/credit_factored.py factored_correct_)
+        fused = c.sum_item + 2 * c.item           # the sum read; the weight read and written
+        return c.device_moments * (times_rate + clamp + add) + c.device_factored * fused
     return c.device_moments * (times_rate + clamp + add) + c.device_factored * (factored + clamp
                                                                                + add)
 

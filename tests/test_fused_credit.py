@@ -1,0 +1,135 @@
+"""deferred_credit="factored" in one kernel a matrix (zenflow/host/compiled.py,
+credit_factored.factored_step_): on a GPU its sum's add, statistics and interim step are compiled
+into one or two passes. Here the fused function runs eagerly (the same arithmetic as the op-by-op
+path, so the same bits), compiled by the CPU's backend (slow), and failing to compile."""
+import logging
+from unittest import mock
+
+import pytest
+import torch
+
+import zenflow
+from zenflow.host import compiled, credit_factored
+from zenflow.host.credit_base import MovingCredit
+from zenflow.optim.reference import ReferenceZenFlow
+
+from helpers.reference import SHAPES
+
+MATRICES = [i for i, s in enumerate(SHAPES) if len(s) >= 2]
+KW = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1, max_grad_norm=4.0,
+          deferred_credit="factored", install_lookahead=0.0, overlap_step=True)
+
+
+def _train(dtype, sum_dtype, steps=16, skip_at=None):
+    """ZenFlowAdamW with every sum on the device, and its weights after each step, beside the
+    reference's (which sums in fp32) fed the same gradients; its stats() with "op_by_op_moves"
+    and "op_by_op_corrections", the matrix steps and the installs' corrections the op-by-op path
+    took."""
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    params, ref_params = [v.clone().requires_grad_() for v in values], [v.clone() for v in values]
+    opt = zenflow.ZenFlowAdamW(params, select_strategy="step", select_interval=4,
+                               device_sum_budget=10 ** 9, device_sum_dtype=sum_dtype,
+                               worker=False, **KW)
+    ref = ReferenceZenFlow(ref_params, select_interval=4, **KW)
+    ours, theirs, moves, corrections = [], [], [], []
+    interim, correct = opt._pipeline.credit.interim, MovingCredit.correct
+    opt._pipeline.credit.interim = lambda weights, *a: (moves.append(len(weights)),
+                                                        interim(weights, *a))
+    counted = mock.patch.object(MovingCredit, "correct", lambda self, weights, *a: (
+        corrections.append(len(weights)), correct(self, weights, *a)))
+    with counted:
+        _steps(opt, ref, params, ref_params, gen, dtype, steps, skip_at, ours, theirs)
+        stats = {**opt.stats(), "op_by_op_moves": sum(moves),
+                 "op_by_op_corrections": sum(corrections)}
+        opt.close()
+    return ours, theirs, stats
+
+
+def _steps(opt, ref, params, ref_params, gen, dtype, steps, skip_at, ours, theirs):
+    for t in range(steps):
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+        if t == skip_at:
+            grads[MATRICES[0]][0, 0] = float("inf")
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        if t != skip_at:
+            ref.step([g.clone() for g in grads], reselect=(t, "reselect") in opt.decisions)
+        ours.append([p.detach().clone() for p in params])
+        theirs.append([r.clone() for r in ref_params])
+
+
+@pytest.fixture
+def eager_fused(monkeypatch):
+    """The fused step on the CPU, uncompiled: fused_step() calls factored_step_ itself."""
+    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device: fn)
+
+
+@pytest.mark.parametrize("dtype, sum_dtype", [(torch.float32, "float32"),
+                                              (torch.bfloat16, "float32"),
+                                              (torch.bfloat16, "bfloat16")])
+def test_the_fused_step_gives_the_op_by_op_steps_bits(dtype, sum_dtype, monkeypatch):
+    op_by_op, reference, plain = _train(dtype, sum_dtype)
+    assert plain["fused_steps"] == 0
+    assert plain["op_by_op_moves"] > 0 and plain["op_by_op_corrections"] > 0
+    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device: fn)
+    fused, _, stats = _train(dtype, sum_dtype)
+    # the fused step took every matrix step the op-by-op path took, and left none to it; the
+    # installs' corrections likewise
+    assert (stats["fused_steps"], stats["op_by_op_moves"]) == (plain["op_by_op_moves"], 0)
+    assert stats["op_by_op_corrections"] == 0
+    for t, (a, b) in enumerate(zip(fused, op_by_op)):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q), f"step {t}"
+    if sum_dtype == "float32":   # the reference sums in fp32
+        for t, (a, b) in enumerate(zip(fused, reference)):
+            for p, q in zip(a, b):
+                if dtype == torch.bfloat16:
+                    assert torch.equal(p, q), f"step {t}"
+                else:
+                    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_skipped_step_moves_nothing_in_the_fused_step(eager_fused):
+    """An inf gradient (a skipped step, coef 0) inside a window: the interim step is 0, not NaN,
+    and the window is dropped, as on the op-by-op path."""
+    fused, _, stats = _train(torch.bfloat16, "float32", steps=10, skip_at=5)
+    assert stats["skipped_steps"] == 1 and stats["fused_steps"] > 0
+    assert all(torch.isfinite(p).all() for p in fused[-1])
+    for p, q in zip(fused[5], fused[4]):
+        assert torch.equal(p, q)   # the skipped step moved nothing
+
+
+def test_a_compile_that_fails_falls_back_to_the_op_by_op_step(monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+    op_by_op, _, _ = _train(torch.bfloat16, "bfloat16", steps=8)
+    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device: broken)
+    with caplog.at_level(logging.WARNING, logger="zenflow"):
+        fell_back, _, stats = _train(torch.bfloat16, "bfloat16", steps=8)
+    assert stats["fused_steps"] == 0
+    assert sum("the compiled step failed" in r.getMessage() for r in caplog.records) == 1
+    for a, b in zip(fell_back, op_by_op):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_step_on_the_cpu_backend_equals_the_reference(dtype, monkeypatch):
+    """torch.compile of factored_step_ (the CPU's C++ backend: the code path a GPU takes with
+    Triton). Its reductions may add in another order, so the statistics, and through the fit
+    the rates, differ in the last bits: fp32 weights within 1e-5, bf16 weights within 1 ulp."""
+    pytest.importorskip("torch._inductor")
+    monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
+    fused, reference, stats = _train(dtype, "float32")
+    assert stats["fused_steps"] > 0
+    assert stats["op_by_op_moves"] == stats["op_by_op_corrections"] == 0
+    for t, (a, b) in enumerate(zip(fused, reference)):
+        for p, q in zip(a, b):
+            if dtype == torch.bfloat16:
+                ulp = q.float().abs().clamp_min(1e-30) * 2.0 ** -7
+                assert ((p.float() - q.float()).abs() <= ulp).all(), f"step {t}"
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
