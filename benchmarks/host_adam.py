@@ -11,7 +11,9 @@ with). It times, in turn and round after round so that drift hits every system a
     zenflow   one window's update of bf16 parameters with fp32 state: AdamW on the mean of 4
               summed gradients, and the install values in bf16 (variant "mean"); with the
               lookahead ("lookahead", install_lookahead=1); deferred_credit "moments" (which
-              also reads the sums of squares and writes bf16 rates)
+              also reads the sums of squares and writes bf16 rates); deferred_credit "factored"
+              (the default: the squares as row and column sums, the rates fitted as row x
+              column factors, O(rows + cols) beside the same 30 bytes)
     probe     the same chunks, each touching the same buffers with the cheapest operators:
               every buffer the update reads is read from memory once, every buffer it writes is
               written once (mean and lookahead: 30 bytes per parameter; moments: 36)
@@ -35,7 +37,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # zenflow, from a checkout too
-VARIANTS = {"mean": 30, "lookahead": 30, "moments": 36}   # bytes per parameter, as counted above
+VARIANTS = {"mean": 30, "lookahead": 30, "moments": 36,   # bytes per parameter, as counted above
+            "factored": 30}
 ROWS = 4096
 
 
@@ -50,7 +53,8 @@ def _child(args) -> dict:
     cols = max(1, args.params // ROWS)
     n = ROWS * cols
     host = HostState.allocate(HostLayout.build([(ROWS, cols, torch.bfloat16)], sum_slots=2,
-                                               rates=True), "benchmarks/host_adam.py")
+                                               rates=True, factors=True),
+                              "benchmarks/host_adam.py")
     v = host.arena.views
     for name in ("master", "exp_avg", "grad_sum0"):
         v[name].normal_()
@@ -58,6 +62,10 @@ def _child(args) -> dict:
     v["grad_sum1"].uniform_(0.0, 1e-3)   # sums of squares (moments)
     x, g, m, sq, q = (v[k] for k in ("master", "grad_sum0", "exp_avg", "exp_avg_sq", "grad_sum1"))
     install, rate = v["install_bfloat16"], v["rate_bfloat16"]
+    row_sq, col_sq, deferred, _, _ = host.factors(0)
+    row_sq.uniform_(0.0, 4e-3 * cols)   # the window's squares' sums: 4 gradients' worth
+    col_sq.uniform_(0.0, 4e-3 * ROWS)
+    deferred.fill_(1.0)
     chunks = buffers.chunks(0, n, [0, n], [args.cores])
     step = [0]
 
@@ -66,7 +74,8 @@ def _child(args) -> dict:
             step[0] += 1
             host.update([HostJob(0, step[0], 4, HostUpdate(
                 1e-4, 0.9, 0.999, 1e-8, 0.01, lookahead=1.0 if variant == "lookahead" else 0.0,
-                moments=variant == "moments"))], 0)
+                moments=variant in ("moments", "factored"),
+                factored=variant == "factored"))], 0)
         return run
 
     def restore_sums():
@@ -97,7 +106,8 @@ def _child(args) -> dict:
     systems = {}
     for variant in args.variants:
         systems[f"zenflow_{variant}"] = (update(variant),
-                                         restore_sums if variant != "moments" else None)
+                                         restore_sums if variant in ("mean", "lookahead")
+                                         else None)
         systems[f"probe_{variant}"] = (probe(variant), None)
     systems["torch_adamw_fused"] = (fused.step, None)
 

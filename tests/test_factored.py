@@ -1,5 +1,7 @@
 """deferred_credit="factored": "moments" with the window's squares as row and column sums and the
 rates as row x column factors (docs/semantics.md; zenflow/host/credit_factored.py)."""
+import os
+
 import pytest
 import torch
 
@@ -353,3 +355,67 @@ def test_a_version_5_state_loads():
     assert again.state_dict()["zenflow"]["in_flight_jobs"] == jobs
     opt.close()
     again.close()
+
+
+@pytest.mark.parametrize("widen", [False, True])
+@pytest.mark.parametrize("teams", [False, True])
+def test_the_host_update_in_row_blocks_equals_the_whole_matrix_arithmetic(monkeypatch, widen,
+                                                                          teams):
+    """The worker's "factored" update goes in blocks of rows (zenflow/host/factored.py): each
+    block's row sums whole, its column sums added in block order, on the NUMA teams or in the
+    calling thread; the same values as the whole-matrix functions, block size and threads
+    aside."""
+    from zenflow.host import factored
+    from zenflow.host.buffers import HostState
+    from zenflow.host.factored import update_whole_
+    from zenflow.host.layout import HostJob, HostLayout, HostUpdate
+    from zenflow.host.teams import NodeTeams
+    rows, cols, n, step = 37, 23, 3, 5
+    monkeypatch.setattr(factored, "ROW_BLOCK", 4 * cols)   # 10 blocks, the last of one row
+    monkeypatch.setattr(factored, "_SMALL", 0)             # each in the threads' scratch
+    host = HostState.allocate(HostLayout.build([(rows, cols, torch.bfloat16)], sum_slots=2,
+                                               factors=True), "test")
+    gen = torch.Generator().manual_seed(9)
+    x, m, v = (host.fp32(k, 0) for k in ("master", "exp_avg", "exp_avg_sq"))
+    x.copy_(torch.randn(rows, cols, generator=gen))
+    m.copy_(torch.randn(rows, cols, generator=gen) * 1e-2)
+    v.copy_(torch.rand(rows, cols, generator=gen) * 1e-3)
+    grad_sum = torch.randn(rows, cols, generator=gen)
+    if widen:   # a bf16 sum from the device, landed in the first half of its fp32 slot
+        grad_sum = grad_sum.bfloat16().float()
+        host.fp32("grad_sum0", 0).view(-1).view(torch.bfloat16)[:rows * cols].copy_(
+            grad_sum.view(-1))
+    else:
+        host.fp32("grad_sum0", 0).copy_(grad_sum)
+    row_sq, col_sq, deferred, alpha, beta = host.factors(0)
+    squares = torch.rand(rows, cols, generator=gen) * n
+    deferred.fill_(1.0)
+    deferred[[2, 7, 8]] = 0.0
+    row_sq.copy_((squares * deferred).sum(1))
+    col_sq.copy_(squares.sum(0))
+    u = HostUpdate(3e-3, 0.9, 0.999, 1e-8, 0.01, moments=True, factored=True)
+    # the whole-matrix arithmetic, on copies
+    want = [t.clone() for t in (x, m, v)]
+    want_alpha, want_beta = torch.zeros(rows), torch.zeros(cols)
+    update_whole_(*want, grad_sum, row_sq, col_sq, deferred, want_alpha, want_beta, step, n,
+                  lr=u.lr, beta1=u.beta1, beta2=u.beta2, eps=u.eps, weight_decay=u.weight_decay)
+    pool = None
+    if teams:   # as if the arena were shared out over two nodes, each with a team
+        cpus = sorted(os.sched_getaffinity(0))
+        host.arena.nodes, pool = [0, 1], NodeTeams([cpus[:1], cpus[1:2] or cpus[:1]])
+        ran = pool.run
+        handed = []
+        pool.run = lambda shares: handed.append(shares) or ran(shares)
+    host.teams = pool
+    try:
+        host.update([HostJob(0, step, n, u, widen=widen)], 0)
+    finally:
+        if pool is not None:
+            pool.close()
+    if teams:   # both passes shared out: the blocks alternate between the two teams
+        assert [[len(share) for share in shares] for shares in handed] == [[5, 5], [5, 5]]
+    for got, expected in zip((x, m, v, alpha, beta), (*want, want_alpha, want_beta)):
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-9)
+    assert torch.equal(host.install(0), x.bfloat16())
+    assert not beta[deferred == 0].any()
+    host.arena.release()

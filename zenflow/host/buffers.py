@@ -323,10 +323,12 @@ class HostState:
     def _pass(self, jobs: list[HostJob], sum_slot: int | None) -> None:
         """update() (sum_slot given) or publish() (None): the chunks of every job, run in this
         thread or, where the worker has set `teams`, each NUMA node's share on its own cores.
-        "factored" jobs go whole, matrix by matrix (zenflow/host/factored.py)."""
+        "factored" jobs go matrix by matrix, in blocks of rows (zenflow/host/factored.py)."""
         if any(job.update.factored for job in jobs):
             factored_pass(self, [job for job in jobs if job.update.factored], sum_slot)
             jobs = [job for job in jobs if not job.update.factored]
+            if not jobs:
+                return
         groups: dict[tuple, list[int]] = {}
         for job in jobs:
             groups.setdefault((job.step, job.num_grads, job.update), []).append(job.matrix)

@@ -31,6 +31,8 @@ def compiled_for(fn: Callable, device: torch.device) -> Callable | None:
         return None
     if not hasattr(torch, "compile"):
         return None
+    log.info("%s is compiled for %s at its first call (once per process: seconds to a minute; "
+             "TORCHDYNAMO_DISABLE=1 runs it uncompiled)", fn.__name__, device)
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
