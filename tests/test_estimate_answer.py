@@ -15,6 +15,7 @@ from zenflow.tools.estimate_shapes import llama_shapes
 LLAMA2_7B = llama_shapes(hidden=4096, layers=32, intermediate=11008, vocab=32000, heads=32)
 # benchmarks/estimate_llama2_7b.py's 1xH100 on a 2-socket server
 H100 = dict(host_adamw_params_per_s=5.2e9, host_accumulate_params_per_s=2e10,
+            host_factored_params_per_s=5.2e9,   # enough cores for "factored" to reach bandwidth
             device_adamw_params_per_s=1.2e11, device_norm_bytes_per_s=2.5e12,
             device_copy_bytes_per_s=1.5e12, d2h_bytes_per_s=5e10, h2d_bytes_per_s=5e10,
             available_host_bytes=512 * GIB)

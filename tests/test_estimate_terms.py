@@ -65,7 +65,7 @@ def test_the_factored_bytes_per_step_by_hand():
     assert cost.factored_interim_bytes(c) == 6 + 40 + 8
     assert cost.sum_add_bytes(c) == 12 * 6 + 12 * (38 + 54)
     assert cost.device_sums_bytes(c) == 12 * 2 + 8 * 3 + 12 * 4
-    speeds = cost.Speeds(host_adamw=1, host_accumulate=1, device_adamw=1, norm=1, copy=100.0,
+    speeds = cost.Speeds(host_adamw=1, host_accumulate=1, host_factored=1, device_adamw=1, norm=1, copy=100.0,
                          fingerprint=50.0, d2h=1, h2d=1)
     assert cost.sum_add_s(c, speeds) == pytest.approx(12 * (6 + 92) / 100 + 2 * 2 * 12 / 50)
     assert cost.fingerprint_s(c, speeds) == 0   # its matrices are looked at every step instead

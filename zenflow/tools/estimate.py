@@ -39,6 +39,10 @@ ASSUMED = {
     "host_adamw_params_per_s": (1.0e9, "host AdamW over the worker's cores (fused kernel, "
                                        "memory-bound; a few server cores)"),
     "host_accumulate_params_per_s": (2.0e9, "host gradient accumulation over the worker's cores"),
+    "host_factored_params_per_s": (0.5e9, "the worker's deferred_credit=\"factored\" update "
+                                          "over its cores (bound by arithmetic, a log and a sqrt "
+                                          "of every value: 0.18 G params/s a core on a 2-core "
+                                          "EPYC, benchmarks/host_adam.py; a few server cores)"),
     "device_adamw_params_per_s": (5.0e10, "fused AdamW on the GPU (HBM-bound, ~28 B/param)"),
     "device_norm_bytes_per_s": (2.0e12, "gradient bytes read per second by the norm kernel "
                                         "on the GPU (HBM)"),
@@ -82,6 +86,7 @@ def speeds(fig: dict, cpu: bool, world: int) -> Speeds:
                 (fig["d2h_bytes_per_s"], fig["h2d_bytes_per_s"]))
     return Speeds(host_adamw=fig["host_adamw_params_per_s"] / world,
                   host_accumulate=fig["host_accumulate_params_per_s"] / world,
+                  host_factored=fig["host_factored_params_per_s"] / world,
                   device_adamw=fig["device_adamw_params_per_s"],
                   norm=fig["device_norm_bytes_per_s"], copy=fig["device_copy_bytes_per_s"],
                   fingerprint=fig["device_fingerprint_bytes_per_s"], d2h=d2h, h2d=h2d)

@@ -8,8 +8,10 @@ import textwrap
 GIB = 1 << 30
 WINDOW_BOUNDS = (1, 16)   # update_interval="auto"'s (estimate_time.WINDOW_BOUNDS: no torch here)
 # what each assumed figure is called in the answer
-FIGURE_NAMES = {"host_adamw_params_per_s": "host AdamW", "host_accumulate_params_per_s":
-                "host accumulate", "device_adamw_params_per_s": "device AdamW",
+FIGURE_NAMES = {"host_adamw_params_per_s": "host AdamW",
+                "host_factored_params_per_s": "host \"factored\" update",
+                "host_accumulate_params_per_s": "host accumulate",
+                "device_adamw_params_per_s": "device AdamW",
                 "device_norm_bytes_per_s": "gradient norm", "device_copy_bytes_per_s":
                 "device copies", "device_fingerprint_bytes_per_s": "fingerprints",
                 "d2h_bytes_per_s": "device->host", "h2d_bytes_per_s": "host->device",

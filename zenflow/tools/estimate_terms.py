@@ -70,6 +70,7 @@ class Speeds:
     the ranks (each rank's worker gets 1/world of it)."""
     host_adamw: float        # parameters/s of this rank's worker
     host_accumulate: float   # parameters/s of this rank's worker
+    host_factored: float     # parameters/s of this rank's worker, "factored" matrices' update
     device_adamw: float      # parameters/s
     norm: float              # gradient bytes/s read by the norm kernel
     copy: float              # bytes/s of a device pass (read + write)
@@ -138,8 +139,11 @@ def host_accumulate_s(c: Counts, s: Speeds) -> float:
 
 def host_adamw_s(c: Counts, s: Speeds) -> float:
     """Per window: AdamW over the rank's rows of every deferred matrix, after widening the bf16
-    device sums to fp32, a pass like an accumulate's (host/buffers.py update, widen_)."""
-    return c.deferred / s.host_adamw + c.narrow / s.host_accumulate
+    device sums to fp32, a pass like an accumulate's (host/buffers.py update, widen_); a
+    "factored" matrix's update at its own rate (host/factored.py: two passes of row blocks,
+    bound by arithmetic where the others are bound by memory)."""
+    return ((c.deferred - c.device_factored) / s.host_adamw + c.device_factored / s.host_factored
+            + c.narrow / s.host_accumulate)
 
 
 def offload_host_s(c: Counts, s: Speeds) -> float:

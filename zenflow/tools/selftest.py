@@ -68,7 +68,8 @@ def _throughput(ctx) -> list[Check]:
     cores = host["worker_cores"]
     return [Check("host AdamW on the worker's cores", "pass",
                   f"{host['host_adamw_params_per_s'] / 1e9:.2f} G params/s AdamW, "
-                  f"{host['host_accumulate_params_per_s'] / 1e9:.2f} G params/s accumulate "
+                  f"{host['host_accumulate_params_per_s'] / 1e9:.2f} G params/s accumulate, "
+                  f"{host['host_factored_params_per_s'] / 1e9:.2f} G params/s \"factored\" "
                   f"({host['host_dtype']}), {len(cores)} core(s) {cores}, "
                   f"{host['host_params'] / 1e6:.0f}M params; one core: "
                   f"{host['host_adamw_params_per_s_per_core'] / 1e9:.2f} G params/s AdamW, "
@@ -165,6 +166,7 @@ def measured_figures(report: dict) -> dict:
     """The numbers `zenflow estimate --selftest-json` uses, flattened from the sections."""
     out = {"device": report["device"]}
     keep = ("host_adamw_params_per_s", "host_accumulate_params_per_s", "worker_cores",
+            "host_factored_params_per_s",
             "host_adamw_params_per_s_per_core", "host_adamw_moments_params_per_s_per_core",
             "device_adamw_params_per_s", "device_copy_bytes_per_s", "device_norm_bytes_per_s",
             "device_fingerprint_bytes_per_s",

@@ -66,19 +66,24 @@ def worker_cores() -> list[int]:
 
 
 def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
-    """Host AdamW and gradient accumulation, in parameters per second, in a real worker on the
-    worker's cores, over `numel` parameters (large enough to stream from memory, not cache);
+    """Host AdamW, the "factored" update and gradient accumulation, in parameters per second, in
+    a real worker on the worker's cores, over `numel` parameters (large enough to stream from
+    memory, not cache);
     and the AdamW of one core, for a window's "mean" update and for a "moments" one (which
     also reads the squares and writes the rates): what a core computes, against which the
     worker's figure shows how far more cores help (they stop helping at the memory's
     bandwidth)."""
     cols = 4096
     rows = max(1, numel // cols)
-    layout = HostLayout.build([(rows, cols, dtype)], sum_slots=2, rates=True)
+    layout = HostLayout.build([(rows, cols, dtype)], sum_slots=2, rates=True, factors=True)
     host = HostState.allocate(layout, "zenflow selftest")
     host.step_coef(0).fill_(1.0)   # a kept step's factor: a skipped step's (0) adds nothing
     host.fp32("exp_avg_sq", 0).fill_(1e-4)
     host.fp32("grad_sum1", 0).fill_(1e-4)   # the squares of a "moments" window
+    row_sq, col_sq, deferred, _, _ = host.factors(0)   # ... and of a "factored" one
+    row_sq.fill_(1e-4 * cols)
+    col_sq.fill_(1e-4 * rows)
+    deferred.fill_(1.0)
     cores = worker_cores()
 
     def timed(runner, command) -> float:
@@ -87,15 +92,16 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
         runner.wait()
         return runner.busy_seconds - before
 
-    def updates(runner, moments: bool) -> list[float]:
+    def updates(runner, moments: bool, factored: bool = False) -> list[float]:
         return [timed(runner, Update(0, (HostJob(0, i + 1, 1, HostUpdate(
-                   1e-3, 0.9, 0.999, 1e-8, 0.01, moments=moments)),)))
+                   1e-3, 0.9, 0.999, 1e-8, 0.01, moments=moments, factored=factored)),)))
                 for i in range(repeats + 1)][1:]
     runner = WorkerHostRunner(host, cores)
     try:
         acc = [timed(runner, Accumulate(0, 0, (0,) if i else (), () if i else (0,)))
                for i in range(repeats + 1)][1:]
         upd = updates(runner, moments=False)
+        factored = updates(runner, moments=True, factored=True)
     finally:
         runner.close()
     one = WorkerHostRunner(host, cores[:1])
@@ -112,6 +118,7 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
             "worker_cores": cores,
             "host_adamw_params_per_s": rate(upd),
             "host_accumulate_params_per_s": rate(acc),
+            "host_factored_params_per_s": rate(factored),
             "host_adamw_params_per_s_per_core": rate(upd_one),
             "host_adamw_moments_params_per_s_per_core": rate(moments_one)}
 
