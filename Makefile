@@ -25,14 +25,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m zenflow.tools.demo
 
+# Two pytest workers (pytest-xdist): most cases wait on processes they start, so two share the
+# two cores a CI machine has (docs/testing.md).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
-# The tests not marked slow (pyproject.toml registers the marker): 1 min 49 s on 2 cores with
-# other work running beside it (load about 1.3), the whole suite 18 min 49 s (load 2.5-3).
-# CI runs `make test`, all of them.
+# The tests not marked slow (pyproject.toml registers the marker): 1 min 1 s of tests on 2 cores
+# (two workers). CI runs `make test`, all of them.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
