@@ -8,7 +8,8 @@ import torch
 
 from zenflow.tools.cli import main
 from zenflow.tools.estimate import GIB, SAMPLE_FWD_BWD_S, estimate
-from zenflow.tools.estimate_answer import gib, secs, verdict
+from zenflow.tools.estimate_answer import gib, num, secs, verdict
+from zenflow.tools.estimate_host import HostMachine, host_figures
 from zenflow.tools.estimate_report import format_report
 from zenflow.tools.estimate_shapes import llama_shapes
 
@@ -35,7 +36,10 @@ def test_without_a_step_time_it_says_what_it_assumed_and_what_to_pass():
     answer = _answer(text)
     assert text.index("Answer:") < text.index("Per GPU") < text.index("Bus per GPU")
     assert "--fwd-bwd-seconds" in answer and "not modelled without your step time" in answer
-    assert f"{secs(r['seconds']['adamw_s'])} here, host AdamW at 1e9 params/s, assumed" in answer
+    # the host's figures follow from the server the estimate assumes (estimate_host.py)
+    rate = num(host_figures(HostMachine(), 1)["host_adamw_params_per_s"][0])
+    assert rate == num(r["figures"]["host_adamw_params_per_s"]) == "8.3e9"
+    assert f"{secs(r['seconds']['adamw_s'])} here, host AdamW at {rate} params/s, assumed" in answer
     assert "ASSUMED" in answer and "--selftest-json" in answer
     assert "update_interval 1" not in text and "expected auto window" not in text
     assert "update_interval auto (the window needs --fwd-bwd-seconds)" in text

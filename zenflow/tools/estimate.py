@@ -26,6 +26,7 @@ from zenflow.tools import estimate_memory as memory
 from zenflow.tools import estimate_terms as cost
 from zenflow.tools import estimate_time as timing
 from zenflow.tools.estimate_counts import count, place, split_shapes
+from zenflow.tools.estimate_host import HostMachine, host_figures
 from zenflow.tools.estimate_memory import GIB, RESERVE_BYTES, per_rank
 from zenflow.tools.estimate_terms import Counts, Speeds
 from zenflow.tools.estimate_terms import exposed_install_s as _exposed_install_s
@@ -34,15 +35,12 @@ from zenflow.tools.estimate_time import QUALITY_BY_WINDOW, expected_quality_gap
 __all__ = ["ASSUMED", "GIB", "QUALITY_BY_WINDOW", "RESERVE_BYTES", "estimate",
            "expected_quality_gap", "per_rank", "_exposed_install_s"]
 
-# Used where no --selftest-json supplies a measured figure; each is printed as an assumption.
+# Used where no --selftest-json supplies a measured figure; each is printed as an assumption. The
+# host's three (None here) follow from the server stated (estimate_host.py: --host-*).
 ASSUMED = {
-    "host_adamw_params_per_s": (1.0e9, "host AdamW over the worker's cores (fused kernel, "
-                                       "memory-bound; a few server cores)"),
-    "host_accumulate_params_per_s": (2.0e9, "host gradient accumulation over the worker's cores"),
-    "host_factored_params_per_s": (0.5e9, "the worker's deferred_credit=\"factored\" update "
-                                          "over its cores (bound by arithmetic, a log and a sqrt "
-                                          "of every value: 0.18 G params/s a core on a 2-core "
-                                          "EPYC, benchmarks/host_adam.py; a few server cores)"),
+    "host_adamw_params_per_s": (None, "host AdamW over the workers' cores"),
+    "host_accumulate_params_per_s": (None, "host gradient accumulation over the workers' cores"),
+    "host_factored_params_per_s": (None, "the workers' deferred_credit=\"factored\" update"),
     "device_adamw_params_per_s": (5.0e10, "fused AdamW on the GPU (HBM-bound, ~28 B/param)"),
     "device_norm_bytes_per_s": (2.0e12, "gradient bytes read per second by the norm kernel "
                                         "on the GPU (HBM)"),
@@ -61,12 +59,17 @@ CPU_DEVICE = {"device_adamw_params_per_s": 1.0e9, "device_norm_bytes_per_s": 5e9
               "device_copy_bytes_per_s": 5e9}
 
 
-def _figures(measured: dict | None, target: str) -> tuple[dict, dict]:
+def _figures(measured: dict | None, target: str, host: HostMachine, ranks: int
+             ) -> tuple[dict, dict]:
     """The figures the model uses and where each came from: measured by the selftest, else
-    ASSUMED (a CPU device has memcpy for its bus, a GPU d2h and h2d)."""
+    ASSUMED (the host's from the server `host` with `ranks` workers; a CPU device has memcpy for
+    its bus, a GPU d2h and h2d)."""
     values, sources = {}, {}
     measured = measured or {}
+    placed = host_figures(host, ranks)
     for key, (value, what) in ASSUMED.items():
+        if key in placed:
+            value, what = placed[key][0], f"{ASSUMED[key][1]} ({placed[key][1]})"
         if key == ("d2h_bytes_per_s" if target == "cpu" else "memcpy_bytes_per_s") or \
                 (key == "h2d_bytes_per_s" and target == "cpu"):
             continue
@@ -158,7 +161,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              source: str = "", device_sum_budget: int | str = "auto",
              activation_bytes: int = 0, fsdp: int | None = None,
              deferred_credit: str = "factored", attached: bool = False,
-             device_sum_dtype: str = "auto", activation_note: str = "") -> dict:
+             device_sum_dtype: str = "auto", activation_note: str = "",
+             host: HostMachine | None = None) -> dict:
     """The estimate as a dict (see estimate_report.format_report); `shapes` is [(name, shape),
     ...]. `fsdp`: also the bytes per rank of the model sharded that many ways with FSDP2
     (`per_rank`), beside DDP's on as many GPUs (`gpus` must then be that number).
@@ -173,7 +177,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     zenflow.initialize runs) the step waits for the whole install.
     `device_sum_dtype`: the optimizer's ("bfloat16": half the bytes of every device sum not
     under "moments", which the host widens once per window). `activation_note`: where
-    `activation_bytes` came from (printed with it)."""
+    `activation_bytes` came from (printed with it). `host`: the server whose cores and memory
+    the host figures assume where `measured` has none (estimate_host.py)."""
     _check_arguments(gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, topk_ratio=topk_ratio,
                      update_interval=update_interval, fwd_bwd_s=fwd_bwd_s, target=target,
                      device_sum_budget=device_sum_budget, activation_bytes=activation_bytes,
@@ -193,7 +198,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     moments = rule.name == "moments"   # per-value squares and rates: the host keeps rates too
     budget_asked = device_sum_budget
     rate_item = rate_dtype(dtype).itemsize
-    fig, fig_source = _figures(measured, target)
+    fig, fig_source = _figures(measured, target, host or HostMachine(), gpus)
     gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
     mats, vecs = split_shapes(shapes, topk_ratio)
     # (placed with rank 0's rows and every rank's factors of the deferred matrices)

@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "JSON's device type, else cuda)")
     p.add_argument("--selftest-json", metavar="FILE", default=None,
                    help="measured figures from `zenflow selftest --json FILE`")
+    p.add_argument("--host-sockets", type=_at_least(1, int), default=2,
+                   help="the server's CPU sockets, for the host's figures the selftest did not "
+                        "measure (estimate_host.py)")
+    p.add_argument("--host-cores-per-socket", type=_at_least(1, int), default=32,
+                   help="physical cores per socket")
+    p.add_argument("--host-gbps-per-socket", type=_above_zero, default=125.0,
+                   help="memory bandwidth per socket, GB/s")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the estimate as JSON")
 
 
@@ -148,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     from zenflow.tools import estimate_shapes as shapes_from
     from zenflow.tools.estimate import estimate
+    from zenflow.tools.estimate_host import HostMachine
     from zenflow.tools.estimate_report import format_report
     try:
         measured = _selftest_figures(args.selftest_json) if args.selftest_json else None
@@ -181,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
                           device_sum_budget=args.device_sum_budget,
                           activation_bytes=activations, activation_note=activation_note,
                           deferred_credit=args.deferred_credit, attached=args.attach,
-                          device_sum_dtype=args.device_sum_dtype)
+                          device_sum_dtype=args.device_sum_dtype,
+                          host=HostMachine(args.host_sockets, args.host_cores_per_socket,
+                                           args.host_gbps_per_socket))
     except (ValueError, OSError) as exc:
         print(f"zenflow estimate: error: {exc}", file=sys.stderr)
         return 2
