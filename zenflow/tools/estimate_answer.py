@@ -78,7 +78,7 @@ def window_line(r: dict) -> list[str]:
     """Which window, and why that one (or, without a step time, what it depends on)."""
     s, t, tm, q = r["settings"], r["seconds"], r["time"], r["quality"]
     U, host = s["update_interval"], secs(t["adamw_s"])
-    rate = _figure(r, "host_adamw_params_per_s", "params/s")
+    rate = host_rate(r)
     if r["by_step_time"]:   # no forward+backward time given
         ask = ("pass --fwd-bwd-seconds S (forward+backward of one step, as your loop times "
                "it). ")
@@ -90,7 +90,7 @@ def window_line(r: dict) -> list[str]:
         else:
             head = ("window and step time: not modelled without your step time: " + ask
                     + "The window update_interval='auto' settles at is the host's update of a "
-                    f"window ({host} here, host AdamW at {rate}) over the device's step, so by "
+                    f"window ({host} here, {rate}) over the device's step, so by "
                     "forward+backward time:")
         return [head] + _by_step_time(r)
     how = ("update_interval 'auto' settles at" if s["update_interval_asked"] == "auto"
@@ -107,7 +107,7 @@ def window_line(r: dict) -> list[str]:
                      "the host" + ("; auto takes its longest"
                                    if s["update_interval_asked"] == "auto" else ""))
         else:
-            line += (f": the host's update of a window ({host}, host AdamW at {rate}) needs "
+            line += (f": the host's update of a window ({host}, {rate}) needs "
                      f"{cover} step(s) of {secs(tm['zenflow_T_dev_s'])} to hide, and the "
                      f"install ({secs(t['install_wait_s'])} the device waits) {install} to "
                      "stay within 5% of the time")
@@ -200,6 +200,14 @@ def figures_line(r: dict) -> str:
         f"{FIGURE_NAMES.get(k, k)} {num(r['figures'][k])}" for k in assumed)
         + ". Run `zenflow selftest --json FILE` on the training machine and pass "
         "--selftest-json FILE for its own.")
+
+
+def host_rate(r: dict) -> str:
+    """The host figure that sets a window's update: "factored"'s where its matrices are."""
+    g = r["per_gpu"]
+    if g.get("credit_rule") == "factored" and g.get("moments_matrices"):
+        return f"the \"factored\" update at {_figure(r, 'host_factored_params_per_s', 'params/s')}"
+    return f"host AdamW at {_figure(r, 'host_adamw_params_per_s', 'params/s')}"
 
 
 def _figure(r: dict, key: str, unit: str) -> str:
