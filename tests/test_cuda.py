@@ -40,3 +40,9 @@ def test_a_refused_page_lock_is_cleared_and_dropped_locks_are_released(ctx):
 def test_async_transfers_equal_synchronous_ones_bit_for_bit(ctx):
     check = selftest_transfers.transfers(ctx)[0]
     assert check.status == "pass", check.detail
+
+
+
+def test_the_compiled_factored_step_and_correction_equal_their_eager_run(ctx):
+    check, = selftest_gpu.compiled(ctx)
+    assert check.status == "pass", check.detail

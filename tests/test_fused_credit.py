@@ -133,3 +133,19 @@ def test_the_compiled_step_on_the_cpu_backend_equals_the_reference(dtype, monkey
                 assert ((p.float() - q.float()).abs() <= ulp).all(), f"step {t}"
             else:
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_selftest_check_of_the_compiled_step_passes_with_the_cpu_backend(monkeypatch):
+    """`zenflow selftest`'s "compiled" section (what a GPU's Triton kernels are held to, in
+    tests/test_cuda.py) run with the CPU's C++ backend: the check itself works; and it is
+    skipped on a device that takes no compiled kernels."""
+    from zenflow.tools import selftest_gpu
+    from zenflow.tools.selftest_checks import _Ctx
+    ctx = _Ctx(torch.device("cpu"), torch.float32, None, False)
+    skipped, = selftest_gpu.compiled(ctx)
+    assert skipped.status == "skip" and "COMPILE_ON" in skipped.detail
+    monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
+    check, = selftest_gpu.compiled(ctx)
+    assert check.status == "pass", check.detail
+    assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq"}

@@ -116,6 +116,7 @@ _RUNNERS = {
     "model": gpu.model,
     "closure": gpu.closure,
     "pagelocks": gpu.pagelocks,
+    "compiled": gpu.compiled,
     "throughput": _throughput,
     "bandwidth": _bandwidth,
     "memory": _memory,

@@ -13,6 +13,9 @@
                 AdamW, ZenFlowAdamW, AdamW
     pagelocks   a registration the driver refuses is warned about and cleared (a kernel launched
                 next does not fail with it), and an optimizer dropped without close() unlocks
+    compiled    deferred_credit="factored"'s step and an install's correction compiled for the
+                device (host/compiled.py: Triton on CUDA) against the same functions run eagerly,
+                on bf16 matrices of three shapes, fp32 and bf16 sums, and a skipped step
 
 On a CPU "device" they run too, at small sizes (the dry run the test suite holds), except what
 only a GPU has (page-locking).
@@ -299,4 +302,75 @@ def pagelocks(ctx: _Ctx) -> list[Check]:
                          f"locked: {locked}, after the drop: {buffer.is_pinned()}"))
     finally:
         logger.removeHandler(handler)
+    return out
+
+
+# --------------------------------------------------------------------------------- compiled
+def compiled(ctx: _Ctx) -> list[Check]:
+    """See the module doc; skipped on a device that takes no compiled kernels (COMPILE_ON)."""
+    from zenflow.host.compiled import COMPILE_ON
+    name = "compiled 'factored' step and correction == eager"
+    if ctx.device.type not in COMPILE_ON:
+        return [Check(name, "skip", f"{ctx.device.type}: no compiled kernels here "
+                                    f"(zenflow/host/compiled.py COMPILE_ON = {sorted(COMPILE_ON)})")]
+    start = time.perf_counter()
+    worst, bad = {}, []
+    for sum_dtype in (torch.float32, torch.bfloat16):
+        for rows, cols in ((256, 512), (1000, 300), (4096, 1024)):
+            for key, (diff, ok) in _compiled_against_eager(ctx.device, rows, cols,
+                                                           sum_dtype).items():
+                worst[key] = max(worst.get(key, 0.0), diff)
+                if not ok:
+                    bad.append(f"{key} of {rows}x{cols} ({str(sum_dtype)[6:]} sums)")
+    detail = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    return [Check(name, "fail" if bad else "pass",
+                  f"largest differences: {detail}" + (f"; OFF: {', '.join(bad)}" if bad else ""),
+                  seconds=time.perf_counter() - start, measured={"max_diff": worst})]
+
+
+def _compiled_against_eager(device: torch.device, rows: int, cols: int,
+                            sum_dtype: torch.dtype) -> dict[str, tuple[float, bool]]:
+    """{tensor: (largest difference, within bounds)} after a step, a correction and a skipped
+    step (coef 0 and an inf gradient), compiled against eager: the weights within a bf16 ulp
+    and finite, the sums within an ulp of their dtype (NaN where the skipped step's inf went,
+    alike), the statistics within fp32 rounding of a reduction's order; each relative to the
+    value or, near 0, to the tensor's mean magnitude."""
+    from zenflow.host.compiled import compiled_for, scalar
+    from zenflow.host.credit_factored import factored_correct_, factored_step_
+    step, correct = (compiled_for(f, device) for f in (factored_step_, factored_correct_))
+    gen = torch.Generator(device=device).manual_seed(rows)
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen)
+    eager = dict(weight=((rand(rows, cols) - 0.5) * 0.04).bfloat16(),
+                 grad=(rand(rows, cols) - 0.5).bfloat16(),
+                 grad_sum=(rand(rows, cols) - 0.5).to(sum_dtype),
+                 row_sq=torch.zeros(rows, device=device), col_sq=torch.zeros(cols, device=device),
+                 alpha=rand(rows) + 0.5, beta=rand(cols) * 10,
+                 host_cols=(rand(cols) > 0.1).float())
+    fused = {k: v.clone() for k, v in eager.items()}
+    sizes, most = (scalar(-1e-3, device), scalar(3.0, device)), scalar(6.0, device)
+    factored_step_(*eager.values(), scalar(0.7, device), *sizes)
+    step(*fused.values(), scalar(0.7, device), *sizes)
+    factored_correct_(eager["weight"], eager["grad_sum"], eager["alpha"], eager["beta"],
+                      sizes[0], most)
+    correct(fused["weight"], fused["grad_sum"], fused["alpha"], fused["beta"], sizes[0], most)
+    # a skipped step: its gradient may hold inf; it moves nothing (its window is dropped)
+    eager["grad"][0, 0] = fused["grad"][0, 0] = float("inf")
+    factored_step_(*eager.values(), scalar(0.0, device), *sizes)
+    step(*fused.values(), scalar(0.0, device), *sizes)
+    out = {}
+    for key, rtol in (("weight", 2.0 ** -7), ("grad_sum", 2.0 ** -7 if sum_dtype ==
+                                              torch.bfloat16 else 1e-6),
+                      ("row_sq", 1e-5), ("col_sq", 1e-5)):
+        a, b = eager[key].float().cpu(), fused[key].float().cpu()
+        same_nan = torch.equal(a.isnan(), b.isnan())
+        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+        diff = float((a - b).abs().max())
+        # each within rtol of itself or, where it nearly cancelled (a weight moved to about 0),
+        # of the tensor's typical magnitude: a fused multiply-add rounds once where eager twice
+        ok = same_nan and bool(((a - b).abs() <= (b.abs() + b.abs().mean()) * rtol).all())
+        if key == "weight":
+            ok = ok and bool(torch.isfinite(fused[key]).all())
+        out[key] = (diff, ok)
     return out

@@ -3,6 +3,6 @@ which imports no torch) and the checks' runner (selftest.py) read."""
 from __future__ import annotations
 
 SECTIONS = ("environment", "correctness", "equivalences", "bf16", "offload", "transfers",
-            "worker", "model", "closure", "pagelocks", "throughput", "bandwidth", "memory",
-            "speed")
+            "worker", "model", "closure", "pagelocks", "compiled", "throughput", "bandwidth",
+            "memory", "speed")
 DTYPES = ("bf16", "fp32")   # the parameter dtypes of the correctness checks
