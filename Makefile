@@ -26,14 +26,15 @@ demo: $(STAMP)
 	$(PY) -m zenflow.tools.demo
 
 # Two pytest workers (pytest-xdist): most cases wait on processes they start, so two share the
-# two cores a CI machine has (docs/testing.md).
+# two cores a CI machine has; a worker out of cases takes the other's (worksteal), so the slow
+# ones do not end the run one after the other (docs/testing.md).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 # The tests not marked slow (pyproject.toml registers the marker): 1 min 1 s of tests on 2 cores
 # (two workers). CI runs `make test`, all of them.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
