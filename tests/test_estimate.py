@@ -200,7 +200,7 @@ def test_a_forward_that_waits_per_layer_waits_for_what_it_does_not_hide():
         2 * P_mat / 25e9 - 0.5 * (P_mat - 32000 * 4096) / P_mat)
 
 
-def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_cost_the_host_a_widening():
+def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_widen_inside_the_hosts_update():
     shapes = llama_shapes(**LLAMA2_7B)
     settings = dict(gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,
                     measured=FIGURES, device_sum_budget=10 ** 12, deferred_credit="mean",
@@ -213,8 +213,9 @@ def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_cost_the_host_a_w
     window = fp32["bus"]["zenflow"]["d2h_bytes_per_window"]
     assert window == 4 * summed and bf16["bus"]["zenflow"]["d2h_bytes_per_window"] == 2 * summed
     assert bf16["seconds"]["sums_d2h_s"] == pytest.approx(fp32["seconds"]["sums_d2h_s"] / 2)
-    # the host widens each bf16 sum once per window, at its accumulate rate
-    assert bf16["seconds"]["adamw_s"] == pytest.approx(fp32["seconds"]["adamw_s"] + summed / 8e9)
+    # the host widens each bf16 sum in cache, inside the update that reads it: no pass of its own
+    # (host/buffers.py _gradients; estimate_terms.host_adamw_s says what it measured)
+    assert bf16["seconds"]["adamw_s"] == fp32["seconds"]["adamw_s"] == summed / 4e9
     # the device's add reads the bf16 gradient and reads and writes a 2-byte sum, not a 4-byte one
     assert bf16["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 4) / 1e12)
     assert fp32["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 8) / 1e12)
@@ -564,7 +565,7 @@ def test_the_host_figures_follow_the_server_and_the_placement():
 def test_on_the_stated_server_the_host_hides_in_two_steps_and_the_install_sets_the_window():
     """Issue 37's model, Llama-2-7B in bf16 on one H100 with 20 GiB of activations and the
     defaults, on two sockets of 32 cores at 125 GB/s: the host's "factored" update of a window
-    (0.9 s, and the widening of its bf16 sums) hides behind 2 steps of 0.65 s; update_interval
+    (0.92 s, its bf16 sums widened inside it) hides behind 2 steps of 0.65 s; update_interval
     "auto" still settles at its longest, 16, since the install's 12.6 GiB over PCIe (0.54 s,
     most of it exposed without attach) needs 18 steps to stay within INSTALL_BUDGET of the
     window: the bus, not the host, sets the window."""

@@ -92,12 +92,14 @@ def test_with_a_step_time_it_recommends_and_gives_the_reasons():
 
 
 def test_a_window_given_too_short_says_what_the_step_waits():
-    r = estimate(LLAMA2_7B, torch.bfloat16, fwd_bwd_s=0.5, measured=H100, update_interval=2,
+    # (one step: the host's update of a window needs two here, now that the widening of bf16
+    # sums is counted inside it rather than as a pass of its own)
+    r = estimate(LLAMA2_7B, torch.bfloat16, fwd_bwd_s=0.5, measured=H100, update_interval=1,
                  deferred_credit="moments")
     flat = " ".join(_answer(format_report(r)).split())
-    assert r["time"]["min_update_interval_hiding_host"] > 2
-    assert "update_interval, as given: 2 step(s)" in flat
-    assert f"at 2 the step waits {secs(r['time']['zenflow_stall_s'])} for them" in flat
+    assert r["time"]["min_update_interval_hiding_host"] > 1
+    assert "update_interval, as given: 1 step(s)" in flat
+    assert f"at 1 the step waits {secs(r['time']['zenflow_stall_s'])} for them" in flat
 
 
 @pytest.mark.parametrize("shapes, memory, says", [
