@@ -14,7 +14,6 @@ descriptor and the layout, so the same code runs in or out of the training proce
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from functools import partial
 
@@ -25,6 +24,7 @@ from zenflow.host.arena import Arena, Region
 from zenflow.host.factored import factored_pass
 from zenflow.host.layout import HostJob, HostLayout, dtype_name
 from zenflow.host.numa import share_bounds
+from zenflow.host.scratch import thread_scratch
 
 _CHUNK = 1 << 20  # elements per pass of a dtype-converting add: the fp32 temporary stays in cache
 # Elements each thread takes per chunk of the host update. The update does all of a chunk's work
@@ -115,18 +115,6 @@ def _first(landing: tuple) -> int:
     return landing[0]
 
 
-_thread_scratch = threading.local()
-
-
-def _scratch(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fp32 buffers of at least `numel` elements, this thread's own, kept between chunks and
-    updates (a fresh allocation would fault its pages in again each time)."""
-    held = getattr(_thread_scratch, "buffers", None)
-    if held is None or held[0].numel() < numel:
-        held = _thread_scratch.buffers = (torch.empty(numel), torch.empty(numel))
-    return held
-
-
 def _gradients(run: _Run, a: int, b: int, into: torch.Tensor) -> torch.Tensor:
     """Elements [a, b) of the run's window sums: a view of the fp32 sums or, where the chunk
     holds a bf16 landing, `into` filled with them in fp32 (the widening: exact, in cache)."""
@@ -149,7 +137,7 @@ def _chunk(run: _Run, a: int, b: int) -> None:
     """All the work on elements [a, b) of `run`, while they are in cache: AdamW (an update), the
     rates ("moments"), the install values."""
     x, m, sq = run.master[a:b], run.exp_avg[a:b], run.exp_avg_sq[a:b]
-    scratch = _scratch(b - a)
+    scratch = thread_scratch(b - a)
     denom = None
     if run.sums is not None:
         grads = _gradients(run, a, b, scratch[0])

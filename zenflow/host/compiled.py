@@ -25,11 +25,9 @@ COMPILE_ON = {"cuda"}
 
 def compiled_for(fn: Callable, device: torch.device) -> Callable | None:
     """`fn` compiled for `device` (dynamic shapes: one compile serves every matrix of a dtype),
-    or None where it is not compiled (a device type outside COMPILE_ON, or torch.compile
-    unavailable: the caller takes its op-by-op path)."""
+    or None where it is not compiled (a device type outside COMPILE_ON: the caller takes its
+    op-by-op path)."""
     if torch.device(device).type not in COMPILE_ON:
-        return None
-    if not hasattr(torch, "compile"):
         return None
     log.info("%s is compiled for %s at its first call (once per process: seconds to a minute; "
              "TORCHDYNAMO_DISABLE=1 runs it uncompiled)", fn.__name__, device)

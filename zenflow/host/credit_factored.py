@@ -118,10 +118,12 @@ class FactoredCredit(MovingCredit):
             self._alpha_column[i] = self.alpha[i].unsqueeze(1)   # [R, 1]: broadcast per row
             self.deferred[i] = torch.ones(cols, dtype=torch.float32, device=device)
         self._placed = True
-        kernels = {"step": factored_step_, "correct": factored_correct_}
-        self._kernels = {name: kernel for name, fn in kernels.items()
-                         if moving and self.fuses
-                         for kernel in [compiled_for(fn, device)] if kernel is not None}
+        self._kernels = {}
+        if moving and self.fuses:
+            for name, fn in (("step", factored_step_), ("correct", factored_correct_)):
+                kernel = compiled_for(fn, device)
+                if kernel is not None:
+                    self._kernels[name] = kernel
         for i, values in self._restored.items():
             if i in self.alpha:
                 for dst, src in zip(self._device(i), values):

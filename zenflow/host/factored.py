@@ -27,10 +27,11 @@ moments read and written once, the install value written once.
 from __future__ import annotations
 
 import math
-import threading
 from functools import partial
 
 import torch
+
+from zenflow.host.scratch import thread_scratch
 
 ROW_BLOCK = 1 << 18   # elements of a block of rows (at least one row): its fp32 temporaries,
 # two of them, stay in a server core's L2 and its share of L3, as buffers.PIECE's chunks do
@@ -123,18 +124,6 @@ def _fit_(alpha, beta, a_neg, column_sums, rows: int, deferred) -> None:
     beta.copy_(column_sums.div(-rows).exp_().mul_(deferred))
 
 
-_scratch_of_thread = threading.local()
-
-
-def _scratch(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two fp32 buffers of at least `numel` elements, this thread's own, kept between blocks and
-    windows (a fresh allocation would fault its pages in again each time)."""
-    held = getattr(_scratch_of_thread, "buffers", None)
-    if held is None or held[0].numel() < numel:
-        held = _scratch_of_thread.buffers = (torch.empty(numel), torch.empty(numel))
-    return held
-
-
 class _Matrix:
     """One "factored" job's update, block by block: sums() is the first pass's task for a block,
     update() the second's; residuals() and finish() what needs every block."""
@@ -168,7 +157,7 @@ class _Matrix:
         if s.numel() < _SMALL:   # fresh temporaries: fewer operators to dispatch than views
             mean = torch.div(s.float(), self.job.num_grads)
             return mean, mean * mean
-        mean, sq = (t[:s.numel()].view(s.shape) for t in _scratch(s.numel()))
+        mean, sq = (t[:s.numel()].view(s.shape) for t in thread_scratch(s.numel()))
         if s.dtype == torch.float32:
             torch.div(s, self.job.num_grads, out=mean)
         else:   # widened first: a bf16 division would round the mean to bf16
@@ -220,10 +209,10 @@ def factored_pass(host, jobs: list, sum_slot: int | None) -> None:
     """HostState.update() (`sum_slot` given) or publish() (None) of "factored" jobs: the install
     buffer gets the new values; the factors buffer the new alpha and beta (publish keeps the
     ones there: a load restores them). Matrix by matrix, each in two passes of block tasks."""
+    if sum_slot is None:
+        host.copy_masters([job.matrix for job in jobs])
+        return
     for job in jobs:
-        if sum_slot is None:
-            host.install(job.matrix).copy_(host.fp32("master", job.matrix))
-            continue
         matrix = _Matrix(host, job, sum_slot)
         if len(matrix.blocks) == 1:
             matrix.whole()

@@ -69,7 +69,7 @@ def _figures(measured: dict | None, target: str, host: HostMachine, ranks: int
     placed = host_figures(host, ranks)
     for key, (value, what) in ASSUMED.items():
         if key in placed:
-            value, what = placed[key][0], f"{ASSUMED[key][1]} ({placed[key][1]})"
+            value, what = placed[key][0], f"{what} ({placed[key][1]})"
         if key == ("d2h_bytes_per_s" if target == "cpu" else "memcpy_bytes_per_s") or \
                 (key == "h2d_bytes_per_s" and target == "cpu"):
             continue
