@@ -8,56 +8,31 @@ from unittest import mock
 import pytest
 import torch
 
-import zenflow
 from zenflow.host import compiled, credit_factored
 from zenflow.host.credit_base import MovingCredit
-from zenflow.optim.reference import ReferenceZenFlow
 
-from helpers.reference import SHAPES
+from helpers.reference import SHAPES, factored_against_reference
 
 MATRICES = [i for i, s in enumerate(SHAPES) if len(s) >= 2]
-KW = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1, max_grad_norm=4.0,
-          deferred_credit="factored", install_lookahead=0.0, overlap_step=True)
 
 
 def _train(dtype, sum_dtype, steps=16, skip_at=None):
-    """ZenFlowAdamW with every sum on the device, and its weights after each step, beside the
-    reference's (which sums in fp32) fed the same gradients; its stats() with "op_by_op_moves"
-    and "op_by_op_corrections", the matrix steps and the installs' corrections the op-by-op path
+    """factored_against_reference, with stats() counting "op_by_op_moves" and
+    "op_by_op_corrections": the matrix steps and the installs' corrections the op-by-op path
     took."""
-    gen = torch.Generator().manual_seed(5)
-    values = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
-    params, ref_params = [v.clone().requires_grad_() for v in values], [v.clone() for v in values]
-    opt = zenflow.ZenFlowAdamW(params, select_strategy="step", select_interval=4,
-                               device_sum_budget=10 ** 9, device_sum_dtype=sum_dtype,
-                               worker=False, **KW)
-    ref = ReferenceZenFlow(ref_params, select_interval=4, **KW)
-    ours, theirs, moves, corrections = [], [], [], []
-    interim, correct = opt._pipeline.credit.interim, MovingCredit.correct
-    opt._pipeline.credit.interim = lambda weights, *a: (moves.append(len(weights)),
-                                                        interim(weights, *a))
-    counted = mock.patch.object(MovingCredit, "correct", lambda self, weights, *a: (
-        corrections.append(len(weights)), correct(self, weights, *a)))
-    with counted:
-        _steps(opt, ref, params, ref_params, gen, dtype, steps, skip_at, ours, theirs)
-        stats = {**opt.stats(), "op_by_op_moves": sum(moves),
-                 "op_by_op_corrections": sum(corrections)}
-        opt.close()
-    return ours, theirs, stats
+    moves, corrections = [], []
+    correct = MovingCredit.correct
 
-
-def _steps(opt, ref, params, ref_params, gen, dtype, steps, skip_at, ours, theirs):
-    for t in range(steps):
-        grads = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
-        if t == skip_at:
-            grads[MATRICES[0]][0, 0] = float("inf")
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-        if t != skip_at:
-            ref.step([g.clone() for g in grads], reselect=(t, "reselect") in opt.decisions)
-        ours.append([p.detach().clone() for p in params])
-        theirs.append([r.clone() for r in ref_params])
+    def count_moves(opt):
+        interim = opt._pipeline.credit.interim
+        opt._pipeline.credit.interim = lambda weights, *a: (moves.append(len(weights)),
+                                                            interim(weights, *a))
+    with mock.patch.object(MovingCredit, "correct", lambda self, weights, *a: (
+            corrections.append(len(weights)), correct(self, weights, *a))):
+        ours, theirs, stats = factored_against_reference(dtype, sum_dtype, steps=steps,
+                                                         skip_at=skip_at, before=count_moves)
+    return ours, theirs, {**stats, "op_by_op_moves": sum(moves),
+                          "op_by_op_corrections": sum(corrections)}
 
 
 @pytest.fixture

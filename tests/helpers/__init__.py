@@ -7,7 +7,8 @@ and in tests/programs/ (which put tests/ on sys.path themselves where they need 
 
     models.py           the MLP and the transformer block most optimizer tests train (MODELS)
     equivalence.py      training loops and tolerances of the "ZenFlow is AdamW when..." tests
-    reference.py        random settings and a run against zenflow.optim.reference (run_pair)
+    reference.py        random settings and a run against zenflow.optim.reference (run_pair);
+                        "factored" with every sum on the device beside it (factored_against_reference)
     state_dict_runs.py  a run that saves and resumes mid-way through state_dict()
     host_update.py      a host state and its update in separate passes (the one-pass oracle)
     decisions.py        window lengths from an optimizer's decisions

@@ -1,5 +1,7 @@
 """ZenFlowAdamW against zenflow.optim.reference, step by step: random settings (random_case) and a
-run of both on the same random gradients, every weight compared after every step (run_pair)."""
+run of both on the same random gradients, every weight compared after every step (run_pair); and
+deferred_credit="factored" with every sum on the device beside the reference, every step's weights
+kept (factored_against_reference)."""
 import random
 
 import torch
@@ -73,3 +75,45 @@ def run_pair_once(case, seed):
     if key not in _PAIRS:
         _PAIRS[key] = run_pair(case, seed)
     return _PAIRS[key]
+
+
+# deferred_credit="factored" against the reference (factored_against_reference)
+FACTORED = dict(lr=1e-2, topk_ratio=0.25, update_interval=3, full_warm_up_rounds=1,
+                max_grad_norm=4.0, deferred_credit="factored", install_lookahead=0.0)
+
+
+def factored_against_reference(dtype, sum_dtype="float32", overlap=True, steps=16, skip_at=None,
+                               before=None):
+    """ZenFlowAdamW under "factored" with every sum on the device, kept in `sum_dtype`, and the
+    reference (which sums in fp32) fed the same gradients of `dtype`; at step `skip_at` one
+    gradient holds inf (the optimizer skips it, the reference is not stepped). `before(opt)` runs
+    once the optimizer is made. Returns (ours, theirs, stats): each step's weights of both, and
+    the optimizer's stats() before close()."""
+    kw = dict(FACTORED, overlap_step=overlap)
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    params, ref_params = [v.clone().requires_grad_() for v in values], [v.clone() for v in values]
+    opt = zenflow.ZenFlowAdamW(params, select_strategy="step", select_interval=4,
+                               device_sum_budget=10 ** 9, device_sum_dtype=sum_dtype,
+                               worker=False, **kw)
+    ref = ReferenceZenFlow(ref_params, select_interval=4, **kw)
+    if before is not None:
+        before(opt)
+    first_matrix = next(i for i, s in enumerate(SHAPES) if len(s) >= 2)
+    ours, theirs = [], []
+    try:
+        for t in range(steps):
+            grads = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+            if t == skip_at:
+                grads[first_matrix][0, 0] = float("inf")
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+            if t != skip_at:
+                ref.step([g.clone() for g in grads], reselect=(t, "reselect") in opt.decisions)
+            ours.append([p.detach().clone() for p in params])
+            theirs.append([r.clone() for r in ref_params])
+        stats = opt.stats()
+    finally:
+        opt.close()
+    return ours, theirs, stats
