@@ -124,3 +124,35 @@ def test_the_selftest_check_of_the_compiled_step_passes_with_the_cpu_backend(mon
     check, = selftest_gpu.compiled(ctx)
     assert check.status == "pass", check.detail
     assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq"}
+
+
+def test_many_optimizers_and_dtypes_in_one_process_all_take_the_compiled_step(monkeypatch,
+                                                                              caplog):
+    """Dynamo compiles a function at most recompile_limit (8) ways; fp32 and bf16 weights and
+    sums, calls with autograd on and off, and matrices of other shapes each make a way. On a GPU
+    the selftest's sections ran out and fell back to the op-by-op path. Here (Dynamo's tracing,
+    the "eager" backend) three optimizers a signature, and direct calls with autograd on, all
+    take the compiled kernel, with no warning."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    monkeypatch.setattr(compiled._Kernel, "_compiled", {})
+    with caplog.at_level(logging.WARNING, logger="zenflow"):
+        for _ in range(3):
+            for dtype, sum_dtype in [(torch.float32, "float32"), (torch.bfloat16, "float32"),
+                                     (torch.bfloat16, "bfloat16")]:
+                _, _, stats = _train(dtype, sum_dtype, steps=8)
+                assert stats["fused_steps"] > 0
+                assert stats["op_by_op_moves"] == stats["op_by_op_corrections"] == 0
+        step = compiled.compiled_for(credit_factored.factored_step_, torch.device("cpu"))
+        for rows, cols in ((3, 5), (64, 16), (7, 7), (1, 9), (9, 1)):
+            weight = torch.zeros(rows, cols, dtype=torch.bfloat16, requires_grad=True)
+            with torch.no_grad():
+                weight.zero_()
+            args = [weight, torch.ones(rows, cols, dtype=torch.bfloat16),
+                    torch.zeros(rows, cols), torch.zeros(rows), torch.zeros(cols),
+                    torch.ones(rows), torch.ones(cols), torch.ones(cols)]
+            step(*args, *(compiled.scalar(v, torch.device("cpu")) for v in (1.0, -0.5, 3.0)))
+            assert torch.equal(weight.detach(), torch.full((rows, cols), -0.5).bfloat16())
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]

@@ -11,6 +11,8 @@ switch); a compile that fails is logged once and the rule goes back to its op-by
 from __future__ import annotations
 
 import logging
+import threading
+import types
 from collections.abc import Callable
 
 import torch
@@ -21,17 +23,61 @@ log = logging.getLogger("zenflow")
 # function against the op-by-op path with the CPU's C++ backend (a compile takes 15-20 s there,
 # which every process of the suite would pay).
 COMPILE_ON = {"cuda"}
+# torch.compile's backend. A test takes "eager" (Dynamo's tracing and guards, no code made: a
+# compile in well under a second) to count compiles across many signatures.
+BACKEND = "inductor"
 
 
 def compiled_for(fn: Callable, device: torch.device) -> Callable | None:
-    """`fn` compiled for `device` (dynamic shapes: one compile serves every matrix of a dtype),
-    or None where it is not compiled (a device type outside COMPILE_ON: the caller takes its
-    op-by-op path)."""
+    """`fn` compiled for `device` (dynamic shapes: one compile serves every matrix of a dtype
+    signature), or None where it is not compiled (a device type outside COMPILE_ON: the caller
+    takes its op-by-op path)."""
     if torch.device(device).type not in COMPILE_ON:
         return None
-    log.info("%s is compiled for %s at its first call (once per process: seconds to a minute; "
-             "TORCHDYNAMO_DISABLE=1 runs it uncompiled)", fn.__name__, device)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    log.info("%s is compiled for %s at its first call (once per process and dtypes: seconds to "
+             "a minute; TORCHDYNAMO_DISABLE=1 runs it uncompiled)", fn.__name__, device)
+    return _Kernel(fn)
+
+
+class _Kernel:
+    """`fn` compiled once per process for each dtype signature of its tensor arguments, and
+    called without autograd.
+
+    Dynamo keeps a function's compiled variants on its code object, at most
+    torch._dynamo.config.recompile_limit (8) of them, and with fullgraph=True one more is an
+    error: fp32 and bf16 weights and sums, and a call with autograd on or off, each make one, so
+    a process with a few optimizers (the selftest, a sweep) ran out on a GPU. So each signature
+    compiles a copy of `fn` with a code object of its own (its variants: the few that shapes
+    make), shared by every optimizer of the process, and every call runs under no_grad (one
+    grad mode, the one a step has)."""
+
+    _compiled: dict[tuple, Callable] = {}   # (fn, dtypes) -> compiled copy, per process
+    _lock = threading.Lock()
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, *args: torch.Tensor) -> None:
+        key = (self.fn, *(a.dtype for a in args))
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            with self._lock:
+                kernel = self._compiled.get(key)
+                if kernel is None:
+                    kernel = self._compiled[key] = torch.compile(
+                        _copy(self.fn, len(self._compiled)), backend=BACKEND, dynamic=True,
+                        fullgraph=True)
+        with torch.no_grad():
+            kernel(*args)
+
+
+def _copy(fn: Callable, n: int) -> Callable:
+    """`fn` with a code object of its own (named `fn`_n in traces and Dynamo's logs)."""
+    name = f"{fn.__name__}_{n}"
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname")
+                                 else {})}
+    return types.FunctionType(fn.__code__.replace(**names), fn.__globals__, name,
+                              fn.__defaults__, fn.__closure__)
 
 
 def scalar(value: float, device: torch.device) -> torch.Tensor:
