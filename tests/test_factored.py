@@ -342,13 +342,13 @@ def test_a_version_5_state_loads():
 
 
 @pytest.mark.parametrize("widen", [False, True])
-@pytest.mark.parametrize("teams", [False, True])
+@pytest.mark.parametrize("teams", [None, "nodes", "cores"])
 def test_the_host_update_in_row_blocks_equals_the_whole_matrix_arithmetic(monkeypatch, widen,
                                                                           teams):
     """The worker's "factored" update goes in blocks of rows (zenflow/host/factored.py): each
-    block's row sums whole, its column sums added in block order, on the NUMA teams or in the
-    calling thread; the same values as the whole-matrix functions, block size and threads
-    aside."""
+    block's row sums whole, its column sums added in block order, on the NUMA teams, on a
+    thread per core, or in the calling thread; the same values as the whole-matrix functions,
+    block size and threads aside."""
     from zenflow.host import factored
     from zenflow.host.buffers import HostState
     from zenflow.host.factored import update_whole_
@@ -384,20 +384,25 @@ def test_the_host_update_in_row_blocks_equals_the_whole_matrix_arithmetic(monkey
     update_whole_(*want, grad_sum, row_sq, col_sq, deferred, want_alpha, want_beta, step, n,
                   lr=u.lr, beta1=u.beta1, beta2=u.beta2, eps=u.eps, weight_decay=u.weight_decay)
     pool = None
-    if teams:   # as if the arena were shared out over two nodes, each with a team
-        cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(os.sched_getaffinity(0))
+    if teams == "nodes":   # as if the arena were shared out over two nodes, each with a team
         host.arena.nodes, pool = [0, 1], NodeTeams([cpus[:1], cpus[1:2] or cpus[:1]])
+        host.teams = pool
+    elif teams == "cores":   # the worker's lanes: a thread per core
+        pool = host.lanes = NodeTeams([cpus], per_core=True)
+    if pool is not None:
         ran = pool.run
         handed = []
         pool.run = lambda shares: handed.append(shares) or ran(shares)
-    host.teams = pool
     try:
         host.update([HostJob(0, step, n, u, widen=widen)], 0)
     finally:
         if pool is not None:
             pool.close()
-    if teams:   # both passes shared out: the blocks alternate between the two teams
+    if teams == "nodes":   # both passes shared out: the blocks alternate between the teams
         assert [[len(share) for share in shares] for shares in handed] == [[5, 5], [5, 5]]
+    elif teams == "cores":   # ... or go to the one node's cores
+        assert [[len(share) for share in shares] for shares in handed] == [[10], [10]]
     for got, expected in zip((x, m, v, alpha, beta), (*want, want_alpha, want_beta)):
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-9)
     assert torch.equal(host.install(0), x.bfloat16())

@@ -128,3 +128,26 @@ def test_layouts_cut_over_nodes_keep_every_element():
     for offset, numel, _ in host._runs(range(len(SHAPES))):
         covered += [range(a, b) for _, a, b in buffers.chunks(offset, numel, bounds, [1, 2, 3])]
     assert sorted(i for r in covered for i in r) == list(range(host.layout.numel))
+
+
+def test_a_thread_per_core_runs_each_task_on_one_core_with_one_torch_thread():
+    """per_core: every core of a node its own thread (for the "factored" update's many small
+    operators, zenflow/host/factored.py), pinned to it, one torch thread; the node's tasks go
+    to whichever is free, and all of them run."""
+    teams = NodeTeams([CPUS], per_core=True)
+    seen = []
+    lock = threading.Lock()
+
+    def task():
+        with lock:
+            seen.append((threading.get_ident(), tuple(sorted(os.sched_getaffinity(0))),
+                         torch.get_num_threads()))
+    try:
+        assert len(_team_threads()) == len(CPUS)
+        teams.run([[task] * 40])
+    finally:
+        teams.close()
+    assert not _team_threads()
+    assert len(seen) == 40
+    assert {(cpus, threads) for _, cpus, threads in seen} <= {((c,), 1) for c in CPUS}
+    assert len({ident for ident, _, _ in seen}) <= len(CPUS)

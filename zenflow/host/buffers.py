@@ -170,6 +170,9 @@ class HostState:
         # Set by the worker on a multi-node host (zenflow/host/teams.py): runs each NUMA node's
         # share of an update on that node's cores. None: the calling thread runs it all.
         self.teams = None
+        # Set by the worker: a thread per worker core, one torch thread each, for updates made
+        # of many small operators (zenflow/host/factored.py). None: `teams` or this thread.
+        self.lanes = None
         self._typed_views: dict[tuple[str, int], torch.Tensor] = {}   # made once: steps reuse
 
     @classmethod

@@ -35,6 +35,7 @@ from zenflow.host.scratch import thread_scratch
 
 ROW_BLOCK = 1 << 18   # elements of a block of rows (at least one row): its fp32 temporaries,
 # two of them, stay in a server core's L2 and its share of L3, as buffers.PIECE's chunks do
+TASKS_PER_LANE = 8    # blocks a worker core has to take in a group: cores free up unevenly
 _SMALL = 1 << 14      # blocks below this many elements take fresh temporaries, not the scratch
 
 
@@ -172,7 +173,8 @@ class _Matrix:
         return mean, sq
 
     def whole(self) -> None:
-        """Both passes of a matrix of one block, its mean and square computed once."""
+        """Both passes of a matrix of one block, its mean and square computed once (finish()
+        still to come)."""
         mean, sq = self.sums(0)
         self.residuals()
         self._rest(0, mean, sq)
@@ -208,27 +210,41 @@ class _Matrix:
 def factored_pass(host, jobs: list, sum_slot: int | None) -> None:
     """HostState.update() (`sum_slot` given) or publish() (None) of "factored" jobs: the install
     buffer gets the new values; the factors buffer the new alpha and beta (publish keeps the
-    ones there: a load restores them). Matrix by matrix, each in two passes of block tasks."""
+    ones there: a load restores them). Matrices go in groups of at least TASKS_PER_LANE blocks
+    a worker core, each group in two passes of tasks, a block each (a matrix of one block is
+    one task): the cores share out several matrices' blocks at once, while the per-block column
+    sums held stay a few matrices' worth."""
     if sum_slot is None:
         host.copy_masters([job.matrix for job in jobs])
         return
-    for job in jobs:
-        matrix = _Matrix(host, job, sum_slot)
-        if len(matrix.blocks) == 1:
-            matrix.whole()
-            matrix.finish()
-            continue
-        _run(host, [partial(matrix.sums, k) for k in range(len(matrix.blocks))])
-        matrix.residuals()
-        _run(host, [partial(matrix.update, k) for k in range(len(matrix.blocks))])
-        matrix.finish()
+    teams = host.lanes if host.lanes is not None else host.teams
+    wanted = TASKS_PER_LANE * (sum(teams.threads) if teams is not None else 1)
+    group: list[_Matrix] = []
+    for n, job in enumerate(jobs):
+        group.append(_Matrix(host, job, sum_slot))
+        if n == len(jobs) - 1 or sum(len(m.blocks) for m in group) >= wanted:
+            _update_group(host, group)
+            group = []
+
+
+def _update_group(host, matrices: list[_Matrix]) -> None:
+    blocked = [m for m in matrices if len(m.blocks) > 1]
+    _run(host, [partial(m.sums, k) for m in blocked for k in range(len(m.blocks))]
+         + [m.whole for m in matrices if len(m.blocks) == 1])
+    for m in blocked:
+        m.residuals()
+    _run(host, [partial(m.update, k) for m in blocked for k in range(len(m.blocks))])
+    for m in matrices:
+        m.finish()
 
 
 def _run(host, tasks: list) -> None:
-    """`tasks` on the worker's NUMA teams (shared out in turn), or in this thread."""
-    if host.teams is None:
+    """`tasks` on the worker's per-core lanes, else its NUMA teams (shared out in turn), else in
+    this thread."""
+    teams = host.lanes if host.lanes is not None else host.teams
+    if teams is None:
         for task in tasks:
             task()
         return
-    teams = len(host.teams.threads)
-    host.teams.run([tasks[t::teams] for t in range(teams)])
+    nodes = len(teams.threads)
+    teams.run([tasks[t::nodes] for t in range(nodes)])

@@ -9,6 +9,11 @@ that node, with as many torch intra-op threads as it has cores there (torch's Op
 count per calling thread, and the threads it starts inherit their caller's affinity): a kernel
 that thread calls runs on that node alone. A team that runs out of its own share takes chunks
 from the end of the fullest other share, so an uneven split of cores still finishes together.
+
+`per_core=True` gives each node one thread per core instead, each with one torch thread: for work
+that comes as many small operators (the "factored" update's blocks, zenflow/host/factored.py),
+where an OpenMP fork and join per operator costs more than the operator (measured: two torch
+threads made that update 1.6x slower than one).
 """
 from __future__ import annotations
 
@@ -22,9 +27,10 @@ import torch
 
 class NodeTeams:
     """Threads that run lists of tasks, list i on the cores `cores_by_node[i]`. A node without
-    cores gets no thread: the others run its share."""
+    cores gets no thread: the others run its share. `per_core`: a thread per core of a node
+    (pinned to it, one torch thread each), which take their node's tasks as they come free."""
 
-    def __init__(self, cores_by_node: list[list[int]]):
+    def __init__(self, cores_by_node: list[list[int]], per_core: bool = False):
         if not any(cores_by_node):
             raise ValueError(f"NodeTeams: cores_by_node must give some node a core, got "
                              f"{cores_by_node!r}")
@@ -37,17 +43,20 @@ class NodeTeams:
         self._error: BaseException | None = None
         self._generation = 0       # run() calls so far: a team wakes for each
         self._closed = False
-        ready = threading.Barrier(sum(1 for cpus in cores_by_node if cpus) + 1)
+        # (node, the cores a thread runs on): the node's, or one each
+        placed = [(i, [cpu] if per_core else cpus) for i, cpus in enumerate(cores_by_node)
+                  for cpu in (cpus if per_core else cpus[:1])]
+        ready = threading.Barrier(len(placed) + 1)
         self._threads = [threading.Thread(target=self._serve, args=(i, cpus, ready), daemon=True,
                                           name=f"zenflow-node-team-{i}")
-                         for i, cpus in enumerate(cores_by_node) if cpus]
+                         for i, cpus in placed]
         for thread in self._threads:
             thread.start()
         ready.wait()   # every team has its affinity and its torch thread count
 
     def run(self, shares: list[list[Callable[[], None]]]) -> None:
         """Run every task, share i's on team i (or whichever team is free when its share is
-        done), each share's in order; returns when all are done, raising the first error
+        done), each share's started in order; returns when all are done, raising the first error
         (the tasks not started by then are dropped)."""
         if len(shares) != len(self._queues):
             raise ValueError(f"NodeTeams.run: shares must have one list per node "

@@ -84,6 +84,8 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
         # The host state is shared out over the nodes: each node's share is updated on that
         # node's cores (zenflow/host/teams.py).
         host.teams = NodeTeams(teams)
+    if cores and len(cores) > 1:
+        host.lanes = NodeTeams(teams if host.teams is not None else [cores], per_core=True)
     if cores:
         # Set after the teams (each sets its own): every other thread's kernels (the
         # accumulates, a single node's update) use all the worker's cores.
@@ -140,5 +142,6 @@ def _serve(conn: Connection, arena_fd: int, init: dict) -> None:
     finally:
         updates.put(None)
         updater.join()
-        if host.teams is not None:
-            host.teams.close()
+        for pool in (host.teams, host.lanes):
+            if pool is not None:
+                pool.close()

@@ -69,10 +69,10 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
     """Host AdamW, the "factored" update and gradient accumulation, in parameters per second, in
     a real worker on the worker's cores, over `numel` parameters (large enough to stream from
     memory, not cache);
-    and the AdamW of one core, for a window's "mean" update and for a "moments" one (which
-    also reads the squares and writes the rates): what a core computes, against which the
-    worker's figure shows how far more cores help (they stop helping at the memory's
-    bandwidth)."""
+    and the AdamW of one core, for a window's "mean" update, for a "moments" one (which
+    also reads the squares and writes the rates) and for a "factored" one: what a core
+    computes, against which the worker's figure shows how far more cores help (they stop
+    helping at the memory's bandwidth)."""
     cols = 4096
     rows = max(1, numel // cols)
     layout = HostLayout.build([(rows, cols, dtype)], sum_slots=2, rates=True, factors=True)
@@ -107,6 +107,7 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
     one = WorkerHostRunner(host, cores[:1])
     try:
         upd_one, moments_one = updates(one, moments=False), updates(one, moments=True)
+        factored_one = updates(one, moments=True, factored=True)
     finally:
         one.close()
         host.arena.release()
@@ -120,7 +121,8 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
             "host_accumulate_params_per_s": rate(acc),
             "host_factored_params_per_s": rate(factored),
             "host_adamw_params_per_s_per_core": rate(upd_one),
-            "host_adamw_moments_params_per_s_per_core": rate(moments_one)}
+            "host_adamw_moments_params_per_s_per_core": rate(moments_one),
+            "host_factored_params_per_s_per_core": rate(factored_one)}
 
 
 def _timed(device: torch.device, work, repeats: int) -> float:
