@@ -35,32 +35,49 @@ def _profile(ctx: _Ctx, name: str, settings, steps: int, warmup: int) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     else:
         opt = ZenFlowAdamW(model.parameters(), lr=1e-5, **settings)
+        opt.attach(model)   # as the speed section and a user's loop
     batch = 4 if large else 2
+    parts: dict[str, list[float]] = {"forward_backward": [], "optimizer_step": []}
 
-    def one(t: int) -> float:
-        x, y = _batch(cfg, t, batch, ctx.device)
-        start = time.perf_counter()
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def sync() -> None:
         if ctx.cuda:
             torch.cuda.synchronize(ctx.device)
-        return time.perf_counter() - start
+
+    def one(t: int) -> float:
+        """A training step, the device finished; its forward and backward (with the hooks
+        attach() puts there) and its step() apart, each to the device's end."""
+        x, y = _batch(cfg, t, batch, ctx.device)
+        sync()
+        start = time.perf_counter()
+        model(x, y).backward()
+        sync()
+        middle = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        end = time.perf_counter()
+        parts["forward_backward"].append(middle - start)
+        parts["optimizer_step"].append(end - middle)
+        return end - start
     try:
         for t in range(warmup):
             one(t)
+        for times in parts.values():
+            times.clear()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
         with profile(activities=activities) as prof:
             times = [one(warmup + t) for t in range(steps)]
         events = prof.key_averages()
         sort = "self_cuda_time_total" if ctx.cuda else "self_cpu_time_total"
         table = events.table(sort_by=sort, row_limit=30)
+        cpu_table = events.table(sort_by="self_cpu_time_total", row_limit=25)
         launches = sum(e.count for e in events if e.key.startswith(("cudaLaunchKernel",
                                                                      "cuLaunchKernel")))
         operators = sum(e.count for e in events if e.key.startswith("aten::"))
         out = {"median_step_s": statistics.median(times), "steps": steps,
                "kernel_launches_per_step": launches / steps,
-               "aten_ops_per_step": operators / steps, "table": table}
+               "aten_ops_per_step": operators / steps, "table": table, "cpu_table": cpu_table,
+               **{f"median_{k}_s": statistics.median(v) for k, v in parts.items()}}
         if settings is not None:
             out["windows"] = opt.stats()["windows"]
     finally:
@@ -81,9 +98,12 @@ def main() -> None:
     for name, settings in SYSTEMS.items():
         print(f"-- {name}", flush=True)
         results["systems"][name] = r = _profile(ctx, name, settings, args.steps, warmup=4)
-        print(f"{r['median_step_s'] * 1e3:.1f} ms a step, {r['kernel_launches_per_step']:.0f} "
-              f"launches and {r['aten_ops_per_step']:.0f} operators a step", flush=True)
+        print(f"{r['median_step_s'] * 1e3:.1f} ms a step (forward and backward "
+              f"{r['median_forward_backward_s'] * 1e3:.1f}, step() {r['median_optimizer_step_s'] * 1e3:.1f})"
+              f", {r['kernel_launches_per_step']:.0f} launches and {r['aten_ops_per_step']:.0f} "
+              "operators a step", flush=True)
         print(r["table"], flush=True)
+        print(r["cpu_table"], flush=True)
     os.makedirs(args.out, exist_ok=True)
     slug = "".join(c if c.isalnum() else "-" for c in machine.lower()).strip("-")
     path = os.path.join(args.out, f"profile-step-{slug}.json")

@@ -29,9 +29,10 @@ def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def _pytest(repo: str) -> dict:
+def _pytest(repo: str, log_path: str) -> dict:
     """The suite's CUDA tests, in a child with a deadline (none when run from an installed copy
-    without the tests)."""
+    without the tests); their whole output goes to log_path, since a failure's traceback is what
+    a GPU session has the least time to rerun for."""
     tests = os.path.join(repo, "tests")
     if not os.path.isdir(tests):
         return {"status": "skip", "detail": "no tests/ beside the package"}
@@ -43,6 +44,8 @@ def _pytest(repo: str) -> dict:
                               timeout=PYTEST_DEADLINE_S)
     except subprocess.TimeoutExpired:
         return {"status": "fail", "detail": f"pytest -m cuda ran past {PYTEST_DEADLINE_S} s"}
+    with open(log_path, "w") as f:
+        f.write(done.stdout + done.stderr)
     tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
     # 5: no test was collected (a checkout without CUDA tests) is not a failure
     status = "pass" if done.returncode in (0, 5) else "fail"
@@ -89,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "cuda": torch.version.cuda, "selftest": reports}
     if not args.no_pytest and not args.dry_run:
         print("-- pytest -m cuda", flush=True)
+        os.makedirs(args.out_dir, exist_ok=True)
+        log = os.path.join(args.out_dir, f"gpu-check-{_slug(gpu)}-pytest.log")
         result["pytest"] = _pytest(os.path.dirname(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__)))))
+            os.path.abspath(__file__)))), log)
         print("\n".join(result["pytest"].get("tail", [result["pytest"].get("detail", "")])))
     result["seconds"] = time.perf_counter() - start
     result["passed"] = (all(r["passed"] for r in reports.values())
