@@ -123,7 +123,8 @@ def test_the_selftest_check_of_the_compiled_step_passes_with_the_cpu_backend(mon
     monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
     check, = selftest_gpu.compiled(ctx)
     assert check.status == "pass", check.detail
-    assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq"}
+    assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq",
+                                                "prints"}
 
 
 def test_many_optimizers_and_dtypes_in_one_process_all_take_the_compiled_step(monkeypatch,
@@ -156,3 +157,28 @@ def test_many_optimizers_and_dtypes_in_one_process_all_take_the_compiled_step(mo
             step(*args, *(compiled.scalar(v, torch.device("cpu")) for v in (1.0, -0.5, 3.0)))
             assert torch.equal(weight.detach(), torch.full((rows, cols), -0.5).bfloat16())
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_step_fingerprints_the_hosts_columns_before_and_after_its_move(dtype):
+    """The prints factored_step_ takes in its pass are what zenflow/optim/outside_writes.py
+    would read around the move: the host-owned columns' bit sums (column_bit_sums, the
+    device-owned columns left out), modulo 2**32, before and after."""
+    from zenflow.host.fingerprints import column_bit_sums
+    gen = torch.Generator().manual_seed(3)
+    rows, cols = 37, 23
+    weight = (torch.randn(rows, cols, generator=gen) * 0.05).to(dtype)
+    grad = torch.randn(rows, cols, generator=gen).to(dtype)
+    host_cols = torch.ones(cols)
+    host_cols[[0, 5, 22]] = 0.0   # the device's columns
+
+    def printed(w):
+        return int(column_bit_sums(w)[host_cols != 0].sum(dtype=torch.int32))
+    want_before = printed(weight)
+    prints = torch.empty(2, dtype=torch.int32)
+    args = [weight, grad, torch.zeros(rows, cols), torch.zeros(rows), torch.zeros(cols),
+            torch.rand(rows, generator=gen) + 0.5, torch.rand(cols, generator=gen),
+            host_cols] + [compiled.scalar(v, torch.device("cpu")) for v in (1.0, -1e-2, 3.0)]
+    credit_factored.factored_step_(*args, prints)
+    assert prints.tolist() == [want_before, printed(weight)]
+    assert want_before != printed(weight)   # it moved

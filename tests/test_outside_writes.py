@@ -3,12 +3,15 @@ that changed since the optimizer was built is refused by name (issue: nothing lo
 silent). torch.optim.AdamW at lr 0 keeps every such write; so must ZenFlowAdamW."""
 from __future__ import annotations
 
+import contextlib
 import logging
+from unittest import mock
 
 import pytest
 import torch
 
 import zenflow
+from zenflow.host import credit_factored
 
 
 def _model():
@@ -78,7 +81,18 @@ _PLACEMENTS = {"device-columns": {"topk_ratio": 0.25},
                "moments": {"topk_ratio": 0.25, "deferred_credit": "moments",
                            "device_sum_budget": 1 << 22},
                "factored": {"topk_ratio": 0.25, "deferred_credit": "factored",
-                            "device_sum_budget": 1 << 22}}
+                            "device_sum_budget": 1 << 22},
+               # its step as on a GPU (one fused function a matrix, run eagerly here), which
+               # takes the moved columns' fingerprints itself
+               "factored-fused": {"topk_ratio": 0.25, "deferred_credit": "factored",
+                                  "device_sum_budget": 1 << 22}}
+
+
+def _as_placed(placement):
+    """The placement's code path: "factored-fused" takes the fused step."""
+    if placement != "factored-fused":
+        return contextlib.nullcontext()
+    return mock.patch.object(credit_factored, "compiled_for", lambda fn, device: fn)
 
 
 def _clamp_through_data(model):
@@ -93,17 +107,20 @@ def test_a_write_through_data_mid_window_sticks_wherever_the_columns_are_updated
     """torch.optim.AdamW at lr 0 keeps the write bit for bit; so must every placement (issue 39
     item 5: the device's columns, topk_ratio=1 and "moments" matrices reverted it)."""
     model = _model().to(dtype)
-    opt = _zenflow(model, overlap_step=True, **_PLACEMENTS[placement])
     written = []
-    for t in range(10):
-        model(torch.randn(4, 8, dtype=dtype)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        if t == 4:   # windows of 2 steps: mid-window
-            _clamp_through_data(model)
-            written = [p.detach().clone() for p in model.parameters()]
-    opt.synchronize()
-    opt.close()
+    with _as_placed(placement):
+        opt = _zenflow(model, overlap_step=True, **_PLACEMENTS[placement])
+        for t in range(10):
+            model(torch.randn(4, 8, dtype=dtype)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if t == 4:   # windows of 2 steps: mid-window
+                _clamp_through_data(model)
+                written = [p.detach().clone() for p in model.parameters()]
+        opt.synchronize()
+        opt.close()
+    if placement == "factored-fused":
+        assert opt.stats()["fused_steps"] > 0
     for p, w in zip(model.parameters(), written):
         assert torch.equal(p.detach(), w)
 
@@ -113,16 +130,17 @@ def test_a_wgan_clamp_through_data_after_every_step_holds(placement):
     """A WGAN critic clamps its weights after every step with p.data.clamp_(): each step moves a
     weight at most a few lr from the clamp, never back to where the optimizer's masters were."""
     model = _model()
-    opt = _zenflow(model, lr=1e-3, overlap_step=True, **_PLACEMENTS[placement])
-    for _ in range(9):
+    with _as_placed(placement):
+        opt = _zenflow(model, lr=1e-3, overlap_step=True, **_PLACEMENTS[placement])
+        for _ in range(9):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            _clamp_through_data(model)
         model(torch.randn(4, 8)).square().mean().backward()
         opt.step()
-        opt.zero_grad()
-        _clamp_through_data(model)
-    model(torch.randn(4, 8)).square().mean().backward()
-    opt.step()
-    opt.synchronize()
-    opt.close()
+        opt.synchronize()
+        opt.close()
     for p in model.parameters():
         assert p.detach().abs().max() <= 0.05 + 0.02
 

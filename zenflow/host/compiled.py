@@ -57,8 +57,8 @@ class _Kernel:
     def __init__(self, fn: Callable):
         self.fn = fn
 
-    def __call__(self, *args: torch.Tensor) -> None:
-        key = (self.fn, *(a.dtype for a in args))
+    def __call__(self, *args: torch.Tensor | None) -> None:
+        key = (self.fn, *(getattr(a, "dtype", None) for a in args))
         kernel = self._compiled.get(key)
         if kernel is None:
             with self._lock:

@@ -127,6 +127,17 @@ class Credit:
         one fused kernel each (none here), which the step then leaves out of the three."""
         return set()
 
+    @property
+    def prints_moves(self) -> bool:
+        """Whether fused_step() fingerprints the host's columns of the matrices it moves, before
+        and after (zenflow/optim/outside_writes.py then reads none of them around the move)."""
+        return False
+
+    def take_prints(self) -> tuple[list[int], torch.Tensor] | None:
+        """The last fused_step()'s fingerprints, once: (indices, [n, 2] int32, before and
+        after the move), or None."""
+        return None
+
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
         """After the window's sums took this step's `rows` (times `coef`): the rule's own sums
         (`fresh`: the window's first gradient)."""

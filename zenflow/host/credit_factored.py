@@ -24,6 +24,7 @@ import torch
 
 from zenflow.host.compiled import compiled_for, scalar
 from zenflow.host.credit_base import MovingCredit, choose_device_summed, chunks_of
+from zenflow.host.fingerprints import masked_bit_sum
 
 log = logging.getLogger("zenflow")
 
@@ -37,7 +38,8 @@ def factor_bytes(rows: int, cols: int) -> int:
 def factored_step_(weight: torch.Tensor, grad: torch.Tensor, grad_sum: torch.Tensor,
                     row_sq: torch.Tensor, col_sq: torch.Tensor, alpha: torch.Tensor,
                     beta: torch.Tensor, host_cols: torch.Tensor, coef: torch.Tensor,
-                    neg_lr: torch.Tensor, bound: torch.Tensor) -> None:
+                    neg_lr: torch.Tensor, bound: torch.Tensor,
+                    prints: torch.Tensor | None = None) -> None:
     """One step of one moving matrix ([R, C] `weight`, `grad`, `grad_sum`), everything the op-by-op
     path does to it in a step, in its order and arithmetic: the window sum's add
     (buffers.add_scaled_), the squares' row and column sums over the host's columns (add) and the
@@ -46,7 +48,12 @@ def factored_step_(weight: torch.Tensor, grad: torch.Tensor, grad_sum: torch.Ten
     the learning rate) and `bound` are 0-dim tensors (compiled.scalar). Compiled (compiled.py)
     it reads the gradient three times (its row sums, its column sums, the pointwise pass) and
     the sum and the weights once, and writes those two once: 14 bytes a bf16 value where the
-    op-by-op path moves about 100 (zenflow/tools/estimate_terms.py counts both)."""
+    op-by-op path moves about 100 (zenflow/tools/estimate_terms.py counts both).
+    `prints` ([2] int32): the host's columns' fingerprints (fingerprints.masked_bit_sum) before
+    and after the move, taken in the same pass, where zenflow/optim/outside_writes.py would
+    read the matrix twice more."""
+    if prints is not None:
+        before = masked_bit_sum(weight, host_cols)
     c = coef.reshape(1)   # 1-element: fp32 arithmetic beside bf16 (buffers.add_scaled_)
     grad_sum.addcmul_(grad, c)
     scaled = grad.float() * c * host_cols
@@ -57,6 +64,8 @@ def factored_step_(weight: torch.Tensor, grad: torch.Tensor, grad_sum: torch.Ten
     move = (kept.float() * alpha.unsqueeze(1)) * beta * coef
     move = move.clamp(-bound, bound)
     weight.addcmul_(move, neg_lr)
+    if prints is not None:
+        prints.copy_(torch.stack([before, masked_bit_sum(weight, host_cols)]))
 
 
 def factored_correct_(weight: torch.Tensor, grad_sum: torch.Tensor, alpha: torch.Tensor,
@@ -92,6 +101,7 @@ class FactoredCredit(MovingCredit):
         self._kernels: dict[str, Callable] = {}
         self._scalars: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self.fused_steps = 0        # matrix steps the compiled kernel took (stats())
+        self._prints: tuple[list[int], torch.Tensor] | None = None   # the last fused_step's
 
     def place(self, numels, budget_bytes, sum_bytes, dtypes, shapes):
         """Every sum first (in device_sum_dtype), then the factored state of as many of those
@@ -193,9 +203,10 @@ class FactoredCredit(MovingCredit):
 
     def fused_step(self, rows, sums, weights, fresh, coef, sizes):
         """The sum's add, add() and interim() of the moving matrices of `rows` in one compiled
-        kernel each, where allocate() compiled one;
-        returns the indices it took, whose three steps the caller leaves out. A compile that
-        fails is logged and the op-by-op path takes the rest, now and from then on."""
+        kernel each, where allocate() compiled one, with the moved columns' fingerprints
+        (take_prints()); returns the indices it took, whose three steps the caller leaves out.
+        A compile that fails is logged and the op-by-op path takes the rest, now and from then
+        on."""
         taken: set[int] = set()
         if "step" not in self._kernels:
             return taken
@@ -204,15 +215,25 @@ class FactoredCredit(MovingCredit):
                   for t in (sums[i], self.row_sq[i], self.col_sq[i])]
         if zeroed:   # (a fallback's op-by-op add zeroes the fresh sums it takes again)
             torch._foreach_zero_(zeroed)
-        for i in moving:
+        prints = torch.empty((len(moving), 2), dtype=torch.int32, device=coef.device)
+        for j, i in enumerate(moving):
             neg_lr, bound = self._scalars_of(*sizes[i], coef.device)
             if not self._run("step", weights(i), rows[i], sums[i], self.row_sq[i],
                              self.col_sq[i], self.alpha[i], self.beta[i], self.deferred[i], coef,
-                             neg_lr, bound):
+                             neg_lr, bound, prints[j]):
                 break
             taken.add(i)
         self.fused_steps += len(taken)
+        self._prints = (moving[:len(taken)], prints[:len(taken)])
         return taken
+
+    @property
+    def prints_moves(self) -> bool:
+        return "step" in self._kernels
+
+    def take_prints(self):
+        prints, self._prints = self._prints, None
+        return prints
 
     def correct(self, weights, sums, sizes, counts):
         """MovingCredit.correct, in one compiled kernel a matrix where allocate() compiled one."""

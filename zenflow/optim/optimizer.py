@@ -293,10 +293,13 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         chosen = self._selector.has_chosen
         staged = {m.host_index: grads[m.param] for m in self._host_params
                   if m.param in grads and m.host_owns_columns(chosen)}
-        moves = self._pipeline.credit.moves   # the rule's interim step writes these matrices
-        self._outside_writes.watch_moves([i for i in staged if moves(i)], moved=False)
+        credit = self._pipeline.credit   # its interim step writes the matrices it moves
+        if not credit.prints_moves:   # (else its compiled step fingerprints them itself)
+            self._outside_writes.watch_moves([i for i in staged if credit.moves(i)], moved=False)
         self._pipeline.stage(staged, scale.coef, self._step_sizes())
-        self._outside_writes.watch_moves([i for i in staged if moves(i)], moved=True)
+        # (asked again: a state loaded before the first step is placed by stage())
+        self._outside_writes.watch_moves([i for i in staged if credit.moves(i)], moved=True,
+                                         printed=credit.take_prints())
         if not reads_now:
             self._skips.defer(count.step, scale)
         device_update(self._host_params if chosen else [], self._vector_params, grads, scale)

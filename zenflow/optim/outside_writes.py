@@ -5,24 +5,12 @@ import logging
 
 import torch
 
+from zenflow.host.fingerprints import bits, column_bit_sums
 from zenflow.optim import columns
 from zenflow.optim.device_adam import adopt_written
 from zenflow.optim.params import HostParam, VectorParam
 
 log = logging.getLogger("zenflow")
-
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values as integers of the same width: compared or summed, they tell any change."""
-    return t.view(_BITS[t.element_size()])
-
-
-def column_bit_sums(matrix: torch.Tensor) -> torch.Tensor:
-    """The bits of each column of a [rows, cols] matrix summed as int32 (exact modulo 2**32):
-    the kernel of a window end's fingerprint (zenflow selftest measures its speed)."""
-    return _bits(matrix).sum(dim=0, dtype=torch.int32)
 
 
 class _HostColumnBitSums:
@@ -83,8 +71,9 @@ class OutsideWrites:
     sum of the bits of each matrix's host-owned columns; bf16/fp16 vectors compared with their
     masters) costs two passes and one read per window. The columns and vectors the device updates
     take such writes at every step instead (adopt_device_writes), and the matrices
-    a credit rule moves every step ("moments") are fingerprinted around each of its moves, the
-    changes kept on the device until the window's read (`watch_moves`). The first write found
+    a credit rule moves every step ("moments", "factored") are fingerprinted around each of its
+    moves (the compiled "factored" step takes those fingerprints in its own pass), the changes
+    kept on the device until the window's read (`watch_moves`). The first write found
     at a window end is reported with a warning.
 
     A saved state carries each parameter's `weight_bits` as they were when it was saved. Weights
@@ -110,7 +99,7 @@ class OutsideWrites:
         ranks as the rows are."""
         t = x.local.detach()
         rows = t.reshape(t.shape[0], -1) if t.ndim >= 2 else t.reshape(-1, 1)
-        return _bits(rows).sum(dim=1, dtype=torch.int64)
+        return bits(rows).sum(dim=1, dtype=torch.int64)
 
     def adopt(self) -> None:
         """At each step: adopt what version counters and storage pointers show. The first time
@@ -157,21 +146,38 @@ class OutsideWrites:
         flags = changed.tolist()   # the one read
         return {m.param for m, c in zip(hosts, flags) if c}
 
-    def watch_moves(self, moving: list[int], moved: bool) -> None:
+    def watch_moves(self, moving: list[int], moved: bool,
+                    printed: tuple[list[int], torch.Tensor] | None = None) -> None:
         """Around the credit rule's move of host matrices `moving` (its interim step, which
         writes them every step: a fingerprint taken at the window's start says nothing by its
         end): before it (`moved` False), note on the device which of them someone wrote since
         the optimizer last did; after it, fingerprint them as moved. Two passes over those
-        matrices a step, no read."""
+        matrices a step, no read. `printed` (after the move): (indices, [n, 2] int32) the
+        rule's compiled step took of those it moved, before and after, in its own pass
+        (credit_factored.factored_step_): those are checked and refingerprinted from it, not
+        read again."""
+        if printed is not None and printed[0]:
+            indices, prints = printed
+            self._found([self.host_params[i] for i in indices], tuple(indices), prints[:, 0])
+            self._note_moved([self.host_params[i] for i in indices], prints[:, 1])
+            moving = [i for i in moving if i not in set(indices)]
         if not moving:
             return
         matrices = [self.host_params[i] for i in moving]
         now = self._bit_sums(matrices, self.selector.has_chosen)
         if moved:
-            self._sums.update(zip((m.param for m in matrices), now.unbind()))
-            return
+            self._note_moved(matrices, now)
+        else:
+            self._found(matrices, tuple(moving), now)
+
+    def _note_moved(self, matrices: list[HostParam], now: torch.Tensor) -> None:
+        self._sums.update(zip((m.param for m in matrices), now.unbind()))
+
+    def _found(self, matrices: list[HostParam], moving: tuple[int, ...],
+               now: torch.Tensor) -> None:
+        """Keep, on the device, which of `matrices` (host indices `moving`) differ from their
+        fingerprints (`now`, before a move) since the optimizer last wrote them."""
         found = now != torch.stack([self._sums[m.param] for m in matrices])
-        moving = tuple(moving)
         if self._moved is not None and self._moved[0] == moving:
             found |= self._moved[1]
         elif self._moved is not None:   # the moving matrices changed: keep both

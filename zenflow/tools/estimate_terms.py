@@ -221,7 +221,9 @@ def interim_step_bytes(c: Counts) -> int:
 
 def sum_add_s(c: Counts, s: Speeds) -> float:
     """Per step: the sums' add and the rule's device work, and the two fingerprints of the
-    matrices the rule moves, before and after its move (optim/outside_writes.py watch_moves)."""
+    matrices the rule moves, before and after its move (optim/outside_writes.py watch_moves;
+    the compiled "factored" step takes them in its own kernel, counted here as the same two
+    reads: its reductions may share the kernel's reads, which the model does not assume)."""
     return sum_add_bytes(c) / s.copy + 2 * c.item * c.moving / s.fingerprint
 
 

@@ -334,9 +334,11 @@ def _compiled_against_eager(device: torch.device, rows: int, cols: int,
     step (coef 0 and an inf gradient), compiled against eager: the weights within a bf16 ulp
     and finite, the sums within an ulp of their dtype (NaN where the skipped step's inf went,
     alike), the statistics within fp32 rounding of a reduction's order; each relative to the
-    value or, near 0, to the tensor's mean magnitude."""
+    value or, near 0, to the tensor's mean magnitude; and the step's fingerprints of the moved
+    columns, each run's exactly its own weights' before and after ("prints": how many differ)."""
     from zenflow.host.compiled import compiled_for, scalar
     from zenflow.host.credit_factored import factored_correct_, factored_step_
+    from zenflow.host.fingerprints import masked_bit_sum as fingerprints
     step, correct = (compiled_for(f, device) for f in (factored_step_, factored_correct_))
     gen = torch.Generator(device=device).manual_seed(rows)
 
@@ -350,8 +352,13 @@ def _compiled_against_eager(device: torch.device, rows: int, cols: int,
                  host_cols=(rand(cols) > 0.1).float())
     fused = {k: v.clone() for k, v in eager.items()}
     sizes, most = (scalar(-1e-3, device), scalar(3.0, device)), scalar(6.0, device)
-    factored_step_(*eager.values(), scalar(0.7, device), *sizes)
-    step(*fused.values(), scalar(0.7, device), *sizes)
+    prints = [torch.zeros(2, dtype=torch.int32, device=device) for _ in range(2)]
+    before = fingerprints(eager["weight"], eager["host_cols"])
+    factored_step_(*eager.values(), scalar(0.7, device), *sizes, prints[0])
+    step(*fused.values(), scalar(0.7, device), *sizes, prints[1])
+    # each run's fingerprints are its own weights' (a weight may round apart: so its print)
+    wants = [torch.stack([before, fingerprints(run["weight"], run["host_cols"])])
+             for run in (eager, fused)]
     factored_correct_(eager["weight"], eager["grad_sum"], eager["alpha"], eager["beta"],
                       sizes[0], most)
     correct(fused["weight"], fused["grad_sum"], fused["alpha"], fused["beta"], sizes[0], most)
@@ -373,4 +380,7 @@ def _compiled_against_eager(device: torch.device, rows: int, cols: int,
         if key == "weight":
             ok = ok and bool(torch.isfinite(fused[key]).all())
         out[key] = (diff, ok)
+    # the moved columns' fingerprints, before and after: the weights' as they were and are
+    differ = float(sum(int((p != w).sum()) for p, w in zip(prints, wants)))
+    out["prints"] = (differ, differ == 0)
     return out

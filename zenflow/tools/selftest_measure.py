@@ -15,10 +15,10 @@ from zenflow.host.arena import Arena, available_host_bytes
 from zenflow.host.buffers import HostState
 from zenflow.host.commands import Accumulate, Update
 from zenflow.host.cores import local_rank_share, split_cores
+from zenflow.host.fingerprints import column_bit_sums
 from zenflow.host.layout import HostJob, HostLayout, HostUpdate
 from zenflow.host.transfers import Transfers, uses_cuda
 from zenflow.host.worker import WorkerHostRunner
-from zenflow.optim.outside_writes import column_bit_sums
 from zenflow.optim.step_scale import gradient_norms
 
 GIB = 1 << 30
