@@ -16,6 +16,11 @@ from helpers.reference import SHAPES, factored_against_reference
 MATRICES = [i for i, s in enumerate(SHAPES) if len(s) >= 2]
 
 
+def eager(fn, device, batch=False):
+    """compiled_for's stand-in: the function itself, run eagerly (the batch's too)."""
+    return fn
+
+
 def _train(dtype, sum_dtype, steps=16, skip_at=None):
     """factored_against_reference, with stats() counting "op_by_op_moves" and
     "op_by_op_corrections": the matrix steps and the installs' corrections the op-by-op path
@@ -38,18 +43,28 @@ def _train(dtype, sum_dtype, steps=16, skip_at=None):
 @pytest.fixture
 def eager_fused(monkeypatch):
     """The fused step on the CPU, uncompiled: fused_step() calls factored_step_ itself."""
-    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device: fn)
+    monkeypatch.setattr(credit_factored, "compiled_for", eager)
 
 
+@pytest.mark.parametrize("batch", [None, 2, 3], ids=["per-matrix", "runs-of-2", "run-of-3+1"])
 @pytest.mark.parametrize("dtype, sum_dtype", [(torch.float32, "float32"),
                                               (torch.bfloat16, "float32"),
                                               (torch.bfloat16, "bfloat16")])
-def test_the_fused_step_gives_the_op_by_op_steps_bits(dtype, sum_dtype, monkeypatch):
+def test_the_fused_step_gives_the_op_by_op_steps_bits(dtype, sum_dtype, batch, monkeypatch):
+    """The fused step, a call a matrix, or runs of BATCH matrices a call (factored_steps_) and
+    the rest a call each."""
     op_by_op, reference, plain = _train(dtype, sum_dtype)
     assert plain["fused_steps"] == 0
     assert plain["op_by_op_moves"] > 0 and plain["op_by_op_corrections"] > 0
-    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device: fn)
+    monkeypatch.setattr(credit_factored, "compiled_for", eager)
+    batches = []
+    if batch:   # 4 matrices: runs of 2, or one of 3 and one matrix alone
+        monkeypatch.setattr(credit_factored, "BATCH", batch)
+        run = credit_factored.FactoredCredit._run_batch
+        monkeypatch.setattr(credit_factored.FactoredCredit, "_run_batch", lambda self, moving,
+                            *a: batches.append(len(moving)) or run(self, moving, *a))
     fused, _, stats = _train(dtype, sum_dtype)
+    assert bool(batches) == bool(batch) and all(n == batch for n in batches)
     # the fused step took every matrix step the op-by-op path took, and left none to it; the
     # installs' corrections likewise
     assert (stats["fused_steps"], stats["op_by_op_moves"]) == (plain["op_by_op_moves"], 0)
@@ -80,7 +95,7 @@ def test_a_compile_that_fails_falls_back_to_the_op_by_op_step(monkeypatch, caplo
     def broken(*args):
         raise RuntimeError("no compiler here")
     op_by_op, _, _ = _train(torch.bfloat16, "bfloat16", steps=8)
-    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device: broken)
+    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device, batch=False: broken)
     with caplog.at_level(logging.WARNING, logger="zenflow"):
         fell_back, _, stats = _train(torch.bfloat16, "bfloat16", steps=8)
     assert stats["fused_steps"] == 0
@@ -91,14 +106,23 @@ def test_a_compile_that_fails_falls_back_to_the_op_by_op_step(monkeypatch, caplo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_step_on_the_cpu_backend_equals_the_reference(dtype, monkeypatch):
-    """torch.compile of factored_step_ (the CPU's C++ backend: the code path a GPU takes with
-    Triton). Its reductions may add in another order, so the statistics, and through the fit
-    the rates, differ in the last bits: fp32 weights within 1e-5, bf16 weights within 1 ulp."""
+@pytest.mark.parametrize("dtype, batch", [(torch.float32, False), (torch.bfloat16, False),
+                                          (torch.bfloat16, True)])
+def test_the_compiled_step_on_the_cpu_backend_equals_the_reference(dtype, batch, monkeypatch):
+    """torch.compile of factored_step_, and of factored_steps_ (`batch`), by the CPU's C++
+    backend: the code path a GPU takes with Triton. Its reductions may add in another order, so
+    the statistics, and through the fit the rates, differ in the last bits: fp32 weights within
+    1e-5, bf16 weights within 1 ulp."""
     pytest.importorskip("torch._inductor")
     monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
-    fused, reference, stats = _train(dtype, "float32")
+    if batch:
+        monkeypatch.setattr(credit_factored, "BATCH", 2)
+    monkeypatch.setattr(compiled._Kernel, "_compiled", {})
+    with mock.patch.object(credit_factored.log, "warning") as warned:
+        fused, reference, stats = _train(dtype, "float32")
+    assert not warned.called, warned.call_args
+    assert any(key[0] is credit_factored.factored_steps_
+               for key in compiled._Kernel._compiled) == batch
     assert stats["fused_steps"] > 0
     assert stats["op_by_op_moves"] == stats["op_by_op_corrections"] == 0
     for t, (a, b) in enumerate(zip(fused, reference)):
@@ -121,8 +145,9 @@ def test_the_selftest_check_of_the_compiled_step_passes_with_the_cpu_backend(mon
     skipped, = selftest_gpu.compiled(ctx)
     assert skipped.status == "skip" and "COMPILE_ON" in skipped.detail
     monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
-    check, = selftest_gpu.compiled(ctx)
+    check, batch = selftest_gpu.compiled(ctx)
     assert check.status == "pass", check.detail
+    assert batch.status == "pass" and "batch of 16" in batch.name, batch.detail
     assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq",
                                                 "prints"}
 
@@ -182,3 +207,44 @@ def test_the_fused_step_fingerprints_the_hosts_columns_before_and_after_its_move
     credit_factored.factored_step_(*args, prints)
     assert prints.tolist() == [want_before, printed(weight)]
     assert want_before != printed(weight)   # it moved
+
+
+def test_a_batch_traced_by_dynamo_gives_the_op_by_op_bits(monkeypatch, caplog):
+    """factored_steps_ as torch.compile traces it (Dynamo, fullgraph, static shapes; its
+    "eager" backend runs the traced graph): every matrix of a step in one compiled call, the
+    op-by-op path's bits, a compile per set of matrices, and no fallback."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    op_by_op, _, _ = _train(torch.bfloat16, "bfloat16", steps=8)
+    monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    monkeypatch.setattr(compiled._Kernel, "_compiled", {})
+    monkeypatch.setattr(credit_factored, "BATCH", 2)
+    with caplog.at_level(logging.WARNING, logger="zenflow"):
+        batched, _, stats = _train(torch.bfloat16, "bfloat16", steps=8)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    assert stats["fused_steps"] > 0 and stats["op_by_op_moves"] == 0
+    assert any(key[0] is credit_factored.factored_steps_ for key in compiled._Kernel._compiled)
+    for a, b in zip(batched, op_by_op):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+
+
+def test_a_batch_whose_compile_fails_leaves_its_matrices_to_their_own_kernels(monkeypatch,
+                                                                             caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler for lists here")
+    monkeypatch.setattr(credit_factored, "compiled_for",
+                        lambda fn, device, batch=False: broken if batch else fn)
+    monkeypatch.setattr(credit_factored, "BATCH", 2)
+    with caplog.at_level(logging.WARNING, logger="zenflow"):
+        fell_back, _, stats = _train(torch.bfloat16, "bfloat16", steps=8)
+    monkeypatch.setattr(credit_factored, "compiled_for", eager)
+    monkeypatch.setattr(credit_factored, "BATCH", 10 ** 6)
+    per_matrix, _, want = _train(torch.bfloat16, "bfloat16", steps=8)
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warned) == 1 and "a kernel a matrix runs instead" in warned[0]
+    assert stats["fused_steps"] == want["fused_steps"] > 0 and stats["op_by_op_moves"] == 0
+    for a, b in zip(fell_back, per_matrix):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)

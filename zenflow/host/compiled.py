@@ -28,15 +28,17 @@ COMPILE_ON = {"cuda"}
 BACKEND = "inductor"
 
 
-def compiled_for(fn: Callable, device: torch.device) -> Callable | None:
+def compiled_for(fn: Callable, device: torch.device, batch: bool = False) -> Callable | None:
     """`fn` compiled for `device` (dynamic shapes: one compile serves every matrix of a dtype
     signature), or None where it is not compiled (a device type outside COMPILE_ON: the caller
-    takes its op-by-op path)."""
+    takes its op-by-op path). `batch`: `fn` takes lists of matrices, and each call names their
+    shapes and dtypes (`signature=`): static shapes, one compile per signature."""
     if torch.device(device).type not in COMPILE_ON:
         return None
-    log.info("%s is compiled for %s at its first call (once per process and dtypes: seconds to "
-             "a minute; TORCHDYNAMO_DISABLE=1 runs it uncompiled)", fn.__name__, device)
-    return _Kernel(fn)
+    log.info("%s is compiled for %s at its first call (once per process and %s: seconds to "
+             "a minute; TORCHDYNAMO_DISABLE=1 runs it uncompiled)", fn.__name__, device,
+             "set of matrices" if batch else "dtypes")
+    return _Kernel(fn, dynamic=not batch)
 
 
 class _Kernel:
@@ -49,24 +51,26 @@ class _Kernel:
     a process with a few optimizers (the selftest, a sweep) ran out on a GPU. So each signature
     compiles a copy of `fn` with a code object of its own (its variants: the few that shapes
     make), shared by every optimizer of the process, and every call runs under no_grad (one
-    grad mode, the one a step has)."""
+    grad mode, the one a step has). A batch's signature (its matrices' shapes and dtypes, which
+    its caller knows) takes the place of the dtypes, and its shapes are compiled in."""
 
-    _compiled: dict[tuple, Callable] = {}   # (fn, dtypes) -> compiled copy, per process
+    _compiled: dict[tuple, Callable] = {}   # (fn, signature) -> compiled copy, per process
     _lock = threading.Lock()
 
-    def __init__(self, fn: Callable):
-        self.fn = fn
+    def __init__(self, fn: Callable, dynamic: bool = True):
+        self.fn, self.dynamic = fn, dynamic
 
-    def __call__(self, *args: torch.Tensor | None) -> None:
-        key = (self.fn, *(getattr(a, "dtype", None) for a in args))
+    def __call__(self, *args, signature: tuple | None = None) -> None:
+        key = (self.fn, signature if signature is not None else
+               tuple(getattr(a, "dtype", None) for a in args))
         kernel = self._compiled.get(key)
         if kernel is None:
             with self._lock:
                 kernel = self._compiled.get(key)
                 if kernel is None:
                     kernel = self._compiled[key] = torch.compile(
-                        _copy(self.fn, len(self._compiled)), backend=BACKEND, dynamic=True,
-                        fullgraph=True)
+                        _copy(self.fn, len(self._compiled)), backend=BACKEND,
+                        dynamic=self.dynamic, fullgraph=True)
         with torch.no_grad():
             kernel(*args)
 

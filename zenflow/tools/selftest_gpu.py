@@ -325,7 +325,54 @@ def compiled(ctx: _Ctx) -> list[Check]:
     detail = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
     return [Check(name, "fail" if bad else "pass",
                   f"largest differences: {detail}" + (f"; OFF: {', '.join(bad)}" if bad else ""),
-                  seconds=time.perf_counter() - start, measured={"max_diff": worst})]
+                  seconds=time.perf_counter() - start, measured={"max_diff": worst}),
+            _batch_against_eager(ctx.device)]
+
+
+def _batch_against_eager(device: torch.device) -> Check:
+    """factored_steps_ compiled for a run of BATCH matrices of three shapes (one call: what a
+    model's step takes for each run) against factored_step_ run eagerly on each: the weights within a
+    bf16 ulp, the sums within one of theirs, the statistics within fp32 rounding, and each
+    matrix's fingerprints exactly its own weights' before and after."""
+    from zenflow.host.compiled import compiled_for, scalar
+    from zenflow.host.credit_factored import BATCH, factored_step_, factored_steps_
+    from zenflow.host.fingerprints import masked_bit_sum
+    start = time.perf_counter()
+    batch = compiled_for(factored_steps_, device, batch=True)
+    gen = torch.Generator(device=device).manual_seed(7)
+    shapes = [((256, 512), (512, 256), (384, 384))[j % 3] for j in range(BATCH)]
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen)
+    runs = [[dict(weight=((rand(r, c) - 0.5) * 0.04).bfloat16(), grad=(rand(r, c) - 0.5).bfloat16(),
+                  grad_sum=(rand(r, c) - 0.5).bfloat16(), row_sq=torch.zeros(r, device=device),
+                  col_sq=torch.zeros(c, device=device), alpha=rand(r) + 0.5, beta=rand(c) * 10,
+                  host_cols=(rand(c) > 0.1).float()) for r, c in shapes]]
+    runs.append([{k: v.clone() for k, v in m.items()} for m in runs[0]])
+    # moves of many bf16 ulps of the weights (0.02): a kernel 1% off is seen
+    coef, neg_lr, bound = (scalar(v, device) for v in (0.7, -0.05, 3.0))
+    before = [masked_bit_sum(m["weight"], m["host_cols"]) for m in runs[0]]
+    prints = [torch.zeros(len(shapes), 2, dtype=torch.int32, device=device) for _ in runs]
+    for j, m in enumerate(runs[0]):
+        factored_step_(*m.values(), coef, neg_lr, bound, prints[0][j])
+    lists = [[m[k] for m in runs[1]] for k in runs[1][0]]
+    batch(*lists, coef, [neg_lr] * len(shapes), [bound] * len(shapes), prints[1],
+          signature=("selftest", tuple(shapes)))
+    worst, ok = {}, True
+    for key, rtol in (("weight", 2.0 ** -7), ("grad_sum", 2.0 ** -7), ("row_sq", 1e-5),
+                      ("col_sq", 1e-5)):
+        for a, b in zip(runs[0], runs[1]):
+            a, b = a[key].float().cpu(), b[key].float().cpu()
+            worst[key] = max(worst.get(key, 0.0), float((a - b).abs().max()))
+            ok = ok and bool(((a - b).abs() <= (a.abs() + a.abs().mean()) * rtol).all())
+    for run, printed in zip(runs, prints):
+        want = torch.stack([torch.stack([b, masked_bit_sum(m["weight"], m["host_cols"])])
+                            for b, m in zip(before, run)])
+        ok = ok and torch.equal(printed, want)
+    detail = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    return Check(f"compiled 'factored' batch of {len(shapes)} == eager", "pass" if ok else "fail",
+                 f"largest differences: {detail}", seconds=time.perf_counter() - start,
+                 measured={"max_diff": worst})
 
 
 def _compiled_against_eager(device: torch.device, rows: int, cols: int,
