@@ -145,9 +145,10 @@ def test_the_selftest_check_of_the_compiled_step_passes_with_the_cpu_backend(mon
     skipped, = selftest_gpu.compiled(ctx)
     assert skipped.status == "skip" and "COMPILE_ON" in skipped.detail
     monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
+    monkeypatch.setattr(credit_factored, "BATCH", 4)   # a GPU's is 16: a compile 4x as long
     check, batch = selftest_gpu.compiled(ctx)
     assert check.status == "pass", check.detail
-    assert batch.status == "pass" and "batch of 16" in batch.name, batch.detail
+    assert batch.status == "pass" and "batch of 4" in batch.name, batch.detail
     assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq",
                                                 "prints"}
 
@@ -157,7 +158,7 @@ def test_many_optimizers_and_dtypes_in_one_process_all_take_the_compiled_step(mo
     """Dynamo compiles a function at most recompile_limit (8) ways; fp32 and bf16 weights and
     sums, calls with autograd on and off, and matrices of other shapes each make a way. On a GPU
     the selftest's sections ran out and fell back to the op-by-op path. Here (Dynamo's tracing,
-    the "eager" backend) three optimizers a signature, and direct calls with autograd on, all
+    the "eager" backend) two optimizers a signature, and direct calls with autograd on, all
     take the compiled kernel, with no warning."""
     import torch._dynamo
     torch._dynamo.reset()
@@ -165,7 +166,7 @@ def test_many_optimizers_and_dtypes_in_one_process_all_take_the_compiled_step(mo
     monkeypatch.setattr(compiled, "BACKEND", "eager")
     monkeypatch.setattr(compiled._Kernel, "_compiled", {})
     with caplog.at_level(logging.WARNING, logger="zenflow"):
-        for _ in range(3):
+        for _ in range(2):
             for dtype, sum_dtype in [(torch.float32, "float32"), (torch.bfloat16, "float32"),
                                      (torch.bfloat16, "bfloat16")]:
                 _, _, stats = _train(dtype, sum_dtype, steps=8)
