@@ -35,7 +35,7 @@ SYSTEMS = {
     "sums on the device, deferred_credit 'mean'": dict(deferred_credit="mean"),
     "bf16 sums on the device, 'mean'": dict(deferred_credit="mean",
                                             device_sum_dtype="bfloat16"),
-    "defaults (sums on the device, 'moments' where they fit)": {},
+    "defaults (every sum on the device, 'factored')": {},
 }
 
 

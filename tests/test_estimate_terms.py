@@ -155,3 +155,43 @@ def test_the_report_says_which_bytes_are_page_locked(capsys):
     assert main(["estimate", "--shapes", "1024x1024*8,1024*8"]) == 0
     out = capsys.readouterr().out
     assert "page-locked" in out and "staging+install" not in out
+
+
+def test_the_python_threads_time_by_hand():
+    """step()'s time on the training thread (estimate_terms.python_step_s, python_window_s): 40
+    matrices, 30 with their sums on the device, 20 of those "factored" and compiled, in runs of
+    16: a step dispatches 29 + 6 x 40 + 2 x 20 operators and makes 1 + 4 compiled calls; a
+    window 32 x 10 + 49 x 10 + 99 x 20 operators and 20 calls (the installs' corrections)."""
+    c = cost.Counts(item=2, rate_item=2, sum_item=2, world=1, params=400, vector_params=0,
+                    selected_params=0, touched_bytes=0, rank_matrix_params=400,
+                    deferred_params_all=400, host_summed=100, device_plain=100, device_moments=0,
+                    offload_params=400, device_factored=200, fused_factored=True, matrices=40,
+                    device_summed_matrices=30, factored_matrices=20)
+    speeds = cost.Speeds(host_adamw=1, host_accumulate=1, host_factored=1, device_adamw=1, norm=1,
+                         copy=1, fingerprint=1, d2h=1, h2d=1, operator=1e-5, compiled_call=1e-3)
+    assert cost.python_step_s(c, speeds, 16) == pytest.approx(309 * 1e-5 + 5 * 1e-3)
+    assert cost.python_window_s(c, speeds) == pytest.approx(2790 * 1e-5 + 20 * 1e-3)
+    eager = cost.Counts(**{**c.__dict__, "fused_factored": False})   # no compiled calls
+    assert cost.python_step_s(eager, speeds, 16) == pytest.approx(309 * 1e-5)
+
+
+def test_a_short_step_warns_that_it_may_be_cpu_bound():
+    """The selftest's 1.35B shape at 45 ms of forward+backward (the H100's speed check, where
+    step() made the step 1.6-2.7x AdamW's): step()'s Python thread is more than a quarter of
+    it, the step at least that, and the answer says so; Llama-2-7B at 0.5 s is not at risk."""
+    from zenflow.tools.estimate_answer import answer
+    figures = {"host_adamw_params_per_s": 4e9, "host_accumulate_params_per_s": 8e9,
+               "host_factored_params_per_s": 4e9}
+    common = dict(gpus=1, gpu_memory_bytes=80 * GIB, measured=figures)
+    short = estimate(llama_shapes(hidden=2048, layers=24, intermediate=5504, vocab=32000,
+                                  heads=16), torch.bfloat16, fwd_bwd_s=0.045,
+                     activation_bytes=4 * GIB, **common)
+    tm = short["time"]
+    assert tm["cpu_bound_risk"] and tm["zenflow_python_s"] > 0.25 * 0.045
+    assert tm["zenflow_step_s"] >= tm["zenflow_python_s"]
+    assert any("CPU-BOUND RISK" in line for line in answer(short))
+    long = estimate(llama_shapes(hidden=4096, layers=32, intermediate=11008, vocab=32000,
+                                 heads=32), torch.bfloat16, fwd_bwd_s=0.5,
+                    activation_bytes=20 * GIB, **common)
+    assert not long["time"]["cpu_bound_risk"]
+    assert not any("CPU-BOUND RISK" in line for line in answer(long))

@@ -20,6 +20,7 @@ from zenflow.distributed import Partition
 from zenflow.host.arena import available_host_bytes
 from zenflow.host.compiled import COMPILE_ON
 from zenflow.host.credit import credit_for, on_replicas
+from zenflow.host.credit_factored import BATCH
 from zenflow.host.device_sums import sum_dtype
 from zenflow.host.layout import rate_dtype
 from zenflow.tools import estimate_memory as memory
@@ -51,6 +52,14 @@ ASSUMED = {
     "d2h_bytes_per_s": (25e9, "device->host, page-locked (PCIe Gen4 x16)"),
     "h2d_bytes_per_s": (25e9, "host->device, page-locked (PCIe Gen4 x16)"),
     "memcpy_bytes_per_s": (5e9, "host memcpy (the CPU device's copies)"),
+    # The training thread (zenflow/tools/estimate_terms.py python_step_s): from the H100's
+    # speed check (benchmarks/results/gpu-check-nvidia-h100-80gb-hbm3.json, torch 2.11), where
+    # "mean" with bf16 sums at 1.35B took 36 ms a step more than AdamW(fused) for about 1,800
+    # operators, and a compiled kernel's call about 0.25 ms plus its launches.
+    "python_operator_s": (20e-6, "the training thread per operator step() dispatches, the "
+                                 "Python between them included (an H100's host)"),
+    "compiled_call_s": (0.5e-3, "the training thread per call of a compiled \"factored\" "
+                                "kernel (an H100's host)"),
 }
 # Forward+backward times the window and step are shown at when none is given (seconds).
 SAMPLE_FWD_BWD_S = (0.25, 0.5, 1.0, 2.0)
@@ -92,7 +101,8 @@ def speeds(fig: dict, cpu: bool, world: int) -> Speeds:
                   host_factored=fig["host_factored_params_per_s"] / world,
                   device_adamw=fig["device_adamw_params_per_s"],
                   norm=fig["device_norm_bytes_per_s"], copy=fig["device_copy_bytes_per_s"],
-                  fingerprint=fig["device_fingerprint_bytes_per_s"], d2h=d2h, h2d=h2d)
+                  fingerprint=fig["device_fingerprint_bytes_per_s"], d2h=d2h, h2d=h2d,
+                  operator=fig["python_operator_s"], compiled_call=fig["compiled_call_s"])
 
 
 def _budget(asked: int | str, left_for_activations: int, activation_bytes: int,
@@ -151,6 +161,8 @@ def work_seconds(c: Counts, s: Speeds, mats, moving: set[int], fwd_bwd_s: float 
         copy_s = cost.per_layer_install_wait_s(mats, moving, c.item, c.rate_item, s.h2d,
                                                fwd_bwd_s / 3)
     t["install_wait_s"] = copy_s + t["install_gather_s"]
+    t["python_step_s"] = cost.python_step_s(c, s, BATCH)
+    t["python_window_s"] = cost.python_window_s(c, s)
     return t
 
 

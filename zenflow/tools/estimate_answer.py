@@ -138,10 +138,17 @@ def step_line(r: dict) -> list[str]:
     tm = r["time"]
     if "zenflow_step_s" not in tm:
         return []
-    return [f"step: ZenFlowAdamW {secs(tm['zenflow_step_s'])} (of it waiting "
-            f"{secs(tm['zenflow_stall_s'])} beyond the device's own work), ZeRO-Offload "
-            f"{secs(tm['offload_step_s'])}, the AdamW floor {secs(tm['adamw_step_s'])} "
-            f"(forward+backward {secs(tm['fwd_bwd_s'])} given, plus one device AdamW)."]
+    lines = [f"step: ZenFlowAdamW {secs(tm['zenflow_step_s'])} (of it waiting "
+             f"{secs(tm['zenflow_stall_s'])} beyond the device's own work), ZeRO-Offload "
+             f"{secs(tm['offload_step_s'])}, the AdamW floor {secs(tm['adamw_step_s'])} "
+             f"(forward+backward {secs(tm['fwd_bwd_s'])} given, plus one device AdamW)."]
+    if tm.get("cpu_bound_risk"):
+        lines.append(f"CPU-BOUND RISK: step() keeps the training thread "
+                     f"{secs(tm['zenflow_python_s'])} a step, more than a quarter of the "
+                     f"forward+backward, whose own launches come on top: the device may wait "
+                     f"for Python (longer steps, a larger batch or fewer, larger matrices "
+                     f"help).")
+    return lines
 
 
 def device_line(r: dict) -> str:

@@ -62,7 +62,9 @@ def count(mats, vecs, item: int, rate_item: int, sum_item: int, world: int,
                                    for n, (_, c) in zip(other_rows, replicated)),
         factored_other_params=sum(n * c for n, (_, c) in zip(other_rows, replicated)),
         offload_params=(sum(memory.rank_rows(r, 0, world) * c for r, c, _ in mats)
-                        + sum(memory.rank_rows(1, 0, world) * n for n in vecs)))
+                        + sum(memory.rank_rows(1, 0, world) * n for n in vecs)),
+        matrices=len(mats), device_summed_matrices=len(on_device),
+        factored_matrices=len(moving) if rule == "factored" else 0)
 
 
 def place(rule, mats, world: int, budget: int, sum_item: int, dtype) -> tuple[list, list]:

@@ -43,6 +43,11 @@ class Counts:
     factored_other_params: int = 0
     # the "factored" step is one compiled kernel a matrix (a GPU; not DDP's replicas)
     fused_factored: bool = False
+    # matrices: every one the rank steps, those whose sums are on the device, and of those the
+    # ones "factored" moves (the Python thread's work goes by matrices, not bytes)
+    matrices: int = 0
+    device_summed_matrices: int = 0
+    factored_matrices: int = 0
 
     @property
     def device_summed(self) -> int:
@@ -72,6 +77,8 @@ class Speeds:
     fingerprint: float       # weight bytes/s read by a fingerprint
     d2h: float               # bytes/s device -> host (a CPU device: memcpy)
     h2d: float               # bytes/s host -> device (a CPU device: memcpy)
+    operator: float = 20e-6  # the training thread's seconds per operator step() dispatches
+    compiled_call: float = 0.5e-3   # ... per call of a compiled "factored" kernel
 
 
 # ------------------------------------------------------------------------------- bus bytes
@@ -302,3 +309,37 @@ def per_layer_install_wait_s(mats: list[tuple[int, int, int]], moving: set[int],
         else:
             copy_s.append(0.0)
     return exposed_install_s(copy_s, [forward_s * r * c / total for r, c, _ in mats])
+
+
+# ------------------------------------------------------------------------ the Python thread
+# Operators step() dispatches, as written (benchmarks/step_operators.py counts them, outside the
+# compiled kernels, on 8x8 matrices at 64 and 226 of them, U=4): in a step inside a window, a
+# fixed part and a part per matrix (its selected columns' gathers and scatter, its sum's add;
+# "factored" two more: its weights' view and its prints' row); and per window (its end and
+# the steps after it that finish installs), per matrix, by where its sum is.
+STEP_OPERATORS = 29
+STEP_OPERATORS_PER_MATRIX = 6
+STEP_OPERATORS_PER_FACTORED = 2
+WINDOW_OPERATORS_PER_MATRIX = {"host": 32, "device": 49, "factored": 99}
+
+
+def python_step_s(c: Counts, s: Speeds, batch: int) -> float:
+    """The training thread's time in a step() inside a window: its operators, and the compiled
+    "factored" kernels' calls (a step's runs of `batch` matrices and the rest a call each,
+    host/credit_factored.py fused_step). On a GPU it hides behind the device's step only while
+    shorter; beyond, the step is CPU-bound."""
+    operators = (STEP_OPERATORS + STEP_OPERATORS_PER_MATRIX * c.matrices
+                 + STEP_OPERATORS_PER_FACTORED * c.factored_matrices)
+    n = c.factored_matrices if c.fused_factored else 0
+    return operators * s.operator + (n // batch + n % batch) * s.compiled_call
+
+
+def python_window_s(c: Counts, s: Speeds) -> float:
+    """... and per window: its end's operators and those of the steps after it that finish
+    installs, and an install's corrections (a compiled call a "factored" matrix)."""
+    plain = c.device_summed_matrices - c.factored_matrices
+    operators = (WINDOW_OPERATORS_PER_MATRIX["host"] * (c.matrices - c.device_summed_matrices)
+                 + WINDOW_OPERATORS_PER_MATRIX["device"] * plain
+                 + WINDOW_OPERATORS_PER_MATRIX["factored"] * c.factored_matrices)
+    corrections = c.factored_matrices if c.fused_factored else 0
+    return operators * s.operator + corrections * s.compiled_call

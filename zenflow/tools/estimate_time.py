@@ -102,6 +102,9 @@ def expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
     return max(bounds[0], min(bounds[1], max(needs)))
 
 
+# step()'s Python time over forward+backward's beyond which the estimate warns of a CPU-bound step
+CPU_BOUND_SHARE = 0.25
+
 FORMULAS_CPU = ("T_dev + accumulate + host_adamw/U + (install + fingerprints)/U (a CPU device "
                 "shares the host's memory: the host's streaming slows its step by about its own "
                 "length, so the two add)")
@@ -114,9 +117,13 @@ def formulas(overlap: bool, cpu: bool) -> dict:
         "offload": ("fwd_bwd + gradient norm + d2h(all grads) + host accumulate + host AdamW "
                     "+ h2d(all weights) + fingerprints (two passes over every parameter)"),
         "zenflow": (FORMULAS_CPU if cpu and overlap else
-                    "max(T_dev, accumulate + host_adamw/U) + (install + sums_wait + "
-                    "fingerprints)/U" if overlap
-                    else "T_dev + (sums_d2h + host_adamw + install + fingerprints)/U"),
+                    "max(python, max(T_dev, accumulate + host_adamw/U) + (install + sums_wait + "
+                    "fingerprints)/U)" if overlap
+                    else "max(python, T_dev + (sums_d2h + host_adamw + install + "
+                         "fingerprints)/U)"),
+        "python": ("step()'s time on the training thread: its operators at python_operator_s "
+                   "and its compiled calls at compiled_call_s, per step and per window / U (the "
+                   "forward and backward's own launches not counted)"),
         "fingerprints": ("two passes over the matrices a credit rule does not move per window "
                          "(those: two every step)"),
         "T_dev": ("fwd_bwd + device update + d2h (memcpy)" if cpu else
@@ -142,11 +149,20 @@ def zenflow_step_s(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float) 
         # On a GPU the device's memory is its own and the host's work hides behind its step.
         return (T_dev + t["accumulate_s"] + t["adamw_s"] / U
                 + (install + t["fingerprint_s"]) / U)
+    # the training thread's step() on a GPU: the step takes at least that (a CPU device's step
+    # is the training thread's already)
+    python = 0.0 if cpu else python_s(t, U)
     if overlap:
         sums_wait = max(0.0, t["sums_d2h_s"] - fwd_bwd_s)   # the next window's first add waits
-        return (max(T_dev, t["accumulate_s"] + t["adamw_s"] / U)
-                + (install + sums_wait + t["fingerprint_s"]) / U)
-    return T_dev + (t["sums_d2h_s"] + t["adamw_s"] + install + t["fingerprint_s"]) / U
+        return max(python, max(T_dev, t["accumulate_s"] + t["adamw_s"] / U)
+                   + (install + sums_wait + t["fingerprint_s"]) / U)
+    return max(python, T_dev + (t["sums_d2h_s"] + t["adamw_s"] + install
+                                + t["fingerprint_s"]) / U)
+
+
+def python_s(t: dict, U: int) -> float:
+    """The training thread's time in step() per step, a window's own spread over its steps."""
+    return t.get("python_step_s", 0.0) + t.get("python_window_s", 0.0) / U
 
 
 def offload_step_s(t: dict, fwd_bwd_s: float) -> float:
@@ -171,7 +187,13 @@ def step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | Non
         min_u, install_u = needs
         why = "with overlap_step=True; the install, install/U per step, stays exposed"
     floor = fwd_bwd_s + t["adamw_device_s"]
+    python = python_s(t, U)
     out.update({
+        # step()'s Python thread, and whether it takes more than a quarter of the forward and
+        # backward, whose own launches the model does not count: then the step may be CPU-bound
+        # (on the H100 at 1.35B, 36 ms of it beside a 45 ms forward+backward made 1.6x AdamW's)
+        "zenflow_python_s": python,
+        "cpu_bound_risk": not cpu and python > CPU_BOUND_SHARE * fwd_bwd_s,
         "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": floor,
         "offload_step_s": offload, "offload_stall_s": offload - fwd_bwd_s,
         "zenflow_T_dev_s": T_dev, "zenflow_step_s": zen,
