@@ -92,7 +92,8 @@ def _as_placed(placement):
     """The placement's code path: "factored-fused" takes the fused step."""
     if placement != "factored-fused":
         return contextlib.nullcontext()
-    return mock.patch.object(credit_factored, "compiled_for", lambda fn, device, batch=False: fn)
+    return mock.patch.object(credit_factored, "compiled_for", lambda fn, device, batch=False: (
+        (lambda *args, signature: fn(*args)) if batch else fn))
 
 
 def _clamp_through_data(model):

@@ -54,9 +54,10 @@ ASSUMED = {
     "memcpy_bytes_per_s": (5e9, "host memcpy (the CPU device's copies)"),
     # The training thread (zenflow/tools/estimate_terms.py python_step_s): from the H100's
     # speed check (benchmarks/results/gpu-check-nvidia-h100-80gb-hbm3.json, torch 2.11), where
-    # "mean" with bf16 sums at 1.35B took 36 ms a step more than AdamW(fused) for about 1,800
-    # operators, and a compiled kernel's call about 0.25 ms plus its launches.
-    "python_operator_s": (20e-6, "the training thread per operator step() dispatches, the "
+    # "mean" with bf16 sums at 1.35B took 36 ms a step more than AdamW(fused) for about 1,360
+    # operators (170 matrices, 11-step windows), and a compiled kernel's call about 0.25 ms plus
+    # its launches.
+    "python_operator_s": (25e-6, "the training thread per operator step() dispatches, the "
                                  "Python between them included (an H100's host)"),
     "compiled_call_s": (0.5e-3, "the training thread per call of a compiled \"factored\" "
                                 "kernel (an H100's host)"),

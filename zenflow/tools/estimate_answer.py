@@ -144,7 +144,7 @@ def step_line(r: dict) -> list[str]:
              f"(forward+backward {secs(tm['fwd_bwd_s'])} given, plus one device AdamW)."]
     if tm.get("cpu_bound_risk"):
         lines.append(f"CPU-BOUND RISK: step() keeps the training thread "
-                     f"{secs(tm['zenflow_python_s'])} a step, more than a quarter of the "
+                     f"{secs(tm['zenflow_python_s'])} a step, more than half the "
                      f"forward+backward, whose own launches come on top: the device may wait "
                      f"for Python (longer steps, a larger batch or fewer, larger matrices "
                      f"help).")

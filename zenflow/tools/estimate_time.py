@@ -102,8 +102,10 @@ def expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
     return max(bounds[0], min(bounds[1], max(needs)))
 
 
-# step()'s Python time over forward+backward's beyond which the estimate warns of a CPU-bound step
-CPU_BOUND_SHARE = 0.25
+# step()'s Python time over forward+backward's beyond which the estimate warns of a CPU-bound
+# step: the training thread also launches the forward and backward (at 1.35B and a 45 ms
+# forward+backward on the H100, about as long as the device ran them)
+CPU_BOUND_SHARE = 0.5
 
 FORMULAS_CPU = ("T_dev + accumulate + host_adamw/U + (install + fingerprints)/U (a CPU device "
                 "shares the host's memory: the host's streaming slows its step by about its own "
@@ -189,9 +191,9 @@ def step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | Non
     floor = fwd_bwd_s + t["adamw_device_s"]
     python = python_s(t, U)
     out.update({
-        # step()'s Python thread, and whether it takes more than a quarter of the forward and
-        # backward, whose own launches the model does not count: then the step may be CPU-bound
-        # (on the H100 at 1.35B, 36 ms of it beside a 45 ms forward+backward made 1.6x AdamW's)
+        # step()'s Python thread, and whether it takes more than half the forward and backward,
+        # whose own launches the model does not count: then the step may be CPU-bound (on the
+        # H100 at 1.35B, 36 ms of it beside a 45 ms forward+backward made 1.6x AdamW's)
         "zenflow_python_s": python,
         "cpu_bound_risk": not cpu and python > CPU_BOUND_SHARE * fwd_bwd_s,
         "fwd_bwd_s": fwd_bwd_s, "adamw_step_s": floor,
