@@ -56,6 +56,7 @@ def rows() -> list[dict]:
             "U": r["settings"]["update_interval"],
             "zenflow_step_s": t["zenflow_step_s"], "floor_s": t["adamw_step_s"],
             "vs_floor": t["zenflow_vs_floor"],
+            "python_s": t["zenflow_python_s"], "cpu_bound_risk": t["cpu_bound_risk"],
             "stall_share": t["zenflow_stall_s"] / t["zenflow_step_s"],
             "install_wait_s": r["seconds"]["install_wait_s"],
             "bus_per_step_vs_model": (b["d2h_bytes_per_step"] + b["h2d_bytes_per_step"])
