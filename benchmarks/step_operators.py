@@ -7,7 +7,8 @@ STEP_OPERATORS...; tests/test_estimate_terms.py holds those constants to this co
 Every parameter an 8x8 matrix, topk_ratio 0.25, U=4, no worker. A TorchDispatchMode counts the
 aten operators each step() dispatches on the calling thread, outside the compiled "factored"
 kernels (run here eagerly, as a GPU would run them compiled: what they dispatch inside is the
-GPU's one call, counted apart). Per placement: the operators of a step inside a window (the
+GPU's one call, counted apart) and outside the host's commands (run inline here, without a
+worker: a real run's worker process does them). Per placement: the operators of a step inside a window (the
 steady one), and a window's extras (its end, and the steps after it that finish installs, over
 the steady count), each fitted as a + b x matrices over the two counts.
 """
@@ -32,6 +33,9 @@ PLACEMENTS = {"host": dict(device_sum_budget=0),
               "device": dict(device_sum_budget=1 << 40, deferred_credit="mean"),
               "factored": dict(device_sum_budget=1 << 40, deferred_credit="factored")}
 _KERNELS = ("factored_step", "factored_correct")
+# worker=False runs the worker's commands inline: their operators are another process's in a
+# real run (the host's accumulate and update), not the training thread's
+_WORKERS = os.path.join("zenflow", "host", "commands.py")
 
 
 class _Operators(TorchDispatchMode):
@@ -41,9 +45,10 @@ class _Operators(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)
-        while frame is not None and not frame.f_code.co_name.startswith(_KERNELS):
+        while frame is not None and not (frame.f_code.co_name.startswith(_KERNELS)
+                                         or frame.f_code.co_filename.endswith(_WORKERS)):
             frame = frame.f_back
-        self.count += frame is None   # not inside a compiled kernel's function
+        self.count += frame is None   # the training thread's own, outside the kernels
         return func(*args, **(kwargs or {}))
 
 
