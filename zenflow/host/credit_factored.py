@@ -225,11 +225,12 @@ class FactoredCredit(MovingCredit):
             torch._foreach_add_([self.col_sq[i] for i in chunk], [sq.sum(0) for sq in scaled])
 
     def fused_step(self, rows, sums, weights, fresh, coef, sizes):
-        """The sum's add, add() and interim() of the moving matrices of `rows` in one compiled
-        kernel each, where allocate() compiled one, with the moved columns' fingerprints
-        (take_prints()); returns the indices it took, whose three steps the caller leaves out.
-        A compile that fails is logged and the op-by-op path takes the rest, now and from then
-        on."""
+        """The sum's add, add() and interim() of the moving matrices of `rows`, where
+        allocate() compiled the kernels: in runs of BATCH matrices a call, the rest a call each,
+        with the moved columns' fingerprints (take_prints()); returns the indices it took, whose
+        three steps the caller leaves out. A run whose compile fails leaves its matrices to
+        their own kernels; a matrix kernel that fails leaves the rest to the op-by-op path; each
+        logged once, and so from then on."""
         taken: set[int] = set()
         if "step" not in self._kernels:
             return taken
