@@ -58,16 +58,21 @@ def test_the_fused_step_gives_the_op_by_op_steps_bits(dtype, sum_dtype, batch, m
     assert plain["fused_steps"] == 0
     assert plain["op_by_op_moves"] > 0 and plain["op_by_op_corrections"] > 0
     monkeypatch.setattr(credit_factored, "compiled_for", eager)
-    batches = []
+    batches, kernels = [], []
     if batch:   # 4 matrices: runs of 2, or one of 3 and one matrix alone
         monkeypatch.setattr(credit_factored, "BATCH", batch)
-        run = credit_factored.FactoredCredit._run_batch
+        run_batch = credit_factored.FactoredCredit._run_batch
         monkeypatch.setattr(credit_factored.FactoredCredit, "_run_batch", lambda self, moving,
-                            *a: batches.append(len(moving)) or run(self, moving, *a))
+                            *a: batches.append(len(moving)) or run_batch(self, moving, *a))
+        run = credit_factored.FactoredCredit._run
+        monkeypatch.setattr(credit_factored.FactoredCredit, "_run", lambda self, name, *a, **k:
+                            kernels.append(name) or run(self, name, *a, **k))
     with mock.patch.object(credit_factored.log, "warning") as warned:
         fused, _, stats = _train(dtype, sum_dtype)
     assert not warned.called, warned.call_args   # no run fell back to its matrices' kernels
     assert bool(batches) == bool(batch) and all(n == batch for n in batches)
+    if batch:   # the installs' corrections in runs too (a lone matrix in a call of its own)
+        assert "corrects" in kernels
     # the fused step took every matrix step the op-by-op path took, and left none to it; the
     # installs' corrections likewise
     assert (stats["fused_steps"], stats["op_by_op_moves"]) == (plain["op_by_op_moves"], 0)
@@ -247,8 +252,11 @@ def test_a_batch_whose_compile_fails_leaves_its_matrices_to_their_own_kernels(mo
     monkeypatch.setattr(credit_factored, "BATCH", 10 ** 6)
     per_matrix, _, want = _train(torch.bfloat16, "bfloat16", steps=8)
     warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
-    assert len(warned) == 1 and "a kernel a matrix runs instead" in warned[0]
+    # once for the steps' runs and once for the corrections'
+    assert len(warned) == 2 and all("a kernel a matrix runs instead" in w for w in warned)
+    assert {w.split("compiled ")[1].split(" ")[0] for w in warned} == {"steps", "corrects"}
     assert stats["fused_steps"] == want["fused_steps"] > 0 and stats["op_by_op_moves"] == 0
+    assert stats["op_by_op_corrections"] == 0
     for a, b in zip(fell_back, per_matrix):
         for p, q in zip(a, b):
             assert torch.equal(p, q)

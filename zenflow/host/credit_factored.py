@@ -99,6 +99,15 @@ def factored_correct_(weight: torch.Tensor, grad_sum: torch.Tensor, alpha: torch
     weight.addcmul_(move.clamp(-most, most), neg_lr)
 
 
+def factored_corrects_(weights: list[torch.Tensor], grad_sums: list[torch.Tensor],
+                        alphas: list[torch.Tensor], betas: list[torch.Tensor],
+                        neg_lrs: list[torch.Tensor], mosts: list[torch.Tensor]) -> None:
+    """factored_correct_ of every matrix of the lists, in one call (an install's corrections in
+    runs of BATCH, as factored_steps_ takes a step's)."""
+    for j, weight in enumerate(weights):
+        factored_correct_(weight, grad_sums[j], alphas[j], betas[j], neg_lrs[j], mosts[j])
+
+
 class FactoredCredit(MovingCredit):
     """The window as that many AdamW steps, from factored squares; interim steps and an
     install's correction at factored rates."""
@@ -157,6 +166,7 @@ class FactoredCredit(MovingCredit):
                     self._kernels[name] = kernel
             if len(moving) >= BATCH and "step" in self._kernels:
                 self._kernels["steps"] = compiled_for(factored_steps_, device, batch=True)
+                self._kernels["corrects"] = compiled_for(factored_corrects_, device, batch=True)
         for i, values in self._restored.items():
             if i in self.alpha:
                 for dst, src in zip(self._device(i), values):
@@ -282,15 +292,33 @@ class FactoredCredit(MovingCredit):
         return prints
 
     def correct(self, weights, sums, sizes, counts):
-        """MovingCredit.correct, in one compiled kernel a matrix where allocate() compiled one."""
+        """MovingCredit.correct in the compiled kernels where allocate() compiled them: runs of
+        BATCH matrices a call and the rest as one run, a matrix alone a call of its own
+        (fused_step's fallbacks)."""
+        items = [(i, weight, *self._scalars_of(sizes[i][0], counts[i] * sizes[i][1],
+                                               weight.device)) for i, weight in weights.items()]
+        start = 0   # items[:start] taken by runs: of BATCH, and the rest (an install of one
+        # layer's matrices: the same run at every layer of a model that repeats them) as one
+        while "corrects" in self._kernels and len(items) - start >= 2:
+            run = items[start:start + BATCH]
+            if not self._run("corrects", *self._correct_lists(run, sums),
+                             signature=tuple((tuple(w.shape), w.dtype, sums[i].dtype)
+                                             for i, w, _, _ in run)):
+                break
+            start += len(run)
         rest = {}
-        for i, weight in weights.items():
-            lr, bound = sizes[i]
-            neg_lr, most = self._scalars_of(lr, counts[i] * bound, weight.device)
+        for i, weight, neg_lr, most in items[start:]:
             if not self._run("correct", weight, sums[i], *self.own_factors(i), neg_lr, most):
                 rest[i] = weight
         if rest:
             super().correct(rest, sums, sizes, counts)
+
+    def _correct_lists(self, items, sums) -> tuple[list, ...]:
+        """factored_corrects_'s arguments for `items` ((i, weight, -lr, most) each)."""
+        factors = [self.own_factors(i) for i, _, _, _ in items]
+        return ([w for _, w, _, _ in items], [sums[i] for i, _, _, _ in items],
+                [a for a, _ in factors], [b for _, b in factors],
+                [lr for _, _, lr, _ in items], [most for _, _, _, most in items])
 
     def _run(self, name: str, *args, **kwargs) -> bool:
         """Kernel `name` on `args` if it is compiled; False where it is not, or it failed: then
@@ -302,7 +330,7 @@ class FactoredCredit(MovingCredit):
         try:
             kernel(*args, **kwargs)
         except Exception as exc:   # noqa: BLE001 - any compiler failure: fall back, loudly
-            batch = name == "steps"
+            batch = name in ("steps", "corrects")
             first = args[0][0] if batch else args[0]
             log.warning("deferred_credit='factored': the compiled %s failed on %s (%s: %s); %s "
                         "runs instead from now on", name, first.device, type(exc).__name__, exc,

@@ -163,7 +163,7 @@ def work_seconds(c: Counts, s: Speeds, mats, moving: set[int], fwd_bwd_s: float 
                                                fwd_bwd_s / 3)
     t["install_wait_s"] = copy_s + t["install_gather_s"]
     t["python_step_s"] = cost.python_step_s(c, s, BATCH)
-    t["python_window_s"] = cost.python_window_s(c, s)
+    t["python_window_s"] = cost.python_window_s(c, s, BATCH)
     return t
 
 

@@ -336,13 +336,14 @@ def python_step_s(c: Counts, s: Speeds, batch: int) -> float:
     return operators * s.operator + (n // batch + n % batch) * s.compiled_call
 
 
-def python_window_s(c: Counts, s: Speeds) -> float:
+def python_window_s(c: Counts, s: Speeds, batch: int) -> float:
     """... and per window: its end's operators and those of the steps after it that finish
-    installs, and an install's corrections (a compiled call a "factored" matrix)."""
+    installs, and an install's corrections (compiled, in runs of `batch` "factored" matrices;
+    per-layer installs make a run of each layer's, about as few calls)."""
     plain = c.device_summed_matrices - c.factored_matrices
     operators = (WINDOW_OPERATORS
                  + WINDOW_OPERATORS_PER_MATRIX["host"] * (c.matrices - c.device_summed_matrices)
                  + WINDOW_OPERATORS_PER_MATRIX["device"] * plain
                  + WINDOW_OPERATORS_PER_MATRIX["factored"] * c.factored_matrices)
-    corrections = c.factored_matrices if c.fused_factored else 0
+    corrections = -(-c.factored_matrices // batch) if c.fused_factored else 0
     return operators * s.operator + corrections * s.compiled_call

@@ -330,15 +330,24 @@ def compiled(ctx: _Ctx) -> list[Check]:
 
 
 def _batch_against_eager(device: torch.device) -> Check:
-    """factored_steps_ compiled for a run of BATCH matrices of three shapes (one call: what a
-    model's step takes for each run) against factored_step_ run eagerly on each: the weights within a
-    bf16 ulp, the sums within one of theirs, the statistics within fp32 rounding, and each
-    matrix's fingerprints exactly its own weights' before and after."""
+    """factored_steps_ and factored_corrects_ compiled for a run of BATCH matrices of three
+    shapes (one call each: what a model's step and an install take for each run) against
+    factored_step_ and factored_correct_ run eagerly on each: after the step and the correction
+    the weights within a bf16 ulp, the sums within one of theirs, the statistics within fp32
+    rounding; and each matrix's fingerprints exactly its own weights' before and after the
+    step."""
     from zenflow.host.compiled import compiled_for, scalar
-    from zenflow.host.credit_factored import BATCH, factored_step_, factored_steps_
+    from zenflow.host.credit_factored import (
+        BATCH,
+        factored_correct_,
+        factored_corrects_,
+        factored_step_,
+        factored_steps_,
+    )
     from zenflow.host.fingerprints import masked_bit_sum
     start = time.perf_counter()
     batch = compiled_for(factored_steps_, device, batch=True)
+    corrects = compiled_for(factored_corrects_, device, batch=True)
     gen = torch.Generator(device=device).manual_seed(7)
     shapes = [((256, 512), (512, 256), (384, 384))[j % 3] for j in range(BATCH)]
 
@@ -358,6 +367,13 @@ def _batch_against_eager(device: torch.device) -> Check:
     lists = [[m[k] for m in runs[1]] for k in runs[1][0]]
     batch(*lists, coef, [neg_lr] * len(shapes), [bound] * len(shapes), prints[1],
           signature=("selftest", tuple(shapes)))
+    wants = [torch.stack([torch.stack([b, masked_bit_sum(m["weight"], m["host_cols"])])
+                          for b, m in zip(before, run)]) for run in runs]
+    most = scalar(6.0, device)
+    for m in runs[0]:
+        factored_correct_(m["weight"], m["grad_sum"], m["alpha"], m["beta"], neg_lr, most)
+    corrects(*[[m[k] for m in runs[1]] for k in ("weight", "grad_sum", "alpha", "beta")],
+             [neg_lr] * len(shapes), [most] * len(shapes), signature=("selftest", tuple(shapes)))
     worst, ok = {}, True
     for key, rtol in (("weight", 2.0 ** -7), ("grad_sum", 2.0 ** -7), ("row_sq", 1e-5),
                       ("col_sq", 1e-5)):
@@ -365,10 +381,7 @@ def _batch_against_eager(device: torch.device) -> Check:
             a, b = a[key].float().cpu(), b[key].float().cpu()
             worst[key] = max(worst.get(key, 0.0), float((a - b).abs().max()))
             ok = ok and bool(((a - b).abs() <= (a.abs() + a.abs().mean()) * rtol).all())
-    for run, printed in zip(runs, prints):
-        want = torch.stack([torch.stack([b, masked_bit_sum(m["weight"], m["host_cols"])])
-                            for b, m in zip(before, run)])
-        ok = ok and torch.equal(printed, want)
+    ok = ok and all(torch.equal(printed, want) for printed, want in zip(prints, wants))
     detail = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
     return Check(f"compiled 'factored' batch of {len(shapes)} == eager", "pass" if ok else "fail",
                  f"largest differences: {detail}", seconds=time.perf_counter() - start,
