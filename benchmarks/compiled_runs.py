@@ -14,7 +14,6 @@ Writes benchmarks/results/compiled_runs_<machine>.json. Run it on a quiet machin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import torch  # noqa: E402
 
 from zenflow.host import compiled, credit_factored  # noqa: E402
 from zenflow.optim.optimizer import ZenFlowAdamW  # noqa: E402
-from zenflow.tools.bench.harness import machine_info  # noqa: E402
+from zenflow.tools.bench.harness import machine_info, machine_tag, write_json  # noqa: E402
 
 WAYS = {"a call a matrix": 10 ** 9, "runs of BATCH": credit_factored.BATCH}
 
@@ -85,12 +84,7 @@ def main() -> None:
         print(f"{n} matrices: a call a matrix {medians['a call a matrix'] * 1e3:.2f} ms, runs of "
               f"{credit_factored.BATCH} {medians['runs of BATCH'] * 1e3:.2f} ms: {ratio:.2f}x",
               flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "-" for c in info["cpu"].lower()).strip("-")[:40]
-    path = os.path.join(args.out, f"compiled_runs_{slug}-{info['cores']}cpu.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_json(result, os.path.join(args.out, f"compiled_runs_{machine_tag(info)}.json"))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -139,10 +138,6 @@ def _child(args) -> dict:
     return out
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=64_000_000,
@@ -177,7 +172,7 @@ def main() -> None:
     if any(not 1 <= c <= len(cpus) for c in cores):
         parser.error(f"--cores: each count must be between 1 and the {len(cpus)} CPUs this "
                      f"process may use, got {args.cores!r}")
-    from zenflow.tools.bench.harness import machine_info
+    from zenflow.tools.bench.harness import machine_info, machine_tag
     machine = machine_info("cpu")
     runs = []
     for count in cores:
@@ -199,9 +194,8 @@ def main() -> None:
                   f"{r['update_params_per_s_per_core'] / 1e9:.2f} G params/s per core")
         fused = run["systems"]["torch_adamw_fused"]["params_per_s"]
         print(f"{count} core(s) torch AdamW(fused=True): {fused / 1e9:.2f} G params/s")
-    tag = f"{_slug(machine['cpu'])}-{machine['cores_available']}cpu"
     out = Path(args.out) if args.out else (
-        Path(__file__).parent / "results" / f"host_adam_{tag}.json")
+        Path(__file__).parent / "results" / f"host_adam_{machine_tag(machine)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "tiny": args.tiny, "params": args.params,
                                "repeats": args.repeats, "variants": variants,

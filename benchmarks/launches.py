@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import platform
 import statistics
@@ -25,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zenflow.optim.optimizer import ZenFlowAdamW
+from zenflow.tools.bench.harness import write_json
 
 SYSTEMS = {
     "torch AdamW(fused=True)": None,
@@ -130,11 +130,7 @@ def main() -> None:
         for name, row in table.items():
             print(f"  {name:38s} inside {row['ops_inside_window']}, window ends "
                   f"{row['ops_at_window_end']}, {row.get('step_vs_torch', '-')}x torch")
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"launches_{result['machine']}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_json(result, os.path.join(args.out, f"launches_{result['machine']}.json"))
 
 
 if __name__ == "__main__":

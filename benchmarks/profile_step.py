@@ -11,7 +11,6 @@ and text under DIR (default benchmarks/results/).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from zenflow.optim.optimizer import ZenFlowAdamW
+from zenflow.tools.bench.harness import slug, write_json
 from zenflow.tools.selftest_checks import _Ctx
 from zenflow.tools.selftest_gpu import ZENFLOW_CONFIGS, _batch, _gpt
 
@@ -104,12 +104,7 @@ def main() -> None:
               "operators a step", flush=True)
         print(r["table"], flush=True)
         print(r["cpu_table"], flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "-" for c in machine.lower()).strip("-")
-    path = os.path.join(args.out, f"profile-step-{slug}.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {path}")
+    write_json(results, os.path.join(args.out, f"profile-step-{slug(machine)}.json"))
 
 
 if __name__ == "__main__":

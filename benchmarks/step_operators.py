@@ -15,7 +15,6 @@ the steady count), each fitted as a + b x matrices over the two counts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from zenflow.host import credit_factored  # noqa: E402
 from zenflow.optim.optimizer import ZenFlowAdamW  # noqa: E402
+from zenflow.tools.bench.harness import machine_info, machine_tag, write_json  # noqa: E402
 
 PLACEMENTS = {"host": dict(device_sum_budget=0),
               "device": dict(device_sum_budget=1 << 40, deferred_credit="mean"),
@@ -90,18 +90,16 @@ def main() -> None:
     parser.add_argument("--matrices", type=int, nargs=2, default=[64, 226])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args()
-    result = {"benchmark": "step_operators", "matrices": args.matrices, "placements": {}}
+    info = machine_info("cpu")   # (the counts are the code's, not the machine's)
+    result = {"benchmark": "step_operators", "machine": info, "matrices": args.matrices,
+              "placements": {}}
     for placement in PLACEMENTS:
         counted = [count(n, placement) for n in args.matrices]
         step, window = (fit(args.matrices, [c[k] for c in counted]) for k in ("step", "window"))
         result["placements"][placement] = {"counts": counted, "step": step, "window": window}
         print(f"{placement:9} step {step[0]:.0f} + {step[1]:.2f} x matrices, window "
               f"{window[0]:.0f} + {window[1]:.2f} x matrices  ({counted})", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "step_operators.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    write_json(result, os.path.join(args.out, f"step_operators_{machine_tag(info)}.json"))
 
 
 if __name__ == "__main__":

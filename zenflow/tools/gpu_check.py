@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
+from zenflow.tools.bench.harness import slug
+
 PYTEST_DEADLINE_S = 420
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def _pytest(repo: str, log_path: str) -> dict:
@@ -93,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pytest and not args.dry_run:
         print("-- pytest -m cuda", flush=True)
         os.makedirs(args.out_dir, exist_ok=True)
-        log = os.path.join(args.out_dir, f"gpu-check-{_slug(gpu)}-pytest.log")
+        log = os.path.join(args.out_dir, f"gpu-check-{slug(gpu)}-pytest.log")
         result["pytest"] = _pytest(os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__)))), log)
         print("\n".join(result["pytest"].get("tail", [result["pytest"].get("detail", "")])))
@@ -101,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     result["passed"] = (all(r["passed"] for r in reports.values())
                         and result.get("pytest", {}).get("status") != "fail")
     os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"gpu-check-{_slug(gpu)}.json")
+    path = os.path.join(args.out_dir, f"gpu-check-{slug(gpu)}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"\ngpu-check {'PASSED' if result['passed'] else 'FAILED'} on {gpu} in "

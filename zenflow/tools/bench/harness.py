@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,25 @@ def machine_info(device: str) -> dict[str, Any]:
     except Exception:
         info["deepspeed"] = None
     return info
+
+
+def slug(text: str) -> str:
+    """`text` as part of a file name: lowercase letters and digits, any run of others one '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def machine_tag(info: dict[str, Any]) -> str:
+    """A results file's machine part, from machine_info(): its CPU and the cores it had."""
+    return f"{slug(info['cpu'])}-{info['cores_available']}cpu"
+
+
+def write_json(result: dict, path: str) -> str:
+    """`result` as JSON at `path` (its folder made), said on stdout; returns `path`."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    return path
 
 
 def _run_child(spec: dict, timeout_s: float, on_progress: Callable[[dict], None]) -> dict:
