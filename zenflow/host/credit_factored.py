@@ -330,7 +330,7 @@ class FactoredCredit(MovingCredit):
         try:
             kernel(*args, **kwargs)
         except Exception as exc:   # noqa: BLE001 - any compiler failure: fall back, loudly
-            batch = name in ("steps", "corrects")
+            batch = isinstance(args[0], list)   # a run's kernel: its first argument a list
             first = args[0][0] if batch else args[0]
             log.warning("deferred_credit='factored': the compiled %s failed on %s (%s: %s); %s "
                         "runs instead from now on", name, first.device, type(exc).__name__, exc,

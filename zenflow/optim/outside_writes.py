@@ -158,26 +158,26 @@ class OutsideWrites:
         read again."""
         if printed is not None and printed[0]:
             indices, prints = printed
-            self._found([self.host_params[i] for i in indices], tuple(indices), prints[:, 0])
-            self._note_moved([self.host_params[i] for i in indices], prints[:, 1])
-            moving = [i for i in moving if i not in set(indices)]
+            self._found(tuple(indices), prints[:, 0])
+            self._note_moved(indices, prints[:, 1])
+            taken = set(indices)
+            moving = [i for i in moving if i not in taken]
         if not moving:
             return
-        matrices = [self.host_params[i] for i in moving]
-        now = self._bit_sums(matrices, self.selector.has_chosen)
+        now = self._bit_sums([self.host_params[i] for i in moving], self.selector.has_chosen)
         if moved:
-            self._note_moved(matrices, now)
+            self._note_moved(moving, now)
         else:
-            self._found(matrices, tuple(moving), now)
+            self._found(tuple(moving), now)
 
-    def _note_moved(self, matrices: list[HostParam], now: torch.Tensor) -> None:
-        self._sums.update(zip((m.param for m in matrices), now.unbind()))
+    def _note_moved(self, moving: list[int], now: torch.Tensor) -> None:
+        """Host matrices `moving` have fingerprints `now`, as the optimizer wrote them."""
+        self._sums.update(zip((self.host_params[i].param for i in moving), now.unbind()))
 
-    def _found(self, matrices: list[HostParam], moving: tuple[int, ...],
-               now: torch.Tensor) -> None:
-        """Keep, on the device, which of `matrices` (host indices `moving`) differ from their
-        fingerprints (`now`, before a move) since the optimizer last wrote them."""
-        found = now != torch.stack([self._sums[m.param] for m in matrices])
+    def _found(self, moving: tuple[int, ...], now: torch.Tensor) -> None:
+        """Keep, on the device, which of host matrices `moving` differ from their fingerprints
+        (`now`, before a move) since the optimizer last wrote them."""
+        found = now != torch.stack([self._sums[self.host_params[i].param] for i in moving])
         if self._moved is not None and self._moved[0] == moving:
             found |= self._moved[1]
         elif self._moved is not None:   # the moving matrices changed: keep both

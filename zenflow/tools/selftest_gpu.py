@@ -377,15 +377,27 @@ def _batch_against_eager(device: torch.device) -> Check:
     worst, ok = {}, True
     for key, rtol in (("weight", 2.0 ** -7), ("grad_sum", 2.0 ** -7), ("row_sq", 1e-5),
                       ("col_sq", 1e-5)):
-        for a, b in zip(runs[0], runs[1]):
-            a, b = a[key].float().cpu(), b[key].float().cpu()
-            worst[key] = max(worst.get(key, 0.0), float((a - b).abs().max()))
-            ok = ok and bool(((a - b).abs() <= (a.abs() + a.abs().mean()) * rtol).all())
+        for eager, fused in zip(*runs):
+            diff, close = _within(eager[key], fused[key], rtol)
+            worst[key] = max(worst.get(key, 0.0), diff)
+            ok = ok and close
     ok = ok and all(torch.equal(printed, want) for printed, want in zip(prints, wants))
     detail = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
     return Check(f"compiled 'factored' batch of {len(shapes)} == eager", "pass" if ok else "fail",
                  f"largest differences: {detail}", seconds=time.perf_counter() - start,
                  measured={"max_diff": worst})
+
+
+def _within(eager: torch.Tensor, fused: torch.Tensor, rtol: float) -> tuple[float, bool]:
+    """(largest difference, whether `fused` is within `rtol` of `eager`): NaN where the other
+    has NaN, and each value within rtol of itself or, where it nearly cancelled (a weight moved
+    to about 0), of the tensor's typical magnitude: a fused multiply-add rounds once where eager
+    rounds twice."""
+    a, b = eager.float().cpu(), fused.float().cpu()
+    same_nan = torch.equal(a.isnan(), b.isnan())
+    a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    diff = float((a - b).abs().max())
+    return diff, same_nan and bool(((a - b).abs() <= (b.abs() + b.abs().mean()) * rtol).all())
 
 
 def _compiled_against_eager(device: torch.device, rows: int, cols: int,
@@ -430,13 +442,7 @@ def _compiled_against_eager(device: torch.device, rows: int, cols: int,
     for key, rtol in (("weight", 2.0 ** -7), ("grad_sum", 2.0 ** -7 if sum_dtype ==
                                               torch.bfloat16 else 1e-6),
                       ("row_sq", 1e-5), ("col_sq", 1e-5)):
-        a, b = eager[key].float().cpu(), fused[key].float().cpu()
-        same_nan = torch.equal(a.isnan(), b.isnan())
-        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
-        diff = float((a - b).abs().max())
-        # each within rtol of itself or, where it nearly cancelled (a weight moved to about 0),
-        # of the tensor's typical magnitude: a fused multiply-add rounds once where eager twice
-        ok = same_nan and bool(((a - b).abs() <= (b.abs() + b.abs().mean()) * rtol).all())
+        diff, ok = _within(eager[key], fused[key], rtol)
         if key == "weight":
             ok = ok and bool(torch.isfinite(fused[key]).all())
         out[key] = (diff, ok)
