@@ -47,15 +47,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-
-try:  # DTensor is part of torch.distributed; builds without distributed support have none
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover
-    DTensor = Shard = None
 
 HOST_BACKENDS = ("gloo", "mpi")   # backends whose collectives take CPU tensors
 _CPU = torch.device("cpu")
@@ -78,17 +74,26 @@ def environment_without_group(owner: str, process_group=None) -> None:
             "building the optimizer, or use zenflow.initialize, which does it")
 
 
+def _dtensor_type():
+    """torch's DTensor class, or None while nothing has imported it: no tensor is a DTensor
+    before torch.distributed.tensor is imported, and importing it costs every process that
+    imports zenflow 0.7 s (the suite's children, the bench's, a worker's fork server)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank holds: a DTensor's local shard (a view sharing its storage, so
     writes reach the parameter), any other tensor itself. Callers ask again at each use: FSDP2
     may swap a parameter's local tensor object (same storage) at its first forward."""
-    if DTensor is not None and isinstance(t, DTensor):
+    if is_sharded(t):
         return t._local_tensor
     return t
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def sharded_like(t: torch.Tensor, param: torch.Tensor, dim: int = 0,
@@ -101,6 +106,7 @@ def sharded_like(t: torch.Tensor, param: torch.Tensor, dim: int = 0,
     `t` stays where it is: DTensor.from_local would copy it to the mesh's device, which for
     host state (master values and moments) on a CUDA mesh is the very copy ZenFlow avoids. The
     DTensor is built the way FSDP2 builds its own CPU-offloaded parameters, from a spec."""
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     shape = list(t.shape)
     shape[dim] = param.shape[0] if whole is None else whole
@@ -126,6 +132,7 @@ def row_sharding_group(owner: str, params: list[torch.Tensor], process_group=Non
             f"{owner}: params mixes DTensors (FSDP2-sharded, e.g. params[{sharded[0]}]) and plain "
             f"tensors (params[{plain}], shape {tuple(params[plain].shape)}); shard every "
             "parameter with fully_shard (wrap the root module too) or none")
+    from torch.distributed.tensor import Shard  # (imported: the parameters are DTensors)
     mesh = params[0].device_mesh
     for i, p in enumerate(params):
         where = f"params[{i}] (shape {tuple(p.shape)})"

@@ -104,6 +104,13 @@ def _close_live_runners() -> None:
             pass
 
 
+def start_server_early() -> None:
+    """Start this process's worker fork server now, without waiting for it: its import of torch
+    (a second or two) then runs beside the optimizer's own start-up (torch.optim imports
+    torch._dynamo at the first add_param_group: as long again) instead of after it."""
+    _ForkServer.get()
+
+
 class WorkerHostRunner:
     """Runs host commands in a worker process; same methods as `InlineHostRunner`.
 

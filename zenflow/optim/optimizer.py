@@ -56,6 +56,7 @@ from zenflow.host.device_sums import sum_dtype
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import uses_cuda
+from zenflow.host.worker import start_server_early
 from zenflow.optim import param_checks as _checks
 from zenflow.optim.between_steps import BetweenSteps
 from zenflow.optim.device_adam import group_hyperparameters
@@ -155,6 +156,8 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         check_torch_adamw_flags(self._NAME, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                                 capturable=capturable, differentiable=differentiable, fused=fused)
         self.settings = ZenFlowSettings.from_arguments(self._NAME, **knobs)
+        if self.settings.worker:
+            start_server_early()
         schedule = SelectionSchedule.for_settings(self.settings, self._NAME)
         self._window = window_for(self.settings)
         environment_without_group(self._NAME, process_group)
