@@ -101,8 +101,10 @@ def main() -> None:
                 what = "operators" if r == 0 else f"timed round {r}/{args.rounds}"
                 print(f"{n} matrices, {what}: {name}", flush=True)
                 rows = _run(n, SYSTEMS[name], args.steps, count=r == 0)
-                if r:
-                    times[name] += [s for _, _, s, _ in rows[2:]]   # past the first selection
+                if r:   # past the first selection
+                    times[name] += [s for _, _, s, _ in rows[2:]]
+                    times[name, "inside"] += [s for _, ended, s, _ in rows[2:] if not ended]
+                    times[name, "ends"] += [s for _, ended, s, _ in rows[2:] if ended]
                 else:
                     inside = [c for c, ended, _, _ in rows[2:] if not ended]
                     ends = [c for c, ended, _, _ in rows[2:] if ended]
@@ -123,13 +125,20 @@ def main() -> None:
                 continue
             median = statistics.median(times[name])
             table[name]["step_median_s"] = median
+            for part in ("inside", "ends"):   # steps inside a window, and those ending one
+                if times.get((name, part)):
+                    table[name][f"step_median_{part}_s"] = statistics.median(times[name, part])
             if base:
                 table[name]["step_vs_torch"] = round(median / base, 2)
+                if times.get((name, "inside")):
+                    table[name]["inside_vs_torch"] = round(
+                        table[name]["step_median_inside_s"] / base, 2)
         result["tables"][str(n)] = table
         print(f"\n{n} matrices of 8x8: aten operators per step() and step() time vs torch")
         for name, row in table.items():
             print(f"  {name:38s} inside {row['ops_inside_window']}, window ends "
-                  f"{row['ops_at_window_end']}, {row.get('step_vs_torch', '-')}x torch")
+                  f"{row['ops_at_window_end']}, {row.get('step_vs_torch', '-')}x torch "
+                  f"({row.get('inside_vs_torch', '-')}x inside a window)")
     write_json(result, os.path.join(args.out, f"launches_{result['machine']}.json"))
 
 

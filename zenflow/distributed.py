@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 HOST_BACKENDS = ("gloo", "mpi")   # backends whose collectives take CPU tensors
 _CPU = torch.device("cpu")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)   # never DTensors
 
 
 def environment_without_group(owner: str, process_group=None) -> None:
@@ -86,9 +87,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank holds: a DTensor's local shard (a view sharing its storage, so
     writes reach the parameter), any other tensor itself. Callers ask again at each use: FSDP2
     may swap a parameter's local tensor object (same storage) at its first forward."""
-    if is_sharded(t):
-        return t._local_tensor
-    return t
+    if type(t) in _PLAIN:   # asked several times per matrix per step: the cheap answer first
+        return t
+    return t._local_tensor if is_sharded(t) else t
 
 
 def is_sharded(t: torch.Tensor) -> bool:

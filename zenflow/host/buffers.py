@@ -39,6 +39,7 @@ PIECE = 1 << 18
 # AdamW rounds its scalar tail differently from its SIMD body, so a chunk must end where the whole
 # run's vectors would (every SIMD width divides 64); then the results are one call per run's.
 _VECTOR_ALIGN = 64
+_STAGING = tuple(f"staging{slot}" for slot in range(8))   # the buffers' names, made once
 
 
 def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch.Tensor) -> None:
@@ -173,7 +174,8 @@ class HostState:
         # Set by the worker: a thread per worker core, one torch thread each, for updates made
         # of many small operators (zenflow/host/factored.py). None: `teams` or this thread.
         self.lanes = None
-        self._typed_views: dict[tuple[str, int], torch.Tensor] = {}   # made once: steps reuse
+        # made once: steps reuse them (a step stages every matrix: two operators each)
+        self._typed_views: dict[str, list[torch.Tensor | None]] = {}
 
     @classmethod
     def allocate(cls, layout: HostLayout, owner: str = "ZenFlowAdamW",
@@ -196,7 +198,7 @@ class HostState:
 
     def staging(self, slot: int, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
-        return self._typed(f"staging{slot}", i)
+        return self._typed(_STAGING[slot] if slot < len(_STAGING) else f"staging{slot}", i)
 
     def step_coef(self, slot: int) -> torch.Tensor:
         """The 0-dim factor of the gradients in staging buffer `slot`."""
@@ -240,12 +242,14 @@ class HostState:
                 for name, runs in by_view.items()]
 
     def _typed(self, buffer: str, i: int) -> torch.Tensor:
-        view = self._typed_views.get((buffer, i))
-        if view is None:   # (a step stages every matrix: two operators each, every step)
+        views = self._typed_views.get(buffer)
+        if views is None:
+            views = self._typed_views[buffer] = [None] * len(self.layout.matrices)
+        view = views[i]
+        if view is None:
             m = self.layout.matrices[i]
             flat = self.arena.views[f"{buffer}_{dtype_name(m.dtype)}"]
-            view = flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
-            self._typed_views[(buffer, i)] = view
+            view = views[i] = flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
         return view
 
     def _runs(self, matrices: list[int]) -> list[tuple[int, int, torch.dtype]]:

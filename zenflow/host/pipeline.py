@@ -33,7 +33,6 @@ the previous window reads the other.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -52,6 +51,7 @@ from zenflow.host.layout import HostJob, HostLayout
 from zenflow.host.placement import SumPlacement
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
+from zenflow.host.weight_views import WeightViews, host_view
 from zenflow.host.worker_link import Command, WorkerLink
 
 log = logging.getLogger("zenflow")
@@ -68,14 +68,6 @@ class InFlight:
         return [job.matrix for job in self.jobs]
 
 
-def host_view(t: torch.Tensor) -> torch.Tensor:
-    """The [rows, cols] view the host keeps of a parameter or gradient (vectors: one row). A
-    shard may hold no rows (FSDP2, fewer rows than ranks): its view is [0, cols]."""
-    if t.ndim >= 2:
-        return t.reshape(t.shape[0], math.prod(t.shape[1:]))
-    return t.reshape(1, t.numel())
-
-
 class HostPipeline:
     """Host state of a list of parameters (each viewed [rows, cols]) and its data path. Of an
     FSDP2-sharded parameter, the pipeline sees the rank's local shard only (`local`)."""
@@ -90,6 +82,7 @@ class HostPipeline:
         its calls into this pipeline; with it, host-summed gradients may start their copy during
         backward (zenflow/host/early_copies.py)."""
         self.params = params
+        self.weight_views = WeightViews(params)   # (what weights() returns)
         self.partition = partition
         self.rows = [partition.rows(host_view(local(p)).shape[0]) for p in params]
         self.timer = timer
@@ -351,7 +344,7 @@ class HostPipeline:
     def weights(self, i: int) -> torch.Tensor:
         """The [rows, cols] view of parameter i that the device's steps write: every row the
         device holds (a DDP replica's every rank's, an FSDP2 shard's own)."""
-        return host_view(local(self.params[i]).data)
+        return self.weight_views[i]
 
     def fence(self) -> None:
         """End of step(): later device work may not overwrite this step's gradient sources. (On

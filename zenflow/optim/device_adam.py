@@ -170,26 +170,38 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
                 scale) -> None:
     """One AdamW step of the selected columns and the vectors, then write them into the params.
 
-    `matrices` holds (param, grad, columns, group) and `vectors` (param, grad, state, group);
+    `matrices` holds (weights, grad, columns, group) and `vectors` (weights, grad, state, group),
+    `weights` the view the optimizer writes the parameter through ([rows, cols], a vector one
+    row: zenflow.host.weight_views);
     entries without a gradient are left out by the caller, exactly as torch.optim skips them.
     `scale` (a `zenflow.optim.step_scale.StepScale`) multiplies every gradient; on a step it marks
     skipped, nothing changes: the counts advance by its kept flag and the fused kernel, handed
     its skip flag as torch.optim hands GradScaler's found_inf, leaves the state alone.
     """
     batches: dict[tuple, _Batch] = {}
+    hyperparameters: dict[int, tuple] = {}   # id(group) -> its own: read once per group
+
+    def batch_of(group: dict) -> _Batch:
+        key = hyperparameters.get(id(group))
+        if key is None:
+            key = hyperparameters[id(group)] = group_hyperparameters(group)
+        batch = batches.get(key)
+        if batch is None:
+            batch = batches[key] = _Batch()
+        return batch
+
     columns.gather_columns_of([columns.as_matrix(grad) for _, grad, _, _ in matrices],
                               [cols.column_indices for _, _, cols, _ in matrices],
                               [cols.grad for _, _, cols, _ in matrices])
-    for param, grad, cols, group in matrices:
-        batches.setdefault(group_hyperparameters(group), _Batch()).add(
-            cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
+    for _, _, cols, group in matrices:
+        batch_of(group).add(cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
     if matrices:   # one launch for all, not one per matrix (thousands of them in a MoE)
         torch._foreach_mul_([cols.grad for _, _, cols, _ in matrices], scale.coef)
     scaled = (torch._foreach_mul([grad.float() for _, grad, _, _ in vectors], scale.coef)
               if vectors else [])
-    for (param, grad, state, group), vector_grad in zip(vectors, scaled):
-        batches.setdefault(group_hyperparameters(group), _Batch()).add(
-            state.master, vector_grad, state.exp_avg, state.exp_avg_sq, state.count)
+    for (_, _, state, group), vector_grad in zip(vectors, scaled):
+        batch_of(group).add(state.master, vector_grad, state.exp_avg, state.exp_avg_sq,
+                            state.count)
 
     for (lr, beta1, beta2, eps, weight_decay), b in batches.items():
         # A list of the flag, not the flag: given one 0-dim tensor, _foreach_add_ picks its
@@ -198,9 +210,9 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
         adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
                beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
-    columns.scatter_columns_of([columns.as_matrix(param.data) for param, _, _, _ in matrices],
+    columns.scatter_columns_of([weights for weights, _, _, _ in matrices],
                                [cols.column_indices for _, _, cols, _ in matrices],
                                [cols.master for _, _, cols, _ in matrices])
-    for param, _, state, _ in vectors:
-        if state.master.data_ptr() != param.data.data_ptr():
-            param.data.copy_(state.master)
+    for weights, _, state, _ in vectors:
+        if state.master.data_ptr() != weights.data_ptr():
+            weights.copy_(state.master.view(weights.shape))

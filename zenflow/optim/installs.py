@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zenflow.distributed import local
-from zenflow.host.pipeline import HostPipeline, host_view
+from zenflow.host.pipeline import HostPipeline
 from zenflow.host.transfers import Ticket, all_of
 from zenflow.optim.model_hooks import ModelHooks
 
@@ -153,7 +152,7 @@ class Installs:
             for q in installs:
                 m = self._host_params[q.matrix]
                 if m.k > 0:
-                    m.param_from_selected()
+                    m.param_from_selected(pipeline.weights(q.matrix))
                     self._credit.device_owns(q.matrix, m.selected.column_indices)
         self._outside_writes.fingerprint([q.matrix for q in installs])
 
@@ -229,7 +228,7 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
         nbytes += batch_bytes
         batch, batch_pairs, batch_bytes = [], [], 0
     for i in indices:
-        param = host_view(local(pipe.params[i]).data)
+        param = pipe.weights(i)
         values = host.install(i)
         if partition.splits_rows and partition.on_device:
             # NCCL: this rank's rows to the device, then all ranks gather there.

@@ -56,6 +56,7 @@ from zenflow.host.device_sums import sum_dtype
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import uses_cuda
+from zenflow.host.weight_views import WeightViews
 from zenflow.host.worker import start_server_early
 from zenflow.optim import param_checks as _checks
 from zenflow.optim.between_steps import BetweenSteps
@@ -211,6 +212,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                                           [m.param.dtype for m in self._host_params]),
                                       credit=credit, lock=self._lock)
         self._closed = False
+        self._vector_weights = WeightViews([v.param for v in self._vector_params])
         self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
                                         self.device, self.settings.importance, schedule)
         self.counters = StepCounters()
@@ -294,8 +296,8 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             self._pipeline.place()
             self._select_columns(grads)
         chosen = self._selector.has_chosen
-        staged = {m.host_index: grads[m.param] for m in self._host_params
-                  if m.param in grads and m.host_owns_columns(chosen)}
+        staged = {m.host_index: g for m in self._host_params
+                  if (g := grads.get(m.param)) is not None and m.host_owns_columns(chosen)}
         credit = self._pipeline.credit   # its interim step writes the matrices it moves
         if not credit.prints_moves:   # (else its compiled step fingerprints them itself)
             self._outside_writes.watch_moves([i for i in staged if credit.moves(i)], moved=False)
@@ -305,7 +307,8 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                                          printed=credit.take_prints())
         if not reads_now:
             self._skips.defer(count.step, scale)
-        device_update(self._host_params if chosen else [], self._vector_params, grads, scale)
+        device_update(self._host_params if chosen else [], self._vector_params, grads, scale,
+                      self._pipeline.weight_views, self._vector_weights)
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
             split = importance_split(present, norms, scale, self._partition) if present else None

@@ -106,8 +106,8 @@ class OutsideWrites:
         after a load, also what the fingerprints show (a load may write without bumping a
         version counter), less the weights that are exactly the loaded state's own."""
         held = (*self.host_params, *self.vector_params)
-        changed = {x.param for x in held if x.local._version != self._versions[x.param]
-                   or x.local.data_ptr() != self._pointers[x.param]}
+        changed = {x.param for x, version, pointer in zip(held, self._versions, self._pointers)
+                   if (t := x.local)._version != version or t.data_ptr() != pointer}
         if self._saved_bits:
             changed |= self._written_through_data()
             own = {x.param for x in held if x.param in changed and x.param in self._saved_bits
@@ -216,8 +216,9 @@ class OutsideWrites:
         weight_bits of a state just loaded, whose weights may still be loaded."""
         self._saved_bits = saved_bits or {}
         held = (*self.host_params, *self.vector_params)
-        self._versions = {x.param: x.local._version for x in held}
-        self._pointers = {x.param: x.local.data_ptr() for x in held}
+        # (lists in held's order: a step compares them all, and hashing 5,000 tensors costs more)
+        self._versions = [x.local._version for x in held]
+        self._pointers = [x.local.data_ptr() for x in held]
         self.fingerprint()
 
     def fingerprint(self, matrices: list[int] | None = None) -> None:

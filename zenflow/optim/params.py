@@ -11,11 +11,12 @@ parameter itself, or an FSDP2 parameter's local row shard.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from zenflow.distributed import is_sharded, local
+from zenflow.host.weight_views import WeightViews
 from zenflow.optim import columns
 from zenflow.optim.device_adam import DeviceColumns, DeviceVector, device_step
 from zenflow.optim.importance import num_selected
@@ -31,6 +32,7 @@ class HostParam:
     host_index: int            # its number in the HostPipeline
     k: int                     # number of columns updated on the device
     selected: DeviceColumns    # the selected columns and their state, on the device (own rows)
+    _host_owns: bool | None = field(default=None, repr=False, compare=False)
 
     @property
     def local(self) -> torch.Tensor:
@@ -43,18 +45,22 @@ class HostParam:
 
     def host_owns_columns(self, columns_chosen: bool) -> bool:
         """Whether some of its columns are updated on the host (all of them before selection)."""
-        return not columns_chosen or self.k < self.num_columns
+        if not columns_chosen:
+            return True
+        if self._host_owns is None:   # (asked per matrix and step; a parameter keeps its shape)
+            self._host_owns = self.k < self.num_columns
+        return self._host_owns
 
     def selected_from_param(self) -> None:
         """The selected columns' master values := the parameter's (weights written outside)."""
         columns.gather_columns(columns.as_matrix(self.local.detach()),
                                self.selected.column_indices, out=self.selected.master)
 
-    def param_from_selected(self) -> None:
+    def param_from_selected(self, weights: torch.Tensor) -> None:
         """The parameter's selected columns := their device master values, which are newer than
-        the host's (after the host's update of the other columns was installed)."""
-        columns.scatter_columns(columns.as_matrix(self.local.data), self.selected.column_indices,
-                                self.selected.master)
+        the host's (after the host's update of the other columns was installed); `weights`: the
+        [rows, cols] view the optimizer writes it through (HostPipeline.weights)."""
+        columns.scatter_columns(weights, self.selected.column_indices, self.selected.master)
 
 
 @dataclass
@@ -81,6 +87,9 @@ def built_layout(param_groups: list[dict]) -> dict:
             for group in param_groups for p in group["params"]}
 
 
+_NOT_BUILT = object()
+
+
 def present_gradients(param_groups: list[dict], device: torch.device, owner: str,
                       built: dict) -> dict:
     """{parameter: gradient} of the trainable parameters that have one, each checked to be dense
@@ -92,10 +101,11 @@ def present_gradients(param_groups: list[dict], device: torch.device, owner: str
             g = p.grad
             if g is None or not p.requires_grad:
                 continue
-            if p not in built:
+            dtype = built.get(p, _NOT_BUILT)
+            if dtype is _NOT_BUILT:
                 raise ValueError(f"{owner}: {_not_built_for(p)}")
-            if built[p] != p.dtype or not p.is_contiguous():
-                raise ValueError(f"{owner}: {_changed_since_built(p, built[p])}")
+            if dtype != p.dtype or not p.is_contiguous():
+                raise ValueError(f"{owner}: {_changed_since_built(p, dtype)}")
             if g.is_sparse or g.device != device:
                 where = "sparse" if g.is_sparse else f"on {g.device}"
                 raise ValueError(f"{owner}: the gradient of a parameter of shape "
@@ -133,14 +143,15 @@ def _changed_since_built(p: torch.Tensor, dtype: torch.dtype | None) -> str:
 
 
 def device_update(host_params: list[HostParam], vector_params: list[VectorParam], grads: dict,
-                  scale) -> None:
+                  scale, weights: WeightViews, vector_weights: WeightViews) -> None:
     """AdamW on the device: the selected columns of `host_params` and every vector (those without
     a gradient this step are left alone, as torch.optim does), scaled by `scale` (a
-    zenflow.optim.step_scale.StepScale: nothing changes on a step it skips)."""
-    matrices = [(m.local, grads[m.param], m.selected, m.group) for m in host_params
-                if m.k > 0 and m.param in grads]
-    vectors = [(v.local, grads[v.param], v.state, v.group) for v in vector_params
-               if v.param in grads]
+    zenflow.optim.step_scale.StepScale: nothing changes on a step it skips), written through
+    `weights` (by host index) and `vector_weights` (by position in `vector_params`)."""
+    matrices = [(weights[m.host_index], g, m.selected, m.group) for m in host_params
+                if m.k > 0 and (g := grads.get(m.param)) is not None]
+    vectors = [(vector_weights[j], g, v.state, v.group) for j, v in enumerate(vector_params)
+               if (g := grads.get(v.param)) is not None]
     device_step(matrices, vectors, scale)
 
 

@@ -94,7 +94,7 @@ class ColumnSelector:
                                      self.partition)
             if m.k:   # the device's columns now hold the host's values: the weights too (every
                 # device step first takes the weights as written, optim/device_adam.py)
-                m.param_from_selected()
+                m.param_from_selected(self.pipeline.weights(m.host_index))
         self.has_chosen = True
         self.schedule.selected(step)
         if not plan.first:

@@ -315,14 +315,15 @@ def per_layer_install_wait_s(mats: list[tuple[int, int, int]], moving: set[int],
 # Operators step() dispatches, as written (benchmarks/step_operators.py counts them, outside the
 # compiled kernels and the worker's commands, on 8x8 matrices at 64 and 226 of them, U=4;
 # tests/test_estimate_terms.py holds these to its count): in a step inside a window, a fixed part
-# and a part per matrix (its selected columns' gathers and scatter, its sum's add; "factored"
-# two more: its weights' view and its prints' row); and per window (its end and the steps after
-# it that finish installs), a fixed part and a part per matrix by where its sum is.
+# and a part per matrix (its selected columns' two gathers and scatter, its sum's add or its
+# staging copy; "factored" none more since its weights' view is made once); and per window (its
+# end and the steps after it that finish installs), a fixed part and a part per matrix by where
+# its sum is.
 STEP_OPERATORS = 29
-STEP_OPERATORS_PER_MATRIX = 6
-STEP_OPERATORS_PER_FACTORED = 2
+STEP_OPERATORS_PER_MATRIX = 4
+STEP_OPERATORS_PER_FACTORED = 0
 WINDOW_OPERATORS = 25
-WINDOW_OPERATORS_PER_MATRIX = {"host": 17, "device": 20, "factored": 32}
+WINDOW_OPERATORS_PER_MATRIX = {"host": 14, "device": 17, "factored": 27}
 
 
 def python_step_s(c: Counts, s: Speeds, batch: int) -> float:

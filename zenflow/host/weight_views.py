@@ -1,0 +1,41 @@
+"""The views of parameters that the optimizer writes its updates through.
+
+The optimizer writes through `.data` aliases: such writes bump no version counter, so that
+zenflow.optim.outside_writes can tell the optimizer's writes from anyone else's. `.data` builds
+a new tensor object at each call (about 10 us of the Python thread), and a step writes every
+matrix: the aliases are made once per parameter and kept while the parameter keeps its storage
+(`p.data = t` gives it another, and the next call makes a new alias).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zenflow.distributed import local
+
+
+class WeightViews:
+    """The [rows, cols] write aliases of `params` (a vector: one row) as this rank holds them:
+    every row of a plain parameter, an FSDP2 shard's own."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self._views: list[torch.Tensor | None] = [None] * len(params)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        weights = local(self.params[i])
+        view = self._views[i]
+        if view is None or view.data_ptr() != weights.data_ptr():
+            view = self._views[i] = host_view(weights.data)
+        return view
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """The [rows, cols] view the host keeps of a parameter or gradient (vectors: one row). A
+    shard may hold no rows (FSDP2, fewer rows than ranks): its view is [0, cols]."""
+    if t.ndim == 2:   # (a view is an operator dispatched per matrix and step)
+        return t
+    if t.ndim > 2:
+        return t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    return t.reshape(1, t.numel())
