@@ -34,7 +34,7 @@ from zenflow.host.credit_base import (
 )
 from zenflow.host.credit_factored import FactoredCredit
 from zenflow.host.credit_replicas import ReplicaFactoredCredit
-from zenflow.host.layout import HostUpdate, rate_dtype
+from zenflow.host.layout import rate_dtype, shared_update
 
 __all__ = ["CREDITS", "Credit", "FactoredCredit", "MomentsCredit", "ReplicaFactoredCredit",
            "WindowCredit", "choose_device_summed", "choose_placement", "credit_for",
@@ -48,7 +48,7 @@ class WindowCredit(Credit):
 
     def host_update(self, i, adamw, num_grads, delayed, lookahead):
         lr, *rest = adamw
-        return HostUpdate(lr * num_grads, *rest, lookahead=lookahead if delayed else 0.0)
+        return shared_update(lr * num_grads, *rest, lookahead=lookahead if delayed else 0.0)
 
 
 class MomentsCredit(MovingCredit):

@@ -9,7 +9,7 @@ import torch
 
 from zenflow.adamw import step_bound
 from zenflow.host.device_sums import launch_runs
-from zenflow.host.layout import HostUpdate
+from zenflow.host.layout import HostUpdate, shared_update
 
 _CHUNK_ELEMENTS = 1 << 26   # the temporaries of one launch of the interim steps: 256 MiB fp32
 
@@ -88,7 +88,7 @@ class Credit:
         """The host AdamW of matrix i for a window of `num_grads` gradients, from its group's
         (lr, beta1, beta2, eps, weight_decay); `delayed`: it is installed one window later, and
         leads by `lookahead` of a step (nothing else is stale)."""
-        return HostUpdate(*adamw, lookahead=lookahead if delayed else 0.0)
+        return shared_update(*adamw, lookahead=lookahead if delayed else 0.0)
 
     def host_steps(self, i: int, num_grads: int) -> int:
         """The host AdamW count a window of `num_grads` gradients adds to matrix i."""
@@ -235,7 +235,7 @@ class MovingCredit(Credit):
             return super().host_update(i, adamw, num_grads, delayed, lookahead)
         lr, *rest = adamw
         # the window's n steps at once; the interim steps answer the delay instead of a lookahead
-        return HostUpdate(lr * num_grads, *rest, lookahead=0.0, moments=True,
+        return shared_update(lr * num_grads, *rest, lookahead=0.0, moments=True,
                           factored=self.host_factors)
 
     def host_steps(self, i, num_grads):

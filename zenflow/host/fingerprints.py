@@ -17,7 +17,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def column_bit_sums(matrix: torch.Tensor) -> torch.Tensor:
     """The bits of each column of a [rows, cols] matrix summed as int32 (exact modulo 2**32):
     the kernel of a window end's fingerprint (zenflow selftest measures its speed)."""
-    return bits(matrix).sum(dim=0, dtype=torch.int32)
+    return column_sums_of_bits(bits(matrix))
+
+
+def column_sums_of_bits(matrix_bits: torch.Tensor) -> torch.Tensor:
+    """column_bit_sums() of a matrix already seen as integers (`bits(matrix)`, which
+    zenflow.host.weight_views keeps per parameter: one operator a matrix, not three)."""
+    return matrix_bits.sum(dim=0, dtype=torch.int32)
 
 
 def masked_bit_sum(matrix: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

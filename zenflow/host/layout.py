@@ -29,6 +29,7 @@ that the worker process receives as it is.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,6 +52,16 @@ class HostUpdate:
     lookahead: float = 0.0   # install values this fraction of the next step ahead (0: the values)
     moments: bool = False    # the window counts as its gradients' AdamW steps; squares summed
     factored: bool = False   # ... with the squares as row and column sums ("factored")
+
+
+@functools.lru_cache(maxsize=4096)
+def shared_update(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                  lookahead: float = 0.0, moments: bool = False,
+                  factored: bool = False) -> HostUpdate:
+    """HostUpdate(...), one object for all the matrices whose updates are alike (frozen, so it
+    may be shared): a window end makes one per matrix, thousands in a MoE, and each is built
+    and pickled to the worker (pickle writes a shared object once)."""
+    return HostUpdate(lr, beta1, beta2, eps, weight_decay, lookahead, moments, factored)
 
 
 class HostJob(NamedTuple):

@@ -250,6 +250,8 @@ class Transfers:
         """The device's later work waits for `tickets`' copies to the device (an install about to
         be read). On CUDA the current stream waits, between two timing events that measure the
         wait; the Python thread does not. On a CPU the training thread blocks until they land."""
+        # (the matrices of one batch of copies share its ticket: one wait each, not one a matrix)
+        tickets = list({id(t): t for t in tickets}.values())
         if self.cuda:
             events = [e for t in tickets for e in t.events()]
             if not events:

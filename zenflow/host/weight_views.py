@@ -13,6 +13,7 @@ import math
 import torch
 
 from zenflow.distributed import local
+from zenflow.host.fingerprints import bits
 
 
 class WeightViews:
@@ -22,13 +23,24 @@ class WeightViews:
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self._views: list[torch.Tensor | None] = [None] * len(params)
+        self._bits: list[torch.Tensor | None] = [None] * len(params)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         weights = local(self.params[i])
         view = self._views[i]
         if view is None or view.data_ptr() != weights.data_ptr():
             view = self._views[i] = host_view(weights.data)
+            self._bits[i] = None
         return view
+
+    def bits(self, i: int) -> torch.Tensor:
+        """The [rows, cols] view's values as integers (zenflow.host.fingerprints.bits), for the
+        fingerprints a window end takes of every matrix."""
+        view = self[i]
+        seen = self._bits[i]
+        if seen is None:
+            seen = self._bits[i] = bits(view)
+        return seen
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ import logging
 
 import torch
 
-from zenflow.host.fingerprints import bits, column_bit_sums
+from zenflow.host.fingerprints import bits, column_sums_of_bits
+from zenflow.host.weight_views import WeightViews
 from zenflow.optim import columns
 from zenflow.optim.device_adam import adopt_written
 from zenflow.optim.params import HostParam, VectorParam
@@ -22,13 +23,14 @@ class _HostColumnBitSums:
     matrices' launches is a step's time on a GPU). The flat indices are built once per list of
     matrices and selection (a few lists recur: all matrices, each layer's installs)."""
 
-    _KEEP = 256   # lists remembered; a reselection makes new keys and the old ones age out
+    _KEEP = 256   # lists of matrices remembered (the oldest forgotten first)
 
-    def __init__(self):
-        self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor, list]] = {}
+    def __init__(self, weights: WeightViews):
+        self._weights = weights
+        self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor, list, list]] = {}
 
     def __call__(self, matrices: list[HostParam], chosen: bool) -> torch.Tensor:
-        per_column = [column_bit_sums(columns.as_matrix(m.local.detach())) for m in matrices]
+        per_column = [column_sums_of_bits(self._weights.bits(m.host_index)) for m in matrices]
         flat = torch.cat(per_column)
         device_owned, segments = self._flat_indices(matrices, per_column, chosen)
         if device_owned.numel():
@@ -37,12 +39,14 @@ class _HostColumnBitSums:
 
     def _flat_indices(self, matrices, per_column, chosen):
         owned = [m.selected.column_indices if chosen and m.k > 0 else None for m in matrices]
-        # The entry holds the index tensors it was built from, so their ids stay theirs (a freed
-        # tensor's address, or id, may come back for the next selection's indices).
-        key = (chosen, tuple((m.host_index, c.numel(), None if i is None else
-                              (id(i), i._version)) for m, c, i in
-                             zip(matrices, per_column, owned)))
-        if key not in self._indices:
+        # Kept per list of matrices, while each one's selected columns are the same tensors,
+        # unchanged (a reselection writes or replaces them). The entry holds those tensors, so
+        # their ids stay theirs (a freed tensor's address, or id, may come back for the next).
+        key = (chosen, tuple(m.host_index for m in matrices))
+        versions = [None if i is None else i._version for i in owned]
+        entry = self._indices.get(key)
+        if (entry is None or entry[3] != versions
+                or any(a is not b for a, b in zip(entry[2], owned))):
             device = per_column[0].device
             offsets, at = [], 0
             for c in per_column:
@@ -53,10 +57,11 @@ class _HostColumnBitSums:
                             else torch.zeros(0, dtype=torch.long, device=device))
             segments = torch.cat([torch.full((c.numel(),), j, dtype=torch.long, device=device)
                                   for j, c in enumerate(per_column)])
+            self._indices.pop(key, None)
             if len(self._indices) >= self._KEEP:
                 del self._indices[next(iter(self._indices))]
-            self._indices[key] = (device_owned, segments, owned)
-        return self._indices[key][:2]
+            entry = self._indices[key] = (device_owned, segments, owned, versions)
+        return entry[:2]
 
 
 class OutsideWrites:
@@ -88,7 +93,11 @@ class OutsideWrites:
         self.pipeline, self.selector, self.owner = pipeline, selector, owner
         self._warned = False
         self._saved_bits: dict = {}   # {param: weight_bits of a state just loaded}
-        self._bit_sums = _HostColumnBitSums()
+        self._bit_sums = _HostColumnBitSums(pipeline.weight_views)
+        # what the fingerprints were when the optimizer last wrote each host matrix (int32, in
+        # host index order), and the index lists into them
+        self._sums: torch.Tensor | None = None
+        self._position_lists: dict[tuple[int, ...], torch.Tensor] = {}
         self._moved: tuple[tuple[int, ...], torch.Tensor] | None = None   # see watch_moves
         self.forget()
 
@@ -136,12 +145,10 @@ class OutsideWrites:
         hosts = self.host_params
         if not hosts:
             return set()
-        changed = self._bit_sums(hosts, chosen) != torch.stack([self._sums[m.param]
-                                                                 for m in hosts])
+        changed = self._bit_sums(hosts, chosen) != self._sums
         if self._moved is not None:
             moved, found = self._moved   # host indices are positions in host_params
-            positions = torch.tensor(moved, device=changed.device)
-            changed = changed.int().index_add_(0, positions, found.int()) > 0
+            changed = changed.int().index_add_(0, self._positions(moved), found.int()) > 0
             self._moved = None
         flags = changed.tolist()   # the one read
         return {m.param for m, c in zip(hosts, flags) if c}
@@ -172,12 +179,12 @@ class OutsideWrites:
 
     def _note_moved(self, moving: list[int], now: torch.Tensor) -> None:
         """Host matrices `moving` have fingerprints `now`, as the optimizer wrote them."""
-        self._sums.update(zip((self.host_params[i].param for i in moving), now.unbind()))
+        self._sums.index_copy_(0, self._positions(moving), now)
 
     def _found(self, moving: tuple[int, ...], now: torch.Tensor) -> None:
         """Keep, on the device, which of host matrices `moving` differ from their fingerprints
         (`now`, before a move) since the optimizer last wrote them."""
-        found = now != torch.stack([self._sums[self.host_params[i].param] for i in moving])
+        found = now != self._sums.index_select(0, self._positions(moving))
         if self._moved is not None and self._moved[0] == moving:
             found |= self._moved[1]
         elif self._moved is not None:   # the moving matrices changed: keep both
@@ -225,11 +232,25 @@ class OutsideWrites:
         """Remember the host-owned columns as the optimizer last wrote them (after installs,
         selections and adoptions), of the host matrices `matrices` (default: all)."""
         chosen = self.selector.has_chosen
-        if matrices is None:
-            self._sums = {}
         watched = (self.host_params if matrices is None
                    else [self.host_params[i] for i in matrices])
-        if watched:   # int32 sums: as fast as a float sum (int64: 25x slower on a CPU, where
-            # it would cost more than the step), exact modulo 2**32
-            self._sums.update(zip((m.param for m in watched),
-                                  self._bit_sums(watched, chosen).unbind()))
+        if not watched:
+            return
+        # int32 sums: as fast as a float sum (int64: 25x slower on a CPU, where it would cost
+        # more than the step), exact modulo 2**32
+        if matrices is None:
+            self._sums = self._bit_sums(watched, chosen)
+        else:
+            self._sums.index_copy_(0, self._positions(matrices), self._bit_sums(watched, chosen))
+
+    def _positions(self, matrices: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """Host indices `matrices` as an index into the sums, on the device (kept per list: a
+        few recur, each layer's installs and the matrices a rule moves)."""
+        key = tuple(matrices)
+        positions = self._position_lists.get(key)
+        if positions is None:
+            if len(self._position_lists) >= 256:
+                del self._position_lists[next(iter(self._position_lists))]
+            positions = self._position_lists[key] = torch.tensor(
+                key, dtype=torch.long, device=self._sums.device)
+        return positions

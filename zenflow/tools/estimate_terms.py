@@ -323,7 +323,7 @@ STEP_OPERATORS = 29
 STEP_OPERATORS_PER_MATRIX = 4
 STEP_OPERATORS_PER_FACTORED = 0
 WINDOW_OPERATORS = 25
-WINDOW_OPERATORS_PER_MATRIX = {"host": 14, "device": 17, "factored": 27}
+WINDOW_OPERATORS_PER_MATRIX = {"host": 5, "device": 8, "factored": 18}
 
 
 def python_step_s(c: Counts, s: Speeds, batch: int) -> float:
