@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import platform
 import statistics
 import time
 
@@ -24,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zenflow.optim.optimizer import ZenFlowAdamW
-from zenflow.tools.bench.harness import write_json
+from zenflow.tools.bench.harness import machine_info, machine_tag, write_json
 
 SYSTEMS = {
     "torch AdamW(fused=True)": None,
@@ -89,10 +88,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--name", default="", help="added to the file name (a commit, a variant)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    result = {"benchmark": "launches", "machine": platform.node() or "unknown",
-              "processor": platform.processor(), "torch": torch.__version__, "tables": {}}
+    machine = machine_info("cpu")
+    result = {"benchmark": "launches", "machine": machine, "tables": {}}
     for n in args.matrices:
         times = collections.defaultdict(list)
         table = {}
@@ -139,7 +139,8 @@ def main() -> None:
             print(f"  {name:38s} inside {row['ops_inside_window']}, window ends "
                   f"{row['ops_at_window_end']}, {row.get('step_vs_torch', '-')}x torch "
                   f"({row.get('inside_vs_torch', '-')}x inside a window)")
-    write_json(result, os.path.join(args.out, f"launches_{result['machine']}.json"))
+    suffix = f"_{args.name}" if args.name else ""
+    write_json(result, os.path.join(args.out, f"launches_{machine_tag(machine)}{suffix}.json"))
 
 
 if __name__ == "__main__":
