@@ -176,3 +176,21 @@ def test_auto_ratio_zero_ends_each_window_as_soon_as_the_bounds_allow():
                               worker=False) as opt:
         train(opt, model, loss_fn, 12)
     assert window_lengths(opt.decisions) == [2] * 6
+
+
+def test_retained_masses_are_each_matrixs_held_and_best_importance_summed():
+    """The drift check's batched sums (matrices grouped by columns and k) against each matrix's
+    own: the importance its selected columns hold, and its best k columns', summed in double."""
+    from zenflow.optim.importance import retained_masses
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 2), (8, 2), (5, 1), (8, 3), (8, 2), (4, 0)]   # (columns, k): groups and a k=0
+    importances = [torch.rand(c, generator=gen) for c, _ in shapes]
+    selected = [torch.randperm(c, generator=gen)[:k].sort().values for c, k in shapes]
+    held = sum(float(imp[sel].double().sum()) for imp, sel in zip(importances, selected))
+    best = sum(float(imp.double().topk(k).values.sum()) if k else 0.0
+               for imp, (_, k) in zip(importances, shapes))
+    got = retained_masses(importances, selected, [k for _, k in shapes])
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx([held, best], rel=1e-6)
+    assert retained_masses([torch.rand(3)], [torch.zeros(0, dtype=torch.long)], [0]).tolist() == \
+        [0.0, 0.0]

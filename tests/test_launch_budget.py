@@ -102,3 +102,15 @@ def test_the_default_rule_with_every_sum_on_the_device_stays_within_its_count():
         assert _per_matrix(count) <= 10, (t, count.total, count.by_op.most_common(8))
     for t, count in edges:
         assert _per_matrix(count) <= 79, (t, count.total, count.by_op.most_common(8))
+
+
+def test_a_drift_check_is_a_handful_of_launches_for_alike_matrices():
+    """The drift check (a window's first step, every 1-8 windows) batches matrices alike in
+    columns and k (zenflow/optim/importance.py retained_masses): one topk for all 226 here, not
+    one a matrix; its step stays within the window edges' count."""
+    rows = _steps({"update_interval": 1, "topk_ratio": 0.25}, steps=14)
+    checks = [(t, c) for t, _, _, c in rows if c.by_op["aten.topk"]]
+    assert checks
+    for t, count in checks:
+        assert count.by_op["aten.topk"] == 1, (t, count.by_op["aten.topk"])
+        assert _per_matrix(count) <= 17, (t, count.total, count.by_op.most_common(8))

@@ -16,7 +16,7 @@ from zenflow.adamw import FP32_STATE
 from zenflow.distributed import Partition
 from zenflow.host.pipeline import HostPipeline
 from zenflow.optim import columns, handoff
-from zenflow.optim.importance import MEASURES, retained_mass, top_columns
+from zenflow.optim.importance import MEASURES, retained_masses, top_columns
 from zenflow.optim.params import HostParam
 from zenflow.optim.selection_schedule import SelectionSchedule
 
@@ -114,20 +114,21 @@ class ColumnSelector:
             if self.partition.active:
                 rows = rows[self.pipeline.rows[m.host_index]]
             partial.append(self.measure.partial(rows))
-        if self.partition.active and partial:
+        if not partial:
+            return []
+        flat = torch.cat(partial)   # finished at once (one launch, not one a matrix)
+        if self.partition.active:
             # On the device under NCCL; sum_ copies through the CPU only for gloo.
-            flat = self.partition.sum_(torch.cat(partial), "exchanging column norms")
-            partial = list(flat.split([m.num_columns for m in todo]))
-        return [self.measure.finish(p) for p in partial]
+            flat = self.partition.sum_(flat, "exchanging column norms")
+        return list(self.measure.finish(flat).split([m.num_columns for m in todo]))
 
     @staticmethod
     def _retained_fraction(todo: list[HostParam], importances) -> float:
         if not todo:
             return 1.0
-        masses = [retained_mass(importance, m.selected.column_indices, m.k)
-                  for m, importance in zip(todo, importances)]
         # One read of the device for every matrix (summed in double, as a Python loop would).
-        held, best = torch.stack([torch.stack(pair) for pair in masses]).double().sum(0).tolist()
+        held, best = retained_masses(importances, [m.selected.column_indices for m in todo],
+                                     [m.k for m in todo]).tolist()
         return 1.0 if best == 0.0 else held / best
 
     def state_dict(self) -> dict:
