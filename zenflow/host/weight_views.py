@@ -23,15 +23,17 @@ class WeightViews:
     def __init__(self, params: list[torch.Tensor]):
         self.params = params
         self._views: list[torch.Tensor | None] = [None] * len(params)
+        self._pointers: list[int | None] = [None] * len(params)   # each view's storage
         self._bits: list[torch.Tensor | None] = [None] * len(params)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         weights = local(self.params[i])
-        view = self._views[i]
-        if view is None or view.data_ptr() != weights.data_ptr():
-            view = self._views[i] = host_view(weights.data)
+        pointer = weights.data_ptr()
+        if self._pointers[i] != pointer:
+            self._views[i] = host_view(weights.data)
+            self._pointers[i] = pointer
             self._bits[i] = None
-        return view
+        return self._views[i]
 
     def bits(self, i: int) -> torch.Tensor:
         """The [rows, cols] view's values as integers (zenflow.host.fingerprints.bits), for the
