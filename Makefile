@@ -31,7 +31,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal
 
-# The tests not marked slow (pyproject.toml registers the marker): 1 min 1 s of tests on 2 cores
+# The tests not marked slow (pyproject.toml registers the marker): 1 min 13 s of tests on 2 cores
 # (two workers). CI runs `make test`, all of them.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
