@@ -39,7 +39,6 @@ PIECE = 1 << 18
 # AdamW rounds its scalar tail differently from its SIMD body, so a chunk must end where the whole
 # run's vectors would (every SIMD width divides 64); then the results are one call per run's.
 _VECTOR_ALIGN = 64
-_STAGING = tuple(f"staging{slot}" for slot in range(8))   # the buffers' names, made once
 
 
 def add_scaled_(sums: list[torch.Tensor], grads: list[torch.Tensor], coef: torch.Tensor) -> None:
@@ -176,6 +175,7 @@ class HostState:
         self.lanes = None
         # made once: steps reuse them (a step stages every matrix: two operators each)
         self._typed_views: dict[str, list[torch.Tensor | None]] = {}
+        self._staging_names = [f"staging{slot}" for slot in range(layout.staging_slots)]
 
     @classmethod
     def allocate(cls, layout: HostLayout, owner: str = "ZenFlowAdamW",
@@ -198,7 +198,7 @@ class HostState:
 
     def staging(self, slot: int, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
-        return self._typed(_STAGING[slot] if slot < len(_STAGING) else f"staging{slot}", i)
+        return self._typed(self._staging_names[slot], i)
 
     def step_coef(self, slot: int) -> torch.Tensor:
         """The 0-dim factor of the gradients in staging buffer `slot`."""

@@ -13,6 +13,19 @@ from zenflow.optim.params import HostParam, VectorParam
 
 log = logging.getLogger("zenflow")
 
+# Lists of matrices whose index tensors a cache keeps (a few recur: all matrices, each layer's
+# installs, the matrices a rule moves); the oldest is forgotten first.
+_KEEP = 256
+
+
+def _kept(cache: dict, key, value):
+    """cache[key] = value, as the newest entry, forgetting the oldest beyond _KEEP; `value`."""
+    cache.pop(key, None)
+    if len(cache) >= _KEEP:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
+
 
 class _HostColumnBitSums:
     """Fingerprints of many matrices at once: each matrix's host-owned columns' bits summed
@@ -22,8 +35,6 @@ class _HostColumnBitSums:
     end's check and its refingerprint each cost one launch, not six (a Python loop of 5,000
     matrices' launches is a step's time on a GPU). The flat indices are built once per list of
     matrices and selection (a few lists recur: all matrices, each layer's installs)."""
-
-    _KEEP = 256   # lists of matrices remembered (the oldest forgotten first)
 
     def __init__(self, weights: WeightViews):
         self._weights = weights
@@ -57,10 +68,7 @@ class _HostColumnBitSums:
                             else torch.zeros(0, dtype=torch.long, device=device))
             segments = torch.cat([torch.full((c.numel(),), j, dtype=torch.long, device=device)
                                   for j, c in enumerate(per_column)])
-            self._indices.pop(key, None)
-            if len(self._indices) >= self._KEEP:
-                del self._indices[next(iter(self._indices))]
-            entry = self._indices[key] = (device_owned, segments, owned, versions)
+            entry = _kept(self._indices, key, (device_owned, segments, owned, versions))
         return entry[:2]
 
 
@@ -249,8 +257,6 @@ class OutsideWrites:
         key = tuple(matrices)
         positions = self._position_lists.get(key)
         if positions is None:
-            if len(self._position_lists) >= 256:
-                del self._position_lists[next(iter(self._position_lists))]
-            positions = self._position_lists[key] = torch.tensor(
-                key, dtype=torch.long, device=self._sums.device)
+            positions = _kept(self._position_lists, key,
+                              torch.tensor(key, dtype=torch.long, device=self._sums.device))
         return positions

@@ -11,7 +11,7 @@ parameter itself, or an FSDP2 parameter's local row shard.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -32,24 +32,15 @@ class HostParam:
     host_index: int            # its number in the HostPipeline
     k: int                     # number of columns updated on the device
     selected: DeviceColumns    # the selected columns and their state, on the device (own rows)
-    _host_owns: bool | None = field(default=None, repr=False, compare=False)
+    num_columns: int           # columns of its [out, in] view (a vector: its elements)
 
     @property
     def local(self) -> torch.Tensor:
         return local(self.param)
 
-    @property
-    def num_columns(self) -> int:
-        return self.param.numel() // max(1, self.param.shape[0]) if self.param.ndim >= 2 else \
-            self.param.numel()
-
     def host_owns_columns(self, columns_chosen: bool) -> bool:
         """Whether some of its columns are updated on the host (all of them before selection)."""
-        if not columns_chosen:
-            return True
-        if self._host_owns is None:   # (asked per matrix and step; a parameter keeps its shape)
-            self._host_owns = self.k < self.num_columns
-        return self._host_owns
+        return not columns_chosen or self.k < self.num_columns
 
     def selected_from_param(self) -> None:
         """The selected columns' master values := the parameter's (weights written outside)."""
@@ -168,8 +159,9 @@ def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bo
                 k = num_selected(topk_ratio, p.numel() // p.shape[0]) \
                     if p.ndim >= 2 else 0
                 rows = local(p).shape[0] if p.ndim >= 2 else 1
+                columns = p.numel() // max(1, p.shape[0]) if p.ndim >= 2 else p.numel()
                 host.append(HostParam(p, group, len(host), k,
-                                      DeviceColumns.empty(rows, k, device)))
+                                      DeviceColumns.empty(rows, k, device), columns))
             else:
                 vectors.append(VectorParam(p, group, DeviceVector.for_param(local(p))))
     return host, vectors
