@@ -4,7 +4,10 @@ STEP_OPERATORS...; tests/test_estimate_terms.py holds those constants to this co
 
     python benchmarks/step_operators.py [--matrices 64 226] [--out DIR]
 
-Every parameter an 8x8 matrix, topk_ratio 0.25, U=4, no worker. A TorchDispatchMode counts the
+Every parameter an 8x8 matrix, topk_ratio 0.25, U=4, no worker, standing in for a real model's
+matrices: each too large to share a ColumnBlock or a back-to-back copy with others (stacking is
+off unless --stacked; alike small matrices, an MoE's experts, dispatch a count that does not
+grow with their number: tests/test_launch_budget.py). A TorchDispatchMode counts the
 aten operators each step() dispatches on the calling thread, outside the compiled "factored"
 kernels (run here eagerly, as a GPU would run them compiled: what they dispatch inside is the
 GPU's one call, counted apart) and outside the host's commands (run inline here, without a
@@ -25,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # zenflow, from a
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from zenflow.host import credit_factored  # noqa: E402
+from zenflow.host import credit_factored, layout  # noqa: E402
+from zenflow.optim import device_adam  # noqa: E402
 from zenflow.optim.optimizer import ZenFlowAdamW  # noqa: E402
 from zenflow.tools.bench.harness import machine_info, machine_tag, write_json  # noqa: E402
 
@@ -52,13 +56,16 @@ class _Operators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(matrices: int, placement: str, interval: int = 4, steps: int = 20) -> dict:
+def count(matrices: int, placement: str, interval: int = 4, steps: int = 20,
+          stacked: bool = False) -> dict:
     """{"step": operators of a steady step inside a window, "window": a window's extras}."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(matrices)]
     eager = mock.patch.object(credit_factored, "compiled_for", lambda fn, device, batch=False: (
         (lambda *a, signature: fn(*a)) if batch else fn))
-    with eager:
+    limit = device_adam.STACK_ELEMENTS if stacked else 0
+    with eager, mock.patch.object(device_adam, "STACK_ELEMENTS", limit), \
+            mock.patch.object(layout, "STACK_ELEMENTS", limit):
         opt = ZenFlowAdamW(params, lr=1e-3, update_interval=interval, topk_ratio=0.25,
                            worker=False, **PLACEMENTS[placement])
         by_position: dict[int, int] = {}
@@ -89,17 +96,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--matrices", type=int, nargs=2, default=[64, 226])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--stacked", action="store_true",
+                        help="let the 8x8 matrices stack, as alike small ones do")
     args = parser.parse_args()
     info = machine_info("cpu")   # (the counts are the code's, not the machine's)
     result = {"benchmark": "step_operators", "machine": info, "matrices": args.matrices,
-              "placements": {}}
+              "stacked": args.stacked, "placements": {}}
     for placement in PLACEMENTS:
-        counted = [count(n, placement) for n in args.matrices]
+        counted = [count(n, placement, stacked=args.stacked) for n in args.matrices]
         step, window = (fit(args.matrices, [c[k] for c in counted]) for k in ("step", "window"))
         result["placements"][placement] = {"counts": counted, "step": step, "window": window}
         print(f"{placement:9} step {step[0]:.0f} + {step[1]:.2f} x matrices, window "
               f"{window[0]:.0f} + {window[1]:.2f} x matrices  ({counted})", flush=True)
-    write_json(result, os.path.join(args.out, f"step_operators_{machine_tag(info)}.json"))
+    name = "step_operators_stacked" if args.stacked else "step_operators"
+    write_json(result, os.path.join(args.out, f"{name}_{machine_tag(info)}.json"))
 
 
 if __name__ == "__main__":

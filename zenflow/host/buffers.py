@@ -200,6 +200,21 @@ class HostState:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
         return self._typed(self._staging_names[slot], i)
 
+    def staging_span(self, slot: int, first: int, last: int) -> torch.Tensor:
+        """The flat view of matrices first..last in staging buffer `slot`, laid out back to back
+        (HostLayout.back_to_back): HostPipeline.copy_to_staging stacks alike ones into it."""
+        return self._span(self._staging_names[slot], first, last)
+
+    def install_span(self, first: int, last: int) -> torch.Tensor:
+        """The flat view of matrices first..last in the install buffer, laid out back to back
+        (HostLayout.back_to_back): an install copies alike ones from it at once."""
+        return self._span("install", first, last)
+
+    def _span(self, buffer: str, first: int, last: int) -> torch.Tensor:
+        a, b = self.layout.matrices[first], self.layout.matrices[last]
+        return self.arena.views[f"{buffer}_{dtype_name(a.dtype)}"][a.typed_offset:
+                                                                   b.typed_offset + b.numel]
+
     def step_coef(self, slot: int) -> torch.Tensor:
         """The 0-dim factor of the gradients in staging buffer `slot`."""
         return self.arena.views["step_coef"][slot]

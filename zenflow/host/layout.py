@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from zenflow.adamw import FP32_STATE
+from zenflow.host.transfers import STACK_ELEMENTS, STACK_RUN_ELEMENTS
 
 FP32_KINDS = FP32_STATE   # the fp32 buffers every matrix has
 
@@ -114,6 +115,27 @@ class HostLayout:
     staging_slots: int = 1
     rates: bool = False      # deferred_credit="moments": a rate buffer per dtype
     factors: bool = False    # deferred_credit="factored": the factors buffer
+
+    def back_to_back(self, indices: list[int]) -> list[list[int]]:
+        """`indices` in runs, in order: consecutive small matrices alike in shape and dtype and
+        back to back in the typed buffers (staging, install) are one run, copied at once between
+        host and device (at most STACK_ELEMENTS values each, STACK_RUN_ELEMENTS a run); any
+        other matrix is a run of its own."""
+        runs: list[list[int]] = []
+        size = 0
+        for i in indices:
+            m = self.matrices[i]
+            if runs:
+                last = self.matrices[runs[-1][-1]]
+                if (m.numel <= STACK_ELEMENTS and size + m.numel <= STACK_RUN_ELEMENTS
+                        and (m.rows, m.cols, m.dtype) == (last.rows, last.cols, last.dtype)
+                        and m.typed_offset == last.typed_offset + last.numel):
+                    runs[-1].append(i)
+                    size += m.numel
+                    continue
+            runs.append([i])
+            size = m.numel
+        return runs
 
     @classmethod
     def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,

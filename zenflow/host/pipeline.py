@@ -207,12 +207,19 @@ class HostPipeline:
         copies gradients only); returns its ticket and the bytes it moves."""
         pairs = [] if coef is None else [(self.host.step_coef(slot), coef.reshape(()))]
         nbytes = 0
+        sources = {}
         for i, grad in grads.items():
             src = host_view(grad)
             if src.shape[0] != self.rows[i].stop - self.rows[i].start:   # a rank's rows
                 src = src[self.rows[i]]
-            pairs.append((self.host.staging(slot, i), src))
+            sources[i] = src
             nbytes += src.numel() * src.element_size()
+        for run in self.layout.back_to_back(list(sources)):
+            if len(run) == 1:
+                pairs.append((self.host.staging(slot, run[0]), sources[run[0]]))
+            else:   # one copy for all (a launch and a small copy each cost more)
+                pairs.append((self.host.staging_span(slot, run[0], run[-1]),
+                              torch.stack([sources[i] for i in run]).view(-1)))
         return (self.transfers.to_host(pairs) if pairs else DONE), nbytes
 
     def free_staging_slot(self) -> int | None:

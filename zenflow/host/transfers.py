@@ -46,6 +46,12 @@ from zenflow.host.page_locks import PageLocks
 log = logging.getLogger("zenflow")
 
 
+# Alike small tensors are stacked into one copy or launch where each would be its own: a launch
+# costs the Python thread ~5 us, more than a GPU takes to copy a tensor of this many values.
+STACK_ELEMENTS = 1 << 16
+STACK_RUN_ELEMENTS = 1 << 24   # values in one stack: at most 64 MiB of fp32 temporaries
+
+
 def uses_cuda(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
@@ -113,6 +119,19 @@ class _ThreadTicket(Ticket):
         return time.perf_counter() - start
 
 
+def copy(dst: torch.Tensor | list[torch.Tensor], src: torch.Tensor,
+         non_blocking: bool = False) -> None:
+    """dst.copy_(src); a list `dst` of alike tensors takes a flat `src` spread over them, in one
+    copy to their device and one multi-tensor copy (alike small matrices: HostLayout.back_to_back),
+    not a copy each."""
+    if not isinstance(dst, list):
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    if src.device != dst[0].device:   # (on CUDA on the current stream, which the copies follow)
+        src = src.to(dst[0].device, non_blocking=non_blocking)
+    torch._foreach_copy_(dst, src.view(len(dst), *dst[0].shape).unbind(0))
+
+
 def _copy_loop(jobs: queue.SimpleQueue, cores: list[int]) -> None:
     """The copy thread's body. It holds only its queue (never its owner, nor a finished job's
     tensors), so a dropped optimizer is collected, and its finalizer's None ends the loop."""
@@ -124,7 +143,7 @@ def _copy_loop(jobs: queue.SimpleQueue, cores: list[int]) -> None:
         pairs, ticket = job
         try:
             for dst, src in pairs:
-                dst.copy_(src)
+                copy(dst, src)
         except BaseException as exc:   # handed to whoever waits for the ticket
             ticket.error = exc
         finally:
@@ -224,8 +243,10 @@ class Transfers:
         else:
             ticket.wait()
 
-    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
-        """device_dst.copy_(host_src) for each pair, queued; nothing waits for it until
+    def to_device(self, pairs: list[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]
+                  ) -> Ticket:
+        """device_dst.copy_(host_src) for each pair (a list of alike device tensors takes a flat
+        source spread over them: `copy`), queued; nothing waits for it until
         order_after(ticket). Without a copy thread on a CPU the copy runs now, and the time it
         takes counts as waited for (the training thread is the device)."""
         if self._copy_cores:
@@ -235,14 +256,15 @@ class Transfers:
         if not self.cuda:
             start = time.perf_counter()
             for dst, src in pairs:
-                dst.copy_(src)
+                copy(dst, src)
             self._waits.append(time.perf_counter() - start)
             return DONE
         self._h2d.wait_stream(self._current())   # earlier work on the destinations is done
         with torch.cuda.stream(self._h2d):
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-                dst.record_stream(self._h2d)
+                copy(dst, src, non_blocking=True)
+                for t in dst if isinstance(dst, list) else (dst,):
+                    t.record_stream(self._h2d)
             installed = self._h2d.record_event()
         return Ticket(installed)
 

@@ -25,7 +25,8 @@ def as_matrix(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_block(matrix: torch.Tensor) -> int:
-    row_bytes = max(1, matrix.shape[1] * matrix.element_size())
+    # (a stack's rows are its matrices': the same blocks, so each one's sums are its own)
+    row_bytes = max(1, matrix.shape[-1] * matrix.element_size())
     return max(1, _BLOCK_BYTES // row_bytes)
 
 
@@ -35,13 +36,14 @@ def _blocks(rows: int, block: int):
 
 
 def column_sums(matrix: torch.Tensor, of) -> torch.Tensor:
-    """Per-column sum of of(x) over the rows of `matrix`, in fp32 (`of`: torch.square, torch.abs).
-    On the CPU a block of rows at a time, so the fp32 temporary stays small."""
+    """Per-column sum of of(x) over the rows of `matrix`, in fp32 (`of`: torch.square, torch.abs):
+    [cols] of a [rows, cols] matrix, [n, cols] of a stack of n alike ones. On the CPU a block of
+    rows at a time, so the fp32 temporary stays small."""
     if matrix.device.type != "cpu":
-        return of(matrix.float()).sum(0)
-    total = torch.zeros(matrix.shape[1], dtype=torch.float32)
-    for rows in _blocks(matrix.shape[0], _row_block(matrix)):
-        total.add_(of(matrix[rows].float()).sum(0))
+        return of(matrix.float()).sum(-2)
+    total = torch.zeros(*matrix.shape[:-2], matrix.shape[-1], dtype=torch.float32)
+    for rows in _blocks(matrix.shape[-2], _row_block(matrix)):
+        total.add_(of(matrix[..., rows, :].float()).sum(-2))
     return total
 
 

@@ -12,11 +12,13 @@ keeps a write through `.data`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from zenflow.adamw import FP32_STATE, adamw_
 from zenflow.host.device_sums import launch_runs
+from zenflow.host.transfers import STACK_ELEMENTS, STACK_RUN_ELEMENTS
 from zenflow.optim import columns
 from zenflow.saved_state import check_count, check_saved_tensors
 
@@ -60,6 +62,8 @@ class DeviceColumns(_SavedAdamState):
     exp_avg_sq: torch.Tensor
     count: torch.Tensor            # 0-dim fp32: AdamW updates so far
     grad: torch.Tensor             # [out, k] scratch for the gathered gradient columns
+    block: ColumnBlock | None = None   # whose [slot] views these are (alike small matrices)
+    slot: int = 0
 
     SAVED = ("column_indices", *FP32_STATE)
 
@@ -82,6 +86,100 @@ class DeviceColumns(_SavedAdamState):
                               or not bool((saved[1:] > saved[:-1]).all())):
             raise ValueError(f"{what}: saved column_indices must be distinct columns in "
                              f"0..{num_columns - 1}, ascending; got {saved.tolist()[:20]}")
+
+
+@dataclass
+class ColumnBlock:
+    """The device columns of alike small matrices (an MoE's experts: thousands of [rows, cols]
+    matrices with k selected columns each) side by side, as [size, rows, k]: each matrix's
+    DeviceColumns are views of one slot, so that a step gathers, updates and scatters them all
+    in a few launches, not a few per matrix."""
+    column_indices: torch.Tensor   # long [size, k]
+    master: torch.Tensor           # [size, rows, k] fp32
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    spread: torch.Tensor           # column_indices as an index into a [size, rows, cols] stack
+
+    @property
+    def size(self) -> int:
+        return self.master.shape[0]
+
+    @classmethod
+    def of(cls, size: int, rows: int, k: int, device: torch.device
+           ) -> tuple[ColumnBlock, list[DeviceColumns]]:
+        """A block of `size` matrices, and its members' DeviceColumns."""
+        indices = torch.zeros(size, k, dtype=torch.long, device=device)
+        blocks = [torch.zeros(size, rows, k, dtype=torch.float32, device=device)
+                  for _ in range(4)]
+        block = cls(indices, *blocks, indices.unsqueeze(1).expand(size, rows, k))
+        members = [DeviceColumns(indices[j], *(b[j] for b in blocks[:3]),
+                                 torch.zeros((), dtype=torch.float32, device=device), blocks[3][j],
+                                 block, j) for j in range(size)]
+        return block, members
+
+    def take(self, matrices: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The selected columns of `matrices` (its members', [rows, cols] each, in slot order) as
+        [size, rows, k]: into `out` (converted), else in the matrices' dtype."""
+        stack = torch.stack(matrices)
+        if out is None or out.dtype == stack.dtype:
+            return torch.gather(stack, 2, self.spread, out=out)
+        return out.copy_(torch.gather(stack, 2, self.spread))
+
+    def put(self, matrices: list[torch.Tensor]) -> None:
+        """The selected columns of `matrices` (its members', in slot order) := the masters."""
+        stack = torch.stack(matrices)
+        stack.scatter_(2, self.spread, self.master.to(stack.dtype))
+        torch._foreach_copy_(matrices, stack.unbind(0))
+
+
+def column_blocks(shapes: list[tuple[int, int, torch.dtype, int]], device: torch.device
+                  ) -> list[DeviceColumns]:
+    """DeviceColumns for matrices of `shapes` (rows, cols, dtype, k): alike small ones (the same
+    shape, dtype and k, at most transfers.STACK_ELEMENTS values each) share ColumnBlocks of at
+    least two, the others have their own tensors."""
+    alike: dict[tuple, list[int]] = {}
+    for i, (rows, cols, dtype, k) in enumerate(shapes):
+        if k > 0 and rows * cols <= STACK_ELEMENTS:
+            alike.setdefault((rows, cols, dtype, k), []).append(i)
+    made: list[DeviceColumns | None] = [None] * len(shapes)
+    for (rows, cols, _, k), indices in alike.items():
+        per_block = max(1, STACK_RUN_ELEMENTS // max(1, rows * cols))
+        for start in range(0, len(indices), per_block):
+            run = indices[start:start + per_block]
+            if len(run) > 1:
+                for i, member in zip(run, ColumnBlock.of(len(run), rows, k, device)[1]):
+                    made[i] = member
+    return [cols if cols is not None else DeviceColumns.empty(rows, k, device)
+            for cols, (rows, _, _, k) in zip(made, shapes)]
+
+
+class Runs(NamedTuple):
+    """Positions in a list of matrices: `stacked`, the members of whole ColumnBlocks in slot
+    order (with `blocks`, theirs), and `single`, the rest (one launch each)."""
+    stacked: list[list[int]]
+    blocks: list[ColumnBlock]
+    single: list[int]
+
+
+def runs_of(selected: list[DeviceColumns]) -> Runs:
+    """The positions of `selected` that are whole blocks, in slot order, and the rest."""
+    by_block: dict[int, list[int]] = {}
+    single = []
+    for j, cols in enumerate(selected):
+        if cols.block is None:
+            single.append(j)
+        else:
+            by_block.setdefault(id(cols.block), []).append(j)
+    stacked, blocks = [], []
+    for run in by_block.values():
+        block = selected[run[0]].block
+        if len(run) == block.size and all(selected[j].slot == s for s, j in enumerate(run)):
+            stacked.append(run)
+            blocks.append(block)
+        else:
+            single.extend(run)
+    return Runs(stacked, blocks, sorted(single))
 
 
 @dataclass
@@ -133,15 +231,27 @@ def adopt_written(matrices: list[tuple[torch.Tensor, DeviceColumns]],
     A write through `.data` (a WGAN's `p.data.clamp_()`) bumps no version counter, and the next
     step would write the masters over it; torch's AdamW keeps it, and so must the columns the
     device owns. Done at every step's start, before anything writes the weights, without reading
-    the device: a master in the parameter's dtype is the parameter's values (one gather); a
-    16-bit parameter's fp32 master keeps its low bits where the parameter still holds it
-    rounded, and takes the parameter's value elsewhere, in a few launches per run of matrices."""
-    masters = [cols.master for _, cols in matrices] + [state.master for _, state in vectors]
-    written = [torch.index_select(w, 1, cols.column_indices, out=cols.master)
-               if w.dtype == cols.master.dtype else w.index_select(1, cols.column_indices)
-               for w, cols in matrices] + [param for param, _ in vectors]
+    the device: a master in the parameter's dtype is the parameter's values (one gather, a
+    ColumnBlock's at once); a 16-bit parameter's fp32 master keeps its low bits where the
+    parameter still holds it rounded, and takes the parameter's value elsewhere, in a few
+    launches per run of matrices."""
+    runs = runs_of([cols for _, cols in matrices])
+    written = []   # (fp32 masters, the weights' values there, narrower)
+    for run, block in zip(runs.stacked, runs.blocks):
+        weights = [matrices[j][0] for j in run]
+        if weights[0].dtype == block.master.dtype:
+            block.take(weights, out=block.master)
+        else:
+            written.append((block.master, block.take(weights)))
+    for j in runs.single:
+        w, cols = matrices[j]
+        if w.dtype == cols.master.dtype:
+            torch.index_select(w, 1, cols.column_indices, out=cols.master)
+        else:
+            written.append((cols.master, w.index_select(1, cols.column_indices)))
+    written += [(state.master, param) for param, state in vectors]
     narrow = []
-    for master, values in zip(masters, written):
+    for master, values in written:
         if master.dtype == values.dtype:
             if master.data_ptr() != values.data_ptr():
                 master.copy_(values)
@@ -176,7 +286,8 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
     entries without a gradient are left out by the caller, exactly as torch.optim skips them.
     `scale` (a `zenflow.optim.step_scale.StepScale`) multiplies every gradient; on a step it marks
     skipped, nothing changes: the counts advance by its kept flag and the fused kernel, handed
-    its skip flag as torch.optim hands GradScaler's found_inf, leaves the state alone.
+    its skip flag as torch.optim hands GradScaler's found_inf, leaves the state alone. The
+    members of a whole ColumnBlock are gathered and scattered together.
     """
     batches: dict[tuple, _Batch] = {}
     hyperparameters: dict[int, tuple] = {}   # id(group) -> its own: read once per group
@@ -190,13 +301,18 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
             batch = batches[key] = _Batch()
         return batch
 
-    columns.gather_columns_of([columns.as_matrix(grad) for _, grad, _, _ in matrices],
-                              [cols.column_indices for _, _, cols, _ in matrices],
-                              [cols.grad for _, _, cols, _ in matrices])
+    runs = runs_of([cols for _, _, cols, _ in matrices])
+    for run, block in zip(runs.stacked, runs.blocks):
+        block.take([columns.as_matrix(matrices[j][1]) for j in run], out=block.grad)
+    single = [matrices[j] for j in runs.single]
+    columns.gather_columns_of([columns.as_matrix(grad) for _, grad, _, _ in single],
+                              [cols.column_indices for _, _, cols, _ in single],
+                              [cols.grad for _, _, cols, _ in single])
     for _, _, cols, group in matrices:
         batch_of(group).add(cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
     if matrices:   # one launch for all, not one per matrix (thousands of them in a MoE)
-        torch._foreach_mul_([cols.grad for _, _, cols, _ in matrices], scale.coef)
+        torch._foreach_mul_([block.grad for block in runs.blocks]
+                            + [cols.grad for _, _, cols, _ in single], scale.coef)
     scaled = (torch._foreach_mul([grad.float() for _, grad, _, _ in vectors], scale.coef)
               if vectors else [])
     for (_, _, state, group), vector_grad in zip(vectors, scaled):
@@ -210,9 +326,11 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
         adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
                beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
-    columns.scatter_columns_of([weights for weights, _, _, _ in matrices],
-                               [cols.column_indices for _, _, cols, _ in matrices],
-                               [cols.master for _, _, cols, _ in matrices])
+    for run, block in zip(runs.stacked, runs.blocks):
+        block.put([matrices[j][0] for j in run])
+    columns.scatter_columns_of([weights for weights, _, _, _ in single],
+                               [cols.column_indices for _, _, cols, _ in single],
+                               [cols.master for _, _, cols, _ in single])
     for weights, _, state, _ in vectors:
         if state.master.data_ptr() != weights.data_ptr():
             weights.copy_(state.master.view(weights.shape))

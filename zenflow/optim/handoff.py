@@ -69,5 +69,5 @@ def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices:
         if beta is not None:
             joining.mul_(moment_rescale(beta, host_step, dev.step))
         fresh.index_copy_(1, join_dst, joining.to(fresh.device))
-        setattr(dev, name, fresh)
-    dev.column_indices = new_indices.to(to_dev)
+        current.copy_(fresh)   # (in place: it may be a view of a ColumnBlock)
+    dev.column_indices.copy_(new_indices)

@@ -22,7 +22,8 @@ from zenflow.optim import columns
 class ImportanceMeasure(Protocol):
     def partial(self, rows: torch.Tensor) -> torch.Tensor:
         """What one rank contributes from its [rows, in] slice of a matrix's gradient: one fp32
-        number per column, summed across ranks."""
+        number per column, summed across ranks; of a stack [n, rows, in] of alike matrices'
+        slices, each one's ([n, in])."""
 
     def finish(self, summed: torch.Tensor) -> torch.Tensor:
         """Each column's importance from the sum of every rank's partial."""

@@ -34,6 +34,7 @@ import torch
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.transfers import Ticket, all_of
 from zenflow.optim.model_hooks import ModelHooks
+from zenflow.optim.params import params_from_selected
 
 log = logging.getLogger("zenflow")
 
@@ -149,11 +150,10 @@ class Installs:
                                  {q.matrix: q.sizes for q in corrected},
                                  {q.matrix: q.count for q in corrected})
         if self._selector.has_chosen:   # the device's own columns are newer than the host's
-            for q in installs:
-                m = self._host_params[q.matrix]
-                if m.k > 0:
-                    m.param_from_selected(pipeline.weights(q.matrix))
-                    self._credit.device_owns(q.matrix, m.selected.column_indices)
+            owning = [m for q in installs if (m := self._host_params[q.matrix]).k > 0]
+            params_from_selected(owning, pipeline.weight_views)
+            for m in owning:
+                self._credit.device_owns(m.host_index, m.selected.column_indices)
         self._outside_writes.fingerprint([q.matrix for q in installs])
 
     def check_forward_reads(self, read: list[int]) -> None:
@@ -227,7 +227,20 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
         tickets.update((j, ticket) for j in batch)
         nbytes += batch_bytes
         batch, batch_pairs, batch_bytes = [], [], 0
-    for i in indices:
+    # alike small matrices back to back (an MoE's experts): one copy for all, in the order given
+    runs = [[i] for i in indices] if partition.splits_rows else [
+        part for run in pipe.layout.back_to_back(indices)
+        for part in ([run] if with_rates.isdisjoint(run) else [[i] for i in run])]
+    for run in runs:
+        if len(run) > 1:
+            values = host.install_span(run[0], run[-1])
+            batch.extend(run)
+            batch_pairs.append(([pipe.weights(i) for i in run], values))
+            batch_bytes += values.nbytes
+            if batch_bytes >= INSTALL_BATCH_BYTES:
+                queue_batch()
+            continue
+        i = run[0]
         param = pipe.weights(i)
         values = host.install(i)
         if partition.splits_rows and partition.on_device:

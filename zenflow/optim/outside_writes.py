@@ -8,7 +8,7 @@ import torch
 from zenflow.host.fingerprints import bits, column_sums_of_bits
 from zenflow.host.weight_views import WeightViews
 from zenflow.optim import columns
-from zenflow.optim.device_adam import adopt_written
+from zenflow.optim.device_adam import adopt_written, runs_of
 from zenflow.optim.params import HostParam, VectorParam
 
 log = logging.getLogger("zenflow")
@@ -30,25 +30,36 @@ def _kept(cache: dict, key, value):
 class _HostColumnBitSums:
     """Fingerprints of many matrices at once: each matrix's host-owned columns' bits summed
     (int32, exact modulo 2**32). One launch per matrix (its per-column sums, one contiguous pass,
-    no column gather), then a handful for all of them: the device-owned columns' sums zeroed
-    through one flat index and the rest summed per matrix by one index_add_. Per matrix a window
-    end's check and its refingerprint each cost one launch, not six (a Python loop of 5,000
-    matrices' launches is a step's time on a GPU). The flat indices are built once per list of
-    matrices and selection (a few lists recur: all matrices, each layer's installs)."""
+    no column gather; the members of a ColumnBlock one for all: device_adam.runs_of), then a handful
+    for all of them: the device-owned columns' sums zeroed through one flat index and the rest
+    summed per matrix by one index_add_. Per matrix a window end's check and its refingerprint
+    each cost one launch at most, not six (a Python loop of 5,000 matrices' launches is a step's
+    time on a GPU). The flat indices are built once per list of matrices and selection (a few
+    lists recur: all matrices, each layer's installs)."""
 
     def __init__(self, weights: WeightViews):
         self._weights = weights
         self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor, list, list]] = {}
 
     def __call__(self, matrices: list[HostParam], chosen: bool) -> torch.Tensor:
-        per_column = [column_sums_of_bits(self._weights.bits(m.host_index)) for m in matrices]
-        flat = torch.cat(per_column)
-        device_owned, segments = self._flat_indices(matrices, per_column, chosen)
+        runs = runs_of([m.selected for m in matrices])
+        bits_of = self._weights.bits
+        flat = torch.cat(
+            [torch.stack([bits_of(matrices[j].host_index) for j in run])
+             .sum(dim=1, dtype=torch.int32).view(-1) for run in runs.stacked]
+            + [column_sums_of_bits(bits_of(matrices[j].host_index)) for j in runs.single])
+        device_owned, segments = self._flat_indices(
+            matrices, runs, chosen, flat.device,
+            lambda j: bits_of(matrices[j].host_index).shape[1])   # (a shard's: its own)
         if device_owned.numel():
             flat.index_fill_(0, device_owned, 0)
         return flat.new_zeros(len(matrices)).index_add_(0, segments, flat)
 
-    def _flat_indices(self, matrices, per_column, chosen):
+    def _flat_indices(self, matrices: list[HostParam], runs, chosen: bool,
+                      device: torch.device, width_of) -> tuple[torch.Tensor, torch.Tensor]:
+        """(where the device-owned columns are in the flat per-column sums, and the position in
+        `matrices` of each of those sums): the sums come run by run (`runs`), then the singles,
+        width_of(j) columns for matrices[j]."""
         owned = [m.selected.column_indices if chosen and m.k > 0 else None for m in matrices]
         # Kept per list of matrices, while each one's selected columns are the same tensors,
         # unchanged (a reselection writes or replaces them). The entry holds those tensors, so
@@ -58,17 +69,17 @@ class _HostColumnBitSums:
         entry = self._indices.get(key)
         if (entry is None or entry[3] != versions
                 or any(a is not b for a, b in zip(entry[2], owned))):
-            device = per_column[0].device
-            offsets, at = [], 0
-            for c in per_column:
-                offsets.append(at)
-                at += c.numel()
-            picked = [i + offset for i, offset in zip(owned, offsets) if i is not None]
+            order = [j for run in runs.stacked for j in run] + runs.single
+            picked, segments, at = [], [], 0
+            for j in order:
+                width = width_of(j)
+                if owned[j] is not None:
+                    picked.append(owned[j] + at)
+                segments.append(torch.full((width,), j, dtype=torch.long, device=device))
+                at += width
             device_owned = (torch.cat(picked) if picked
                             else torch.zeros(0, dtype=torch.long, device=device))
-            segments = torch.cat([torch.full((c.numel(),), j, dtype=torch.long, device=device)
-                                  for j, c in enumerate(per_column)])
-            entry = _kept(self._indices, key, (device_owned, segments, owned, versions))
+            entry = _kept(self._indices, key, (device_owned, torch.cat(segments), owned, versions))
         return entry[:2]
 
 

@@ -18,7 +18,7 @@ import torch
 from zenflow.distributed import is_sharded, local
 from zenflow.host.weight_views import WeightViews
 from zenflow.optim import columns
-from zenflow.optim.device_adam import DeviceColumns, DeviceVector, device_step
+from zenflow.optim.device_adam import DeviceColumns, DeviceVector, column_blocks, device_step, runs_of
 from zenflow.optim.importance import num_selected
 
 log = logging.getLogger("zenflow")
@@ -146,11 +146,24 @@ def device_update(host_params: list[HostParam], vector_params: list[VectorParam]
     device_step(matrices, vectors, scale)
 
 
+def params_from_selected(matrices: list[HostParam], weights: WeightViews) -> None:
+    """param_from_selected() of each of `matrices`, written through `weights` (by host index);
+    the members of a whole ColumnBlock together."""
+    runs = runs_of([m.selected for m in matrices])
+    for run, block in zip(runs.stacked, runs.blocks):
+        block.put([weights[matrices[j].host_index] for j in run])
+    single = [matrices[j] for j in runs.single]
+    columns.scatter_columns_of([weights[m.host_index] for m in single],
+                               [m.selected.column_indices for m in single],
+                               [m.selected.master for m in single])
+
+
 def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bool,
                 device: torch.device) -> tuple[list[HostParam], list[VectorParam]]:
     """The trainable parameters of `param_groups`, each with a place for its state."""
     host: list[HostParam] = []
     vectors: list[VectorParam] = []
+    shapes = []   # (rows, cols, dtype, k) of each host matrix: alike small ones share blocks
     for group in param_groups:
         for p in group["params"]:
             if not p.requires_grad:
@@ -159,11 +172,13 @@ def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bo
                 k = num_selected(topk_ratio, p.numel() // p.shape[0]) \
                     if p.ndim >= 2 else 0
                 rows = local(p).shape[0] if p.ndim >= 2 else 1
-                columns = p.numel() // max(1, p.shape[0]) if p.ndim >= 2 else p.numel()
-                host.append(HostParam(p, group, len(host), k,
-                                      DeviceColumns.empty(rows, k, device), columns))
+                width = p.numel() // max(1, p.shape[0]) if p.ndim >= 2 else p.numel()
+                host.append(HostParam(p, group, len(host), k, None, width))
+                shapes.append((rows, width, p.dtype, k))
             else:
                 vectors.append(VectorParam(p, group, DeviceVector.for_param(local(p))))
+    for m, selected in zip(host, column_blocks(shapes, device)):
+        m.selected = selected
     return host, vectors
 
 

@@ -16,6 +16,7 @@ from zenflow.adamw import FP32_STATE
 from zenflow.distributed import Partition
 from zenflow.host.pipeline import HostPipeline
 from zenflow.optim import columns, handoff
+from zenflow.optim.device_adam import runs_of
 from zenflow.optim.importance import MEASURES, retained_masses, top_columns
 from zenflow.optim.params import HostParam
 from zenflow.optim.selection_schedule import SelectionSchedule
@@ -104,18 +105,32 @@ class ColumnSelector:
         """Column importance of each matrix. Across ranks, each computes its measure's partial over
         its own rows and the ranks add them up: one number per column travels, never a gradient.
         (Under FSDP2 a rank's own rows are its shard: the same sum gives the same selection.)"""
-        partial = []
-        for m in todo:
+        if not todo:
+            return []
+        partial: list = [None] * len(todo)
+        own = self.pipeline.rows
+        runs = runs_of([m.selected for m in todo])
+        for run in runs.stacked:   # alike small matrices (a ColumnBlock's): one stack for all
+            grads_run = [grads.get(todo[j].param) for j in run]
+            slices = {(own[todo[j].host_index].start, own[todo[j].host_index].stop) for j in run}
+            if any(g is None for g in grads_run) or len(slices) > 1:
+                runs.single.extend(run)
+                continue
+            stack = torch.stack([columns.as_matrix(g) for g in grads_run])
+            if self.partition.active:
+                stack = stack[:, own[todo[run[0]].host_index]]
+            for j, sums in zip(run, self.measure.partial(stack).unbind(0)):
+                partial[j] = sums
+        for j in runs.single:
+            m = todo[j]
             g = grads.get(m.param)
             if g is None:  # no gradient: ties everywhere, so the first columns win
-                partial.append(torch.zeros(m.num_columns, device=self.device))
+                partial[j] = torch.zeros(m.num_columns, device=self.device)
                 continue
             rows = columns.as_matrix(g)
             if self.partition.active:
-                rows = rows[self.pipeline.rows[m.host_index]]
-            partial.append(self.measure.partial(rows))
-        if not partial:
-            return []
+                rows = rows[own[m.host_index]]
+            partial[j] = self.measure.partial(rows)
         flat = torch.cat(partial)   # finished at once (one launch, not one a matrix)
         if self.partition.active:
             # On the device under NCCL; sum_ copies through the CPU only for gloo.

@@ -1,0 +1,98 @@
+"""Alike small matrices (an MoE's experts) keep their device columns side by side in a
+ColumnBlock, so that a step gathers, updates and scatters them in a few launches: the results
+must be exactly those of the per-matrix path (device_adam.STACK_ELEMENTS = 0 turns blocks off)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zenflow
+from zenflow.optim import device_adam
+from zenflow.optim.device_adam import ColumnBlock, runs_of
+
+
+def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 8)] * 9 + [(8, 16)] * 3 + [(4, 2, 3)] * 2 + [(300, 300), (8,), (16,)]
+    return [torch.nn.Parameter((torch.randn(*s, generator=gen) * 0.1).to(dtype)) for s in shapes]
+
+
+def _train(dtype: torch.dtype, steps: int = 12):
+    """A run with a reselection, a step where one block member has no gradient, and writes
+    through .data (one into a device-owned column); returns the optimizer's blocks, the weights
+    and the state."""
+    params = _params(dtype)
+    opt = zenflow.ZenFlowAdamW(params, lr=1e-2, worker=False, update_interval=2, topk_ratio=0.25,
+                               select_strategy="step", select_interval=5, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for t in range(steps):
+            for i, p in enumerate(params):
+                p.grad = None if (t == 7 and i == 3) else torch.randn(p.shape, generator=gen).to(dtype)
+            opt.step()
+            if t == 4:
+                params[2].data.mul_(0.5)            # every column, found at a window's end
+            if t in (5, 10):   # inside a window: the device's columns are adopted at once
+                params[5].data[:, :].add_(0.25)
+        blocks = {id(m.selected.block) for m in opt._host_params if m.selected.block is not None}
+        return len(blocks), [p.detach().clone() for p in params], opt.state_dict()
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_train_exactly_as_the_per_matrix_path(monkeypatch, dtype):
+    blocks, weights, state = _train(dtype)
+    monkeypatch.setattr(device_adam, "STACK_ELEMENTS", 0)
+    none, expected, expected_state = _train(dtype)
+    assert blocks == 3 and none == 0   # the 8x8s, the 8x16s and the [4, 6]s; not the 300x300
+    for got, want in zip(weights, expected):
+        assert torch.equal(got, want)
+    for key, value in expected_state["state"].items():
+        for name, tensor in value.items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(state["state"][key][name], tensor), (key, name)
+
+
+def test_whole_blocks_in_slot_order_are_stacked_and_the_rest_single():
+    block, members = ColumnBlock.of(3, rows=4, k=2, device=torch.device("cpu"))
+    other, loose = ColumnBlock.of(2, rows=4, k=2, device=torch.device("cpu"))
+    alone = device_adam.DeviceColumns.empty(4, 2, torch.device("cpu"))
+    runs = runs_of([alone, *members, loose[0]])   # the second block is not whole
+    assert runs.stacked == [[1, 2, 3]] and runs.blocks == [block] and runs.single == [0, 4]
+    runs = runs_of([members[1], members[0], members[2]])   # out of slot order
+    assert runs.stacked == [] and runs.single == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_take_and_put_are_each_members_gather_and_scatter(dtype):
+    gen = torch.Generator().manual_seed(0)
+    block, members = ColumnBlock.of(3, rows=4, k=2, device=torch.device("cpu"))
+    for j, cols in enumerate(members):
+        cols.column_indices.copy_(torch.tensor([[0, 3], [1, 2], [2, 5]][j]))
+        cols.master.copy_(torch.randn(4, 2, generator=gen))
+    matrices = [torch.randn(4, 6, generator=gen).to(dtype) for _ in members]
+    taken = block.take(matrices)
+    into = block.take(matrices, out=torch.empty(3, 4, 2))
+    for j, cols in enumerate(members):
+        assert torch.equal(taken[j], matrices[j].index_select(1, cols.column_indices))
+        assert torch.equal(into[j], matrices[j].index_select(1, cols.column_indices).float())
+    expected = [m.clone().index_copy_(1, c.column_indices, c.master.to(dtype))
+                for m, c in zip(matrices, members)]
+    block.put(matrices)
+    for got, want in zip(matrices, expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stacks_column_sums_are_each_matrixs_own(dtype):
+    """The drift check and the selection sum a block's gradients as one stack: each matrix's
+    sums must be exactly its own (columns.column_sums), or selections would differ."""
+    from zenflow.optim import columns
+    gen = torch.Generator().manual_seed(0)
+    for rows, cols in [(8, 8), (300, 7), (9000, 3)]:   # the last in several row blocks
+        stack = torch.randn(5, rows, cols, generator=gen).to(dtype)
+        for of in (torch.square, torch.abs):
+            together = columns.column_sums(stack, of)
+            for j in range(5):
+                assert torch.equal(together[j], columns.column_sums(stack[j], of))
