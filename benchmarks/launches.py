@@ -1,7 +1,7 @@
 """Operators a step launches, by the number of matrices: ZenFlowAdamW beside
 torch.optim.AdamW(fused=True) on the same parameters (issue 38's table).
 
-    python benchmarks/launches.py [--matrices 226 5000] [--steps 12] [--out DIR]
+    python benchmarks/launches.py [--matrices 226 5000] [--steps 12] [--profiler] [--out DIR]
 
 On a GPU the Python thread only queues kernels, and a step is free of Python overhead only while
 it queues far fewer of them than the device runs behind the backward. Every parameter here is an
@@ -51,9 +51,19 @@ def _optimizer(params, settings):
     return ZenFlowAdamW(params, lr=1e-3, **settings)
 
 
-def _run(matrices: int, settings, steps: int, count: bool, seed: int = 0):
+def _profiled_events(step) -> int:
+    """The aten events torch.profiler records in step(), nested ones included (what issue 38's
+    table counted: on a CPU a multi-tensor call's per-tensor fallbacks count too)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def _run(matrices: int, settings, steps: int, count: bool | str, seed: int = 0):
     """Per step: (operators, window ended, seconds, counts by operator); `count`: count the
-    operators (the counting costs Python time per operator: such a run is not timed)."""
+    operators (the counting costs Python time per operator: such a run is not timed);
+    "profiler": count torch.profiler's aten events instead (_profiled_events)."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(matrices)]
     grads = [torch.randn(8, 8, generator=gen) for _ in range(4)]
@@ -65,7 +75,10 @@ def _run(matrices: int, settings, steps: int, count: bool, seed: int = 0):
                 p.grad = grads[(t + i) % 4].clone()
             windows = getattr(opt, "num_windows", 0)
             counter = CountOperators()
-            if count:
+            if count == "profiler":
+                counter.counts["events"] = _profiled_events(opt.step)
+                seconds = float("nan")
+            elif count:
                 with counter:
                     opt.step()
                 seconds = float("nan")
@@ -89,6 +102,8 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS))
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--name", default="", help="added to the file name (a commit, a variant)")
+    parser.add_argument("--profiler", action="store_true",
+                        help="also count torch.profiler's aten events, nested ones included")
     args = parser.parse_args()
     torch.manual_seed(0)
     machine = machine_info("cpu")
@@ -133,12 +148,21 @@ def main() -> None:
                 if times.get((name, "inside")):
                     table[name]["inside_vs_torch"] = round(
                         table[name]["step_median_inside_s"] / base, 2)
+        for name in args.systems if args.profiler else ():
+            print(f"{n} matrices, profiler events: {name}", flush=True)
+            rows = _run(n, SYSTEMS[name], args.steps, count="profiler")[2:]
+            for part, ended in (("inside_window", False), ("at_window_end", True)):
+                events = [c["events"] for _, e, _, c in rows if e == ended]
+                table[name][f"profiler_events_{part}"] = [min(events), max(events)] \
+                    if events else None
         result["tables"][str(n)] = table
         print(f"\n{n} matrices of 8x8: aten operators per step() and step() time vs torch")
         for name, row in table.items():
             print(f"  {name:38s} inside {row['ops_inside_window']}, window ends "
                   f"{row['ops_at_window_end']}, {row.get('step_vs_torch', '-')}x torch "
-                  f"({row.get('inside_vs_torch', '-')}x inside a window)")
+                  f"({row.get('inside_vs_torch', '-')}x inside a window)"
+                  + (f"; profiler events {row['profiler_events_inside_window']}, "
+                     f"{row['profiler_events_at_window_end']}" if args.profiler else ""))
     suffix = f"_{args.name}" if args.name else ""
     write_json(result, os.path.join(args.out, f"launches_{machine_tag(machine)}{suffix}.json"))
 
