@@ -7,23 +7,32 @@ import pytest
 import torch
 
 import zenflow
+from zenflow.host import layout
 from zenflow.optim import device_adam
 from zenflow.optim.device_adam import ColumnBlock, runs_of
 
 
 def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
-    shapes = [(8, 8)] * 9 + [(8, 16)] * 3 + [(4, 2, 3)] * 2 + [(300, 300), (8,), (16,)]
+    # interleaved as an MoE's experts' matrices are (w1, w2 of expert 0, then of expert 1, ...)
+    shapes = [(8, 8), (8, 16)] * 3 + [(8, 8)] * 6 + [(4, 2, 3)] * 2 + [(300, 300), (8,), (16,)]
     return [torch.nn.Parameter((torch.randn(*s, generator=gen) * 0.1).to(dtype)) for s in shapes]
 
 
-def _train(dtype: torch.dtype, steps: int = 12):
+# where the window sums are: the host's, the device's under "mean", the default rule's
+SUMS = {"host": {"device_sum_budget": 0},
+        "device": {"device_sum_budget": 1 << 30, "deferred_credit": "mean"},
+        "factored": {"device_sum_budget": 1 << 30}}
+
+
+def _train(dtype: torch.dtype, sums: str = "host", steps: int = 12):
     """A run with a reselection, a step where one block member has no gradient, and writes
     through .data (one into a device-owned column); returns the optimizer's blocks, the weights
     and the state."""
     params = _params(dtype)
     opt = zenflow.ZenFlowAdamW(params, lr=1e-2, worker=False, update_interval=2, topk_ratio=0.25,
-                               select_strategy="step", select_interval=5, weight_decay=0.01)
+                               select_strategy="step", select_interval=5, weight_decay=0.01,
+                               **SUMS[sums])
     gen = torch.Generator().manual_seed(1)
     try:
         for t in range(steps):
@@ -40,11 +49,13 @@ def _train(dtype: torch.dtype, steps: int = 12):
         opt.close()
 
 
+@pytest.mark.parametrize("sums", list(SUMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocks_train_exactly_as_the_per_matrix_path(monkeypatch, dtype):
-    blocks, weights, state = _train(dtype)
+def test_blocks_train_exactly_as_the_per_matrix_path(monkeypatch, dtype, sums):
+    blocks, weights, state = _train(dtype, sums)
     monkeypatch.setattr(device_adam, "STACK_ELEMENTS", 0)
-    none, expected, expected_state = _train(dtype)
+    monkeypatch.setattr(layout, "STACK_ELEMENTS", 0)   # nor back-to-back copies
+    none, expected, expected_state = _train(dtype, sums)
     assert blocks == 3 and none == 0   # the 8x8s, the 8x16s and the [4, 6]s; not the 300x300
     for got, want in zip(weights, expected):
         assert torch.equal(got, want)

@@ -196,6 +196,12 @@ class HostState:
         m = self.layout.matrices[i]
         return self.arena.views[kind][m.offset:m.offset + m.numel].view(m.rows, m.cols)
 
+    def fp32_span(self, kind: str, first: int, last: int) -> torch.Tensor:
+        """The flat view of matrices first..last in an fp32 buffer, laid out back to back
+        (HostLayout.back_to_back): DeviceSums.copy_out lands a block's sums in it at once."""
+        a, b = self.layout.matrices[first], self.layout.matrices[last]
+        return self.arena.views[kind][a.offset:b.offset + b.numel]
+
     def staging(self, slot: int, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
         return self._typed(self._staging_names[slot], i)

@@ -53,16 +53,26 @@ class DeviceSums:
         self.transfers = transfers
         self.dtype = dtype   # device_sum_dtype: what the sums are kept in unless told otherwise
         self.sums: dict[int, torch.Tensor] = {}   # host index -> [rows, cols] on the device
+        # alike small matrices back to back on the host (HostLayout.back_to_back): their fp32
+        # sums are the slots of one [n, rows, cols] tensor, copied out in one copy
+        self._blocks: list[tuple[list[int], torch.Tensor]] = []
         self._copied: Ticket = DONE               # the last copy of the sums to the host
 
     def allocate(self, shapes: dict[int, tuple[int, int]], device: torch.device,
-                 fp32: set[int] = frozenset()) -> None:
+                 fp32: set[int] = frozenset(), runs: list[list[int]] = ()) -> None:
         """A zeroed sum for each matrix (index -> (rows, cols)); those in `fp32` are fp32
         whatever `dtype` is (a deferred-credit rule that reads them on the device wants them
-        so)."""
-        self.sums = {i: torch.zeros(shape, device=device,
-                                    dtype=torch.float32 if i in fp32 else self.dtype)
-                     for i, shape in shapes.items()}
+        so). `runs`: alike matrices back to back on the host, whose fp32 sums share a block."""
+        def dtype_of(i: int) -> torch.dtype:
+            return torch.float32 if i in fp32 else self.dtype
+        self.sums, self._blocks = {}, []
+        for run in runs:
+            if len(run) > 1 and all(dtype_of(i) == torch.float32 for i in run):
+                block = torch.zeros(len(run), *shapes[run[0]], device=device)
+                self._blocks.append((list(run), block))
+                self.sums.update(zip(run, block.unbind(0)))
+        self.sums.update((i, torch.zeros(shape, device=device, dtype=dtype_of(i)))
+                         for i, shape in shapes.items() if i not in self.sums)
 
     def __contains__(self, i: int) -> bool:
         return i in self.sums
@@ -95,16 +105,23 @@ class DeviceSums:
         if self.sums:
             torch._foreach_zero_(list(self.sums.values()))
 
-    def copy_out(self, targets: dict[int, torch.Tensor],
-                 also: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> Ticket:
-        """Queue the copy of sum[i] into the host buffer targets[i] for each i, in the sum's own
-        dtype (buffers.landing_of), and of the (host, device) pairs `also` (a credit rule's own
-        sums); returns its Ticket (the host may read the targets once it is done)."""
-        pairs = [(targets[i], self.sums[i]) for i in targets] + list(also)
+    def copy_out(self, matrices: list[int], target, span,
+                 also: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[Ticket, int]:
+        """Queue the copy of sum[i] into the host buffer target(i) for each of `matrices`, in
+        the sum's own dtype (buffers.landing_of), a block's at once into span(first, last) (its
+        members' fp32 sums back to back), and of the (host, device) pairs `also` (a credit
+        rule's own sums); returns its Ticket (the host may read the targets once it is done)
+        and the bytes it moves."""
+        wanted, pairs = set(matrices), []
+        for members, block in self._blocks:
+            if wanted.issuperset(members):
+                pairs.append((span(members[0], members[-1]), block.view(-1)))
+                wanted.difference_update(members)
+        pairs += [(target(i), self.sums[i]) for i in matrices if i in wanted] + list(also)
         if not pairs:
-            return DONE
+            return DONE, 0
         self._copied = self.transfers.to_host(pairs)
-        return self._copied
+        return self._copied, sum(src.numel() * src.element_size() for _, src in pairs)
 
     def wait_copied(self) -> float:
         """Block until the last copy out has landed (before reading or overwriting the sums

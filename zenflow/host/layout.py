@@ -117,13 +117,16 @@ class HostLayout:
     factors: bool = False    # deferred_credit="factored": the factors buffer
 
     def back_to_back(self, indices: list[int]) -> list[list[int]]:
-        """`indices` in runs, in order: consecutive small matrices alike in shape and dtype and
-        back to back in the typed buffers (staging, install) are one run, copied at once between
-        host and device (at most STACK_ELEMENTS values each, STACK_RUN_ELEMENTS a run); any
-        other matrix is a run of its own."""
+        """`indices` in runs: small matrices alike in shape and dtype and back to back in the
+        typed buffers (staging, install: build() places them so) are one run, copied at once
+        between host and device (at most STACK_ELEMENTS values each, STACK_RUN_ELEMENTS a run);
+        any other matrix is a run of its own. The runs come in the order of their first member
+        in `indices`."""
+        position = {i: p for p, i in enumerate(indices)}
         runs: list[list[int]] = []
         size = 0
-        for i in indices:
+        for i in sorted(indices, key=lambda i: (dtype_name(self.matrices[i].dtype),
+                                                self.matrices[i].typed_offset)):
             m = self.matrices[i]
             if runs:
                 last = self.matrices[runs[-1][-1]]
@@ -135,13 +138,19 @@ class HostLayout:
                     continue
             runs.append([i])
             size = m.numel
-        return runs
+        return sorted(runs, key=lambda run: min(position[i] for i in run))
 
     @classmethod
     def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
               staging_slots: int = 1, rates: bool = False, factors: bool = False) -> HostLayout:
         """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
-        order = sorted(range(len(shapes)), key=lambda i: (dtype_name(shapes[i][2]), i))
+        # By dtype, in order, except that alike small matrices (an MoE's experts, interleaved with
+        # others in the model) are placed together, where the first of them is: back to back
+        first: dict[tuple, int] = {}
+        keys = [(dtype_name(dtype), first.setdefault((rows, cols, dtype), i)
+                 if rows * cols <= STACK_ELEMENTS else i, i)
+                for i, (rows, cols, dtype) in enumerate(shapes)]
+        order = sorted(range(len(shapes)), key=keys.__getitem__)
         placed: dict[int, HostMatrix] = {}
         groups, offset = [], 0
         factor_offsets = [0]

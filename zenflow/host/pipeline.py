@@ -159,8 +159,7 @@ class HostPipeline:
         counts in num_grads; drop_window() drops a window with a skipped step."""
         start = time.perf_counter()
         self.place()
-        on_device = {i: host_view(g)[self.rows[i]] for i, g in grads.items()
-                     if i in self.device_sums}
+        on_device = {i: self._own_rows(i, g) for i, g in grads.items() if i in self.device_sums}
         if on_device:
             fresh = [i for i in on_device if self.num_grads[i] == 0]
             self.device_sums.fence()
@@ -206,14 +205,8 @@ class HostPipeline:
         and of the step's factor `coef` into the slot's step_coef (stage() does; a backward hook
         copies gradients only); returns its ticket and the bytes it moves."""
         pairs = [] if coef is None else [(self.host.step_coef(slot), coef.reshape(()))]
-        nbytes = 0
-        sources = {}
-        for i, grad in grads.items():
-            src = host_view(grad)
-            if src.shape[0] != self.rows[i].stop - self.rows[i].start:   # a rank's rows
-                src = src[self.rows[i]]
-            sources[i] = src
-            nbytes += src.numel() * src.element_size()
+        sources = {i: self._own_rows(i, grad) for i, grad in grads.items()}
+        nbytes = sum(src.numel() * src.element_size() for src in sources.values())
         for run in self.layout.back_to_back(list(sources)):
             if len(run) == 1:
                 pairs.append((self.host.staging(slot, run[0]), sources[run[0]]))
@@ -221,6 +214,12 @@ class HostPipeline:
                 pairs.append((self.host.staging_span(slot, run[0], run[-1]),
                               torch.stack([sources[i] for i in run]).view(-1)))
         return (self.transfers.to_host(pairs) if pairs else DONE), nbytes
+
+    def _own_rows(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of matrix i's gradient as [rows, cols] (a slice is an operator a
+        matrix: none when it holds them all)."""
+        view, rows = host_view(grad), self.rows[i]
+        return view if view.shape[0] == rows.stop - rows.start else view[rows]
 
     def free_staging_slot(self) -> int | None:
         """The staging slot the next stage() writes, or None while a host command reads it (or
@@ -286,13 +285,14 @@ class HostPipeline:
             return False
         flight = InFlight(jobs)
         on_device = [j.matrix for j in jobs if j.matrix in self.device_sums]
-        landing = {i: landing_of(self.host.fp32(f"grad_sum{self._sum_slot}", i),
-                                 self.device_sums.sums[i].dtype) for i in on_device}
+        slot = f"grad_sum{self._sum_slot}"
         also = self.credit.copy_out([j.matrix for j in jobs if j.update.moments], self.host,
                                     self._sum_slot)
-        sums = self.device_sums.copy_out(landing, also)
-        self.timer.moved(d2h=sum(t.numel() * t.element_size()
-                                 for t in [*landing.values(), *(src for _, src in also)]))
+        sums, nbytes = self.device_sums.copy_out(
+            on_device,
+            lambda i: landing_of(self.host.fp32(slot, i), self.device_sums.sums[i].dtype),
+            lambda first, last: self.host.fp32_span(slot, first, last), also)
+        self.timer.moved(d2h=nbytes)
         # The update reads the sums once they have landed, and overwrites the install buffer
         # once the last install copy has read it.
         flight.command = self.link.submit(all_of(self._install_reader, sums),

@@ -32,7 +32,8 @@ class SumPlacement:
                                            [m.dtype for m in matrices],
                                            [(m.rows, m.cols) for m in matrices])
         pipe.device_sums.allocate({i: (matrices[i].rows, matrices[i].cols) for i in summed},
-                                  pipe.device, fp32=set(moving) if pipe.credit.fp32_sums else set())
+                                  pipe.device, fp32=set(moving) if pipe.credit.fp32_sums else set(),
+                                  runs=pipe.layout.back_to_back(sorted(summed)))
         pipe.credit.allocate({i: (matrices[i].rows, matrices[i].cols, matrices[i].dtype)
                               for i in moving}, pipe.device)
         for i in summed:   # a window restored before the first step summed on the host so far

@@ -70,16 +70,21 @@ class _HostColumnBitSums:
         if (entry is None or entry[3] != versions
                 or any(a is not b for a, b in zip(entry[2], owned))):
             order = [j for run in runs.stacked for j in run] + runs.single
-            picked, segments, at = [], [], 0
+            widths, starts, at = [], [], 0
             for j in order:
-                width = width_of(j)
-                if owned[j] is not None:
-                    picked.append(owned[j] + at)
-                segments.append(torch.full((width,), j, dtype=torch.long, device=device))
-                at += width
-            device_owned = (torch.cat(picked) if picked
-                            else torch.zeros(0, dtype=torch.long, device=device))
-            entry = _kept(self._indices, key, (device_owned, torch.cat(segments), owned, versions))
+                widths.append(width_of(j))
+                starts.append(at)
+                at += widths[-1]
+            # a few launches for all the matrices, not one or two each (built at a selection)
+            segments = torch.tensor(order, dtype=torch.long, device=device).repeat_interleave(
+                torch.tensor(widths, device=device))
+            picked = [(owned[j], start) for j, start in zip(order, starts) if owned[j] is not None]
+            device_owned = torch.zeros(0, dtype=torch.long, device=device)
+            if picked:
+                device_owned = torch.cat([i for i, _ in picked]) + torch.tensor(
+                    [start for _, start in picked], device=device).repeat_interleave(
+                    torch.tensor([i.numel() for i, _ in picked], device=device))
+            entry = _kept(self._indices, key, (device_owned, segments, owned, versions))
         return entry[:2]
 
 

@@ -315,12 +315,14 @@ def per_layer_install_wait_s(mats: list[tuple[int, int, int]], moving: set[int],
 # Operators step() dispatches, as written (benchmarks/step_operators.py counts them, outside the
 # compiled kernels and the worker's commands, on 8x8 matrices at 64 and 226 of them, U=4;
 # tests/test_estimate_terms.py holds these to its count): in a step inside a window, a fixed part
-# and a part per matrix (its selected columns' two gathers and scatter, its sum's add or its
-# staging copy; "factored" none more since its weights' view is made once); and per window (its
-# end and the steps after it that finish installs), a fixed part and a part per matrix by where
-# its sum is.
+# and a part per matrix by where its sum is (its selected columns' two gathers and scatter, and on
+# the host its staging copy; "factored" none more since its weights' view is made once); and per
+# window (its end and the steps after it that finish installs), a fixed part and a part per
+# matrix by where its sum is. A model's matrices, each too large to stack: alike small ones (an
+# MoE's experts, up to 64K values each) share launches (optim/device_adam.py ColumnBlock), which
+# the counts here leave out.
 STEP_OPERATORS = 29
-STEP_OPERATORS_PER_MATRIX = 4
+STEP_OPERATORS_PER_MATRIX = {"host": 4, "device": 3}
 STEP_OPERATORS_PER_FACTORED = 0
 WINDOW_OPERATORS = 25
 WINDOW_OPERATORS_PER_MATRIX = {"host": 5, "device": 8, "factored": 18}
@@ -331,7 +333,9 @@ def python_step_s(c: Counts, s: Speeds, batch: int) -> float:
     "factored" kernels' calls (a step's runs of `batch` matrices and the rest a call each,
     host/credit_factored.py fused_step). On a GPU it hides behind the device's step only while
     shorter; beyond, the step is CPU-bound."""
-    operators = (STEP_OPERATORS + STEP_OPERATORS_PER_MATRIX * c.matrices
+    operators = (STEP_OPERATORS
+                 + STEP_OPERATORS_PER_MATRIX["host"] * (c.matrices - c.device_summed_matrices)
+                 + STEP_OPERATORS_PER_MATRIX["device"] * c.device_summed_matrices
                  + STEP_OPERATORS_PER_FACTORED * c.factored_matrices)
     n = c.factored_matrices if c.fused_factored else 0
     return operators * s.operator + (n // batch + n % batch) * s.compiled_call
