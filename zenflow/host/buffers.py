@@ -196,30 +196,9 @@ class HostState:
         m = self.layout.matrices[i]
         return self.arena.views[kind][m.offset:m.offset + m.numel].view(m.rows, m.cols)
 
-    def fp32_span(self, kind: str, first: int, last: int) -> torch.Tensor:
-        """The flat view of matrices first..last in an fp32 buffer, laid out back to back
-        (HostLayout.back_to_back): DeviceSums.copy_out lands a block's sums in it at once."""
-        a, b = self.layout.matrices[first], self.layout.matrices[last]
-        return self.arena.views[kind][a.offset:b.offset + b.numel]
-
     def staging(self, slot: int, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
         return self._typed(self._staging_names[slot], i)
-
-    def staging_span(self, slot: int, first: int, last: int) -> torch.Tensor:
-        """The flat view of matrices first..last in staging buffer `slot`, laid out back to back
-        (HostLayout.back_to_back): HostPipeline.copy_to_staging stacks alike ones into it."""
-        return self._span(self._staging_names[slot], first, last)
-
-    def install_span(self, first: int, last: int) -> torch.Tensor:
-        """The flat view of matrices first..last in the install buffer, laid out back to back
-        (HostLayout.back_to_back): an install copies alike ones from it at once."""
-        return self._span("install", first, last)
-
-    def _span(self, buffer: str, first: int, last: int) -> torch.Tensor:
-        a, b = self.layout.matrices[first], self.layout.matrices[last]
-        return self.arena.views[f"{buffer}_{dtype_name(a.dtype)}"][a.typed_offset:
-                                                                   b.typed_offset + b.numel]
 
     def step_coef(self, slot: int) -> torch.Tensor:
         """The 0-dim factor of the gradients in staging buffer `slot`."""
@@ -251,7 +230,8 @@ class HostState:
         """Flat views of `buffer` (an fp32 buffer such as "grad_sum0", or a typed one's prefix
         such as "staging0") from the first of `matrices` to the end of the last, one per dtype
         for a typed buffer: the bytes that copies of those matrices touch, each view one
-        page-lock registration."""
+        page-lock registration; of a run of HostLayout.back_to_back (its first and last will
+        do), the one view its copy at once reads or writes."""
         fp32 = buffer in self.arena.views
         by_view: dict[str, list[tuple[int, int]]] = {}
         for i in matrices:

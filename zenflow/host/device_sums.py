@@ -109,7 +109,7 @@ class DeviceSums:
                  also: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> tuple[Ticket, int]:
         """Queue the copy of sum[i] into the host buffer target(i) for each of `matrices`, in
         the sum's own dtype (buffers.landing_of), a block's at once into span(first, last) (its
-        members' fp32 sums back to back), and of the (host, device) pairs `also` (a credit
+        members' fp32 sums back to back: HostState.span), and of the (host, device) pairs `also` (a credit
         rule's own sums); returns its Ticket (the host may read the targets once it is done)
         and the bytes it moves."""
         wanted, pairs = set(matrices), []

@@ -211,7 +211,7 @@ class HostPipeline:
             if len(run) == 1:
                 pairs.append((self.host.staging(slot, run[0]), sources[run[0]]))
             else:   # one copy for all (a launch and a small copy each cost more)
-                pairs.append((self.host.staging_span(slot, run[0], run[-1]),
+                pairs.append((self.host.span(f"staging{slot}", [run[0], run[-1]])[0],
                               torch.stack([sources[i] for i in run]).view(-1)))
         return (self.transfers.to_host(pairs) if pairs else DONE), nbytes
 
@@ -291,7 +291,7 @@ class HostPipeline:
         sums, nbytes = self.device_sums.copy_out(
             on_device,
             lambda i: landing_of(self.host.fp32(slot, i), self.device_sums.sums[i].dtype),
-            lambda first, last: self.host.fp32_span(slot, first, last), also)
+            lambda first, last: self.host.span(slot, [first, last])[0], also)
         self.timer.moved(d2h=nbytes)
         # The update reads the sums once they have landed, and overwrites the install buffer
         # once the last install copy has read it.

@@ -182,6 +182,19 @@ def runs_of(selected: list[DeviceColumns]) -> Runs:
     return Runs(stacked, blocks, sorted(single))
 
 
+def write_selected(weights: list[torch.Tensor], selected: list[DeviceColumns],
+                   runs: Runs | None = None) -> None:
+    """Each weight's selected columns := its master values (converted to its dtype): the members
+    of a whole ColumnBlock at once (`runs`, runs_of(selected) unless given), the rest one scatter
+    each."""
+    runs = runs or runs_of(selected)
+    for run, block in zip(runs.stacked, runs.blocks):
+        block.put([weights[j] for j in run])
+    columns.scatter_columns_of([weights[j] for j in runs.single],
+                               [selected[j].column_indices for j in runs.single],
+                               [selected[j].master for j in runs.single])
+
+
 @dataclass
 class DeviceVector(_SavedAdamState):
     """AdamW state of a vector parameter (bias, norm weight), always updated on the device."""
@@ -326,11 +339,8 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
         adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
                beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
-    for run, block in zip(runs.stacked, runs.blocks):
-        block.put([matrices[j][0] for j in run])
-    columns.scatter_columns_of([weights for weights, _, _, _ in single],
-                               [cols.column_indices for _, _, cols, _ in single],
-                               [cols.master for _, _, cols, _ in single])
+    write_selected([weights for weights, _, _, _ in matrices],
+                   [cols for _, _, cols, _ in matrices], runs)
     for weights, _, state, _ in vectors:
         if state.master.data_ptr() != weights.data_ptr():
             weights.copy_(state.master.view(weights.shape))

@@ -233,7 +233,7 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
         for part in ([run] if with_rates.isdisjoint(run) else [[i] for i in run])]
     for run in runs:
         if len(run) > 1:
-            values = host.install_span(run[0], run[-1])
+            values = host.span("install", [run[0], run[-1]])[0]
             batch.extend(run)
             batch_pairs.append(([pipe.weights(i) for i in run], values))
             batch_bytes += values.nbytes

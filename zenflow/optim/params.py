@@ -18,7 +18,7 @@ import torch
 from zenflow.distributed import is_sharded, local
 from zenflow.host.weight_views import WeightViews
 from zenflow.optim import columns
-from zenflow.optim.device_adam import DeviceColumns, DeviceVector, column_blocks, device_step, runs_of
+from zenflow.optim.device_adam import DeviceColumns, DeviceVector, column_blocks, device_step, write_selected
 from zenflow.optim.importance import num_selected
 
 log = logging.getLogger("zenflow")
@@ -149,13 +149,7 @@ def device_update(host_params: list[HostParam], vector_params: list[VectorParam]
 def params_from_selected(matrices: list[HostParam], weights: WeightViews) -> None:
     """param_from_selected() of each of `matrices`, written through `weights` (by host index);
     the members of a whole ColumnBlock together."""
-    runs = runs_of([m.selected for m in matrices])
-    for run, block in zip(runs.stacked, runs.blocks):
-        block.put([weights[matrices[j].host_index] for j in run])
-    single = [matrices[j] for j in runs.single]
-    columns.scatter_columns_of([weights[m.host_index] for m in single],
-                               [m.selected.column_indices for m in single],
-                               [m.selected.master for m in single])
+    write_selected([weights[m.host_index] for m in matrices], [m.selected for m in matrices])
 
 
 def sort_params(param_groups: list[dict], topk_ratio: float, vectors_on_host: bool,

@@ -112,12 +112,11 @@ class ColumnSelector:
         runs = runs_of([m.selected for m in todo])
         for run in runs.stacked:   # alike small matrices (a ColumnBlock's): one stack for all
             grads_run = [grads.get(todo[j].param) for j in run]
-            slices = {(own[todo[j].host_index].start, own[todo[j].host_index].stop) for j in run}
-            if any(g is None for g in grads_run) or len(slices) > 1:
+            if any(g is None for g in grads_run):
                 runs.single.extend(run)
                 continue
             stack = torch.stack([columns.as_matrix(g) for g in grads_run])
-            if self.partition.active:
+            if self.partition.active:   # (alike in rows, so alike in this rank's rows)
                 stack = stack[:, own[todo[run[0]].host_index]]
             for j, sums in zip(run, self.measure.partial(stack).unbind(0)):
                 partial[j] = sums
