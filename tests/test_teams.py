@@ -12,7 +12,7 @@ import torch
 from zenflow.host import buffers, numa
 from zenflow.host.buffers import HostState
 from zenflow.host.commands import Update
-from zenflow.host.layout import HostLayout
+from zenflow.host.layout import HostJobs, HostLayout
 from zenflow.host.teams import NodeTeams
 from zenflow.host.worker import WorkerHostRunner
 
@@ -112,7 +112,7 @@ def test_the_worker_updates_each_nodes_share_on_its_cores(tmp_path, monkeypatch)
     two.arena.nodes = [0, 1]
     runner = WorkerHostRunner(two, CPUS)
     try:
-        runner.send(Update(0, tuple(JOBS)))
+        runner.send(Update(0, HostJobs.of(JOBS)))
         runner.wait()
         assert runner.team_threads == [len(CPUS), len(CPUS)]   # a team per node
     finally:

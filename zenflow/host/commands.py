@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from zenflow.host.buffers import HostState
-from zenflow.host.layout import HostJob
+from zenflow.host.layout import HostJobs
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,10 @@ class Accumulate:
 class Update:
     """A window's host AdamW: each job's matrix on the mean of grad_sum[sum_slot]."""
     sum_slot: int
-    jobs: tuple[HostJob, ...]
+    jobs: HostJobs
 
     def matrices(self) -> list[int]:
-        return [job.matrix for job in self.jobs]
+        return list(self.jobs.matrices)
 
     def run(self, host: HostState) -> None:
         host.update(list(self.jobs), self.sum_slot)

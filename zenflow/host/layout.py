@@ -30,7 +30,7 @@ that the worker process receives as it is.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -88,6 +88,45 @@ class HostJob(NamedTuple):
         return cls(matrix, step, num_grads, HostUpdate(*hyper))
 
 
+@dataclass
+class HostJobs:
+    """A window's HostJobs, as columns: a HostJob per matrix would be thousands of objects (an
+    MoE's) that outlive the step that made them, and Python's collector scans every object of
+    the process each time enough such survivors have piled up (at 5,000 matrices a full scan
+    every few steps, 30 ms a step). Lists of numbers and shared HostUpdates are a few objects.
+    Iterating gives each job as a HostJob."""
+    matrices: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    num_grads: list[int] = field(default_factory=list)
+    updates: list[HostUpdate] = field(default_factory=list)
+    widen: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, jobs) -> HostJobs:
+        made = cls()
+        for job in jobs:
+            made.append(*job)
+        return made
+
+    def append(self, matrix: int, step: int, num_grads: int, update: HostUpdate,
+               widen: bool = False) -> None:
+        self.matrices.append(matrix)
+        self.steps.append(step)
+        self.num_grads.append(num_grads)
+        self.updates.append(update)
+        self.widen.append(widen)
+
+    def __len__(self) -> int:
+        return len(self.matrices)
+
+    def __iter__(self):
+        return map(HostJob, self.matrices, self.steps, self.num_grads, self.updates, self.widen)
+
+    def without(self, dropped: set[int]) -> HostJobs:
+        """The jobs of the matrices not in `dropped`."""
+        return HostJobs.of(job for job in self if job.matrix not in dropped)
+
+
 @dataclass(frozen=True)
 class HostMatrix:
     """Where one matrix (this rank's rows of it) sits in the host buffers."""
@@ -115,13 +154,28 @@ class HostLayout:
     staging_slots: int = 1
     rates: bool = False      # deferred_credit="moments": a rate buffer per dtype
     factors: bool = False    # deferred_credit="factored": the factors buffer
+    # back_to_back's answers, by the indices asked for: every step asks it of the same indices
+    # twice (staging, installs), and 5,000 matrices take a few ms of Python each time
+    _runs: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_runs": {}}   # (the worker gets the layout: not the answers)
 
     def back_to_back(self, indices: list[int]) -> list[list[int]]:
         """`indices` in runs: small matrices alike in shape and dtype and back to back in the
         typed buffers (staging, install: build() places them so) are one run, copied at once
         between host and device (at most STACK_ELEMENTS values each, STACK_RUN_ELEMENTS a run);
         any other matrix is a run of its own. The runs come in the order of their first member
-        in `indices`."""
+        in `indices`. The answer is kept (the caller does not change it)."""
+        key = tuple(indices)
+        runs = self._runs.get(key)
+        if runs is None:
+            if len(self._runs) >= 8:
+                self._runs.clear()
+            runs = self._runs[key] = self._back_to_back(indices)
+        return runs
+
+    def _back_to_back(self, indices: list[int]) -> list[list[int]]:
         position = {i: p for p, i in enumerate(indices)}
         runs: list[list[int]] = []
         size = 0

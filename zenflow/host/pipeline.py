@@ -47,7 +47,7 @@ from zenflow.host.commands import Accumulate, Update
 from zenflow.host.credit import Credit, on_replicas
 from zenflow.host.device_sums import DeviceSums
 from zenflow.host.early_copies import EarlyCopies
-from zenflow.host.layout import HostJob, HostLayout
+from zenflow.host.layout import HostJobs, HostLayout
 from zenflow.host.placement import SumPlacement
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
@@ -60,12 +60,12 @@ log = logging.getLogger("zenflow")
 @dataclass
 class InFlight:
     """A window's host update, from its hand-off until it is installed."""
-    jobs: list[HostJob]
+    jobs: HostJobs
     command: Command | None = None   # its Update on the worker link (None: done already)
 
     @property
     def matrices(self) -> list[int]:
-        return [job.matrix for job in self.jobs]
+        return list(self.jobs.matrices)
 
 
 class HostPipeline:
@@ -270,24 +270,23 @@ class HostPipeline:
         assert self.in_flight is None, "take_update() the previous window first"
         self.placement.watch(self)
         self.early_copies.window_ended()
-        jobs = []
+        jobs = HostJobs()
         for i, n in enumerate(self.num_grads):
             if n:
                 self.host_step[i] += self.credit.host_steps(i, n)
                 # A narrow (bf16) device sum lands in the first half of its fp32 sum's bytes,
                 # and the update widens it there first.
                 widen = i in self.device_sums and self.device_sums.sums[i].dtype != torch.float32
-                jobs.append(HostJob(i, self.host_step[i], n,
-                                    self.credit.host_update(i, adamw[i], n, delayed, lookahead),
-                                    widen))
+                jobs.append(i, self.host_step[i], n,
+                            self.credit.host_update(i, adamw[i], n, delayed, lookahead), widen)
                 self.num_grads[i] = 0
         if not jobs:
             return False
         flight = InFlight(jobs)
-        on_device = [j.matrix for j in jobs if j.matrix in self.device_sums]
+        on_device = [i for i in jobs.matrices if i in self.device_sums]
         slot = f"grad_sum{self._sum_slot}"
-        also = self.credit.copy_out([j.matrix for j in jobs if j.update.moments], self.host,
-                                    self._sum_slot)
+        also = self.credit.copy_out([i for i, u in zip(jobs.matrices, jobs.updates) if u.moments],
+                                    self.host, self._sum_slot)
         sums, nbytes = self.device_sums.copy_out(
             on_device,
             lambda i: landing_of(self.host.fp32(slot, i), self.device_sums.sums[i].dtype),
@@ -296,7 +295,7 @@ class HostPipeline:
         # The update reads the sums once they have landed, and overwrites the install buffer
         # once the last install copy has read it.
         flight.command = self.link.submit(all_of(self._install_reader, sums),
-                                          Update(self._sum_slot, tuple(jobs)))
+                                          Update(self._sum_slot, jobs))
         self.in_flight = flight
         self._sum_slot = (self._sum_slot + 1) % self.layout.sum_slots
         return True
@@ -308,7 +307,7 @@ class HostPipeline:
         self._load_masters(indices)
         if self.in_flight is not None:
             dropped = set(indices)
-            self.in_flight.jobs = [j for j in self.in_flight.jobs if j.matrix not in dropped]
+            self.in_flight.jobs = self.in_flight.jobs.without(dropped)
 
     def _load_masters(self, indices) -> None:
         """The host master values of `indices` := the parameters' current values (own rows)."""

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from zenflow.host.layout import FP32_KINDS, HostJob, HostUpdate
+from zenflow.host.layout import FP32_KINDS, HostJob, HostJobs, HostUpdate
 from zenflow.saved_state import check_count, check_saved_tensors
 
 
@@ -74,7 +74,7 @@ def check(pipe, state: dict, window_steps: int | None = None) -> None:
     check_in_flight_jobs(state.get("in_flight_jobs"), in_flight or [])
 
 
-def load(pipe, state: dict) -> list[HostJob] | None:
+def load(pipe, state: dict) -> HostJobs | None:
     """Restore what save() returned (check() it first), but the update in flight: its jobs are
     returned (None: none), done, their values published in the install buffer. After a worker
     died mid-work this is the roll-back: every host buffer is overwritten and a new worker
@@ -106,7 +106,7 @@ def load(pipe, state: dict) -> list[HostJob] | None:
             for saved in state.get("in_flight_jobs") or []] or [
         HostJob(i, 0, 0, HostUpdate(0.0, 0.0, 0.0, 0.0, 0.0)) for i in state["in_flight"]]
     pipe.host.publish(jobs)
-    return jobs
+    return HostJobs.of(jobs)
 
 
 def _job(saved: list, credit) -> HostJob:

@@ -129,7 +129,10 @@ def copy(dst: torch.Tensor | list[torch.Tensor], src: torch.Tensor,
         return
     if src.device != dst[0].device:   # (on CUDA on the current stream, which the copies follow)
         src = src.to(dst[0].device, non_blocking=non_blocking)
-    torch._foreach_copy_(dst, src.view(len(dst), *dst[0].shape).unbind(0))
+    # (not a view of src per matrix: a few us each, and thousands of objects for Python's
+    # collector at an install of an MoE's experts)
+    rows = dst[0].shape[0]
+    torch.split_with_sizes_copy(src.view(len(dst) * rows, -1), [rows] * len(dst), 0, out=dst)
 
 
 def _copy_loop(jobs: queue.SimpleQueue, cores: list[int]) -> None:

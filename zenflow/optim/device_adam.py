@@ -130,7 +130,16 @@ class ColumnBlock:
         """The selected columns of `matrices` (its members', in slot order) := the masters."""
         stack = torch.stack(matrices)
         stack.scatter_(2, self.spread, self.master.to(stack.dtype))
-        torch._foreach_copy_(matrices, stack.unbind(0))
+        spread_rows(stack, matrices)
+
+
+def spread_rows(stack: torch.Tensor, matrices: list[torch.Tensor]) -> None:
+    """matrices[j] := stack[j], for alike [rows, cols] matrices, in one multi-tensor copy that
+    makes no Python object per matrix (unbinding the stack made a view each: a few us, and
+    thousands of objects for Python's collector at a window end of an MoE's experts)."""
+    rows = matrices[0].shape[0]
+    torch.split_with_sizes_copy(stack.view(len(matrices) * rows, -1), [rows] * len(matrices), 0,
+                                out=matrices)
 
 
 def column_blocks(shapes: list[tuple[int, int, torch.dtype, int]], device: torch.device
@@ -236,10 +245,11 @@ class _Batch:
 _CHUNK_ELEMENTS = 1 << 24   # 16-bit values compared at once: at most ~200 MiB of temporaries
 
 
-def adopt_written(matrices: list[tuple[torch.Tensor, DeviceColumns]],
+def adopt_written(weights: list[torch.Tensor], selected: list[DeviceColumns],
                   vectors: list[tuple[torch.Tensor, DeviceVector]]) -> None:
     """The device's masters := what was written into their parameters since the optimizer last
-    wrote them: `matrices` (weight as [out, in], its columns) and `vectors` (parameter, state).
+    wrote them: the matrices' (`weights` as [out, in] and their `selected` columns) and
+    `vectors`' ((parameter, state) pairs).
 
     A write through `.data` (a WGAN's `p.data.clamp_()`) bumps no version counter, and the next
     step would write the masters over it; torch's AdamW keeps it, and so must the columns the
@@ -248,16 +258,16 @@ def adopt_written(matrices: list[tuple[torch.Tensor, DeviceColumns]],
     ColumnBlock's at once); a 16-bit parameter's fp32 master keeps its low bits where the
     parameter still holds it rounded, and takes the parameter's value elsewhere, in a few
     launches per run of matrices."""
-    runs = runs_of([cols for _, cols in matrices])
+    runs = runs_of(selected)
     written = []   # (fp32 masters, the weights' values there, narrower)
     for run, block in zip(runs.stacked, runs.blocks):
-        weights = [matrices[j][0] for j in run]
-        if weights[0].dtype == block.master.dtype:
-            block.take(weights, out=block.master)
+        members = [weights[j] for j in run]
+        if members[0].dtype == block.master.dtype:
+            block.take(members, out=block.master)
         else:
-            written.append((block.master, block.take(weights)))
+            written.append((block.master, block.take(members)))
     for j in runs.single:
-        w, cols = matrices[j]
+        w, cols = weights[j], selected[j]
         if w.dtype == cols.master.dtype:
             torch.index_select(w, 1, cols.column_indices, out=cols.master)
         else:
@@ -278,7 +288,8 @@ def adopt_written(matrices: list[tuple[torch.Tensor, DeviceColumns]],
             master = torch.cat([m for m, _ in run])
             values = torch.cat([v for _, v in run])
             kept = torch.where(master.to(values.dtype) == values, master, values.float())
-            torch._foreach_copy_([m for m, _ in run], kept.split([m.numel() for m, _ in run]))
+            torch.split_with_sizes_copy(kept, [m.numel() for m, _ in run], 0,
+                                        out=[m for m, _ in run])
 
 
 def group_hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
@@ -288,19 +299,28 @@ def group_hyperparameters(group: dict) -> tuple[float, float, float, float, floa
             float(group["weight_decay"]))
 
 
-def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, dict]],
+class MatrixSteps(NamedTuple):
+    """The matrices a device step updates, as parallel lists (a tuple per matrix would be
+    thousands of objects a step, an MoE's, for Python's collector to track): the view the
+    optimizer writes each through ([rows, cols]: zenflow.host.weight_views), its gradient, its
+    selected columns and its param group."""
+    weights: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    columns: list[DeviceColumns]
+    groups: list[dict]
+
+
+def device_step(matrices: MatrixSteps,
                 vectors: list[tuple[torch.Tensor, torch.Tensor, DeviceVector, dict]],
                 scale) -> None:
     """One AdamW step of the selected columns and the vectors, then write them into the params.
 
-    `matrices` holds (weights, grad, columns, group) and `vectors` (weights, grad, state, group),
-    `weights` the view the optimizer writes the parameter through ([rows, cols], a vector one
-    row: zenflow.host.weight_views);
-    entries without a gradient are left out by the caller, exactly as torch.optim skips them.
-    `scale` (a `zenflow.optim.step_scale.StepScale`) multiplies every gradient; on a step it marks
-    skipped, nothing changes: the counts advance by its kept flag and the fused kernel, handed
-    its skip flag as torch.optim hands GradScaler's found_inf, leaves the state alone. The
-    members of a whole ColumnBlock are gathered and scattered together.
+    `vectors` holds (weights, grad, state, group), `weights` the view the optimizer writes the
+    parameter through (one row); entries without a gradient are left out by the caller, exactly
+    as torch.optim skips them. `scale` (a `zenflow.optim.step_scale.StepScale`) multiplies every
+    gradient; on a step it marks skipped, nothing changes: the counts advance by its kept flag and
+    the fused kernel, handed its skip flag as torch.optim hands GradScaler's found_inf, leaves the
+    state alone. The members of a whole ColumnBlock are gathered and scattered together.
     """
     batches: dict[tuple, _Batch] = {}
     hyperparameters: dict[int, tuple] = {}   # id(group) -> its own: read once per group
@@ -314,18 +334,19 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
             batch = batches[key] = _Batch()
         return batch
 
-    runs = runs_of([cols for _, _, cols, _ in matrices])
+    selected, grads = matrices.columns, matrices.grads
+    runs = runs_of(selected)
     for run, block in zip(runs.stacked, runs.blocks):
-        block.take([columns.as_matrix(matrices[j][1]) for j in run], out=block.grad)
-    single = [matrices[j] for j in runs.single]
-    columns.gather_columns_of([columns.as_matrix(grad) for _, grad, _, _ in single],
-                              [cols.column_indices for _, _, cols, _ in single],
-                              [cols.grad for _, _, cols, _ in single])
-    for _, _, cols, group in matrices:
+        block.take([columns.as_matrix(grads[j]) for j in run], out=block.grad)
+    single = runs.single
+    columns.gather_columns_of([columns.as_matrix(grads[j]) for j in single],
+                              [selected[j].column_indices for j in single],
+                              [selected[j].grad for j in single])
+    for cols, group in zip(selected, matrices.groups):
         batch_of(group).add(cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
-    if matrices:   # one launch for all, not one per matrix (thousands of them in a MoE)
+    if selected:   # one launch for all, not one per matrix (thousands of them in a MoE)
         torch._foreach_mul_([block.grad for block in runs.blocks]
-                            + [cols.grad for _, _, cols, _ in single], scale.coef)
+                            + [selected[j].grad for j in single], scale.coef)
     scaled = (torch._foreach_mul([grad.float() for _, grad, _, _ in vectors], scale.coef)
               if vectors else [])
     for (_, _, state, group), vector_grad in zip(vectors, scaled):
@@ -339,8 +360,7 @@ def device_step(matrices: list[tuple[torch.Tensor, torch.Tensor, DeviceColumns, 
         adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
                beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
-    write_selected([weights for weights, _, _, _ in matrices],
-                   [cols for _, _, cols, _ in matrices], runs)
+    write_selected(matrices.weights, selected, runs)
     for weights, _, state, _ in vectors:
         if state.master.data_ptr() != weights.data_ptr():
             weights.copy_(state.master.view(weights.shape))

@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -44,27 +43,26 @@ log = logging.getLogger("zenflow")
 INSTALL_BATCH_BYTES = 8 << 20
 
 
-@dataclass
-class QueuedInstall:
-    """One matrix's install, queued: its copy to the device may still be landing."""
-    matrix: int
-    ticket: Ticket    # the copy of its values (and of its credit rule's rates)
-    # At a window end, for the credit rule's correction: (learning rate, AdamW's step bound) and
-    # the gradients summed since the update was handed off; None: no correction.
-    sizes: tuple[float, float] | None = None
-    count: int = 0
+# What finishing an install of a matrix corrects it by, where its credit rule moves it: its
+# (learning rate, AdamW's step bound) at the window end, and the gradients summed since the
+# update was handed off.
+Correction = tuple[tuple[float, float], int]
 
 
 class Installs:
-    """The queued installs not finished yet, one per matrix (host index), and the models whose
-    forward finishes them. `lock` is the optimizer's: finishing from a forward takes it."""
+    """The queued installs not finished yet, one per matrix (host index): its copy's Ticket (a
+    batch's, shared) and any Correction, in plain dicts, since thousands of objects a window
+    (an MoE's matrices) outlive the step and make Python's collector scan the whole process; and
+    the models whose forward finishes them. `lock` is the optimizer's: finishing from a forward
+    takes it."""
 
     def __init__(self, pipeline: HostPipeline, host_params: list, outside_writes, selector,
                  lock: threading.RLock):
         self._pipeline, self._credit = pipeline, pipeline.credit
         self._host_params, self._outside_writes = host_params, outside_writes
         self._selector, self._lock = selector, lock
-        self._pending: dict[int, QueuedInstall] = {}
+        self._pending: dict[int, Ticket] = {}   # in the order queued
+        self._corrections: dict[int, Correction] = {}
         self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hooks
 
     # -- queue ----------------------------------------------------------------------------------
@@ -77,13 +75,12 @@ class Installs:
         flight = self._pipeline.take_update()
         if flight is None:
             return []
-        moving = {j.matrix for j in flight.jobs if j.update.moments and self._credit.moves(j.matrix)}
+        moving = {i for i, u in zip(flight.jobs.matrices, flight.jobs.updates)
+                  if u.moments and self._credit.moves(i)}
         num_grads = self._pipeline.num_grads
         corrections = {} if sizes is None else {
             i: (sizes[i], num_grads[i]) for i in flight.matrices if i in moving and num_grads[i]}
-        queued = self._queue(flight.matrices, moving, corrections)
-        self._add(queued)
-        return [q.matrix for q in queued]
+        return self._add(self._queue(flight.matrices, moving, corrections))
 
     def queue_masters(self, indices: list[int]) -> None:
         """Queue the install of the host values of `indices` themselves (an update installed with
@@ -93,31 +90,33 @@ class Installs:
         self._add(self._queue(indices, set()))
 
     def _queue(self, indices: list[int], with_rates: set[int],
-               corrections: dict[int, tuple[tuple[float, float], int]] | None = None
-               ) -> list[QueuedInstall]:
-        """Queue the copies; `corrections`: index -> ((lr, bound), gradients summed since the
-        hand-off) of the matrices the credit rule corrects. Under DDP each rank corrects its own
-        rows before the ranks gather them (no other rank has their window sums), at the copy;
-        elsewhere finishing corrects the installed values."""
+               corrections: dict[int, Correction] | None = None
+               ) -> tuple[dict[int, Ticket], dict[int, Correction]]:
+        """Queue the copies; `corrections`: the matrices the credit rule corrects. Under DDP each
+        rank corrects its own rows before the ranks gather them (no other rank has their window
+        sums), at the copy; elsewhere finishing corrects the installed values. Returns each
+        matrix's ticket, and what finishing corrects by."""
         corrections = corrections or {}
         replicas = self._pipeline.partition.splits_rows
         self._pipeline.transfers.new_install()
         tickets = copy_rows_to_params(self._pipeline, indices, with_rates,
                                       corrections if replicas else {})
         later = {} if replicas else corrections
-        queued = [QueuedInstall(i, ticket, *later.get(i, (None, 0)))
-                  for i, ticket in tickets.items()]
-        self._pipeline.read_by(all_of(*(q.ticket for q in queued)))
-        return queued
+        self._pipeline.read_by(all_of(*{id(t): t for t in tickets.values()}.values()))
+        return tickets, later
 
-    def _add(self, queued: list[QueuedInstall]) -> None:
-        """Installs just queued. Those no attached forward waits for are finished now (a
-        compiled model's forward does not wait: zenflow/optim/model_hooks.py)."""
-        assert not any(q.matrix in self._pending for q in queued), "finish() the last first"
-        self._pending.update((q.matrix, q) for q in queued)
+    def _add(self, queued: tuple[dict[int, Ticket], dict[int, Correction]]) -> list[int]:
+        """Installs just queued (_queue's answer). Those no attached forward waits for are
+        finished now (a compiled model's forward does not wait: zenflow/optim/model_hooks.py).
+        Returns the matrices queued."""
+        tickets, corrections = queued
+        assert not any(i in self._pending for i in tickets), "finish() the last first"
+        self._pending.update(tickets)
+        self._corrections.update((i, c) for i, c in corrections.items() if i in tickets)
         waited = set().union(*(h.matrices for h in self._attached.values()
                                if not h.finishes_in_step))
-        self.finish([q.matrix for q in queued if q.matrix not in waited])
+        self.finish([i for i in tickets if i not in waited])
+        return list(tickets)
 
     # -- finish ---------------------------------------------------------------------------------
     def pending(self, matrices: list[int] | None = None) -> bool:
@@ -132,29 +131,28 @@ class Installs:
         if not self._pending:
             return
         if matrices is None:
-            due = list(self._pending.values())
+            due, self._pending = self._pending, {}
         else:
-            due = [self._pending[i] for i in matrices if i in self._pending]
-        for q in due:
-            del self._pending[q.matrix]
+            due = {i: self._pending.pop(i) for i in matrices if i in self._pending}
         if due:
-            self._finish(due)
+            self._finish(list(due), list({id(t): t for t in due.values()}.values()),
+                         {i: c for i in due if (c := self._corrections.pop(i, None)) is not None})
 
-    def _finish(self, installs: list[QueuedInstall]) -> None:
+    def _finish(self, matrices: list[int], tickets: list[Ticket],
+                corrections: dict[int, Correction]) -> None:
         pipeline = self._pipeline
-        pipeline.transfers.order_after([q.ticket for q in installs])
-        corrected = [q for q in installs if q.sizes is not None]
-        if corrected:
-            self._credit.correct({q.matrix: pipeline.weights(q.matrix) for q in corrected},
+        pipeline.transfers.order_after(tickets)
+        if corrections:
+            self._credit.correct({i: pipeline.weights(i) for i in corrections},
                                  pipeline.device_sums.sums,
-                                 {q.matrix: q.sizes for q in corrected},
-                                 {q.matrix: q.count for q in corrected})
+                                 {i: sizes for i, (sizes, _) in corrections.items()},
+                                 {i: count for i, (_, count) in corrections.items()})
         if self._selector.has_chosen:   # the device's own columns are newer than the host's
-            owning = [m for q in installs if (m := self._host_params[q.matrix]).k > 0]
+            owning = [m for i in matrices if (m := self._host_params[i]).k > 0]
             params_from_selected(owning, pipeline.weight_views)
             for m in owning:
                 self._credit.device_owns(m.host_index, m.selected.column_indices)
-        self._outside_writes.fingerprint([q.matrix for q in installs])
+        self._outside_writes.fingerprint(matrices)
 
     def check_forward_reads(self, read: list[int]) -> None:
         """At step(), before finishing what is still pending: a pending install of a matrix the
@@ -203,7 +201,7 @@ class Installs:
 
 def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
                         with_rates: set[int] = frozenset(),
-                        corrections: dict[int, tuple[tuple[float, float], int]] | None = None
+                        corrections: dict[int, Correction] | None = None
                         ) -> dict[int, Ticket]:
     """Queue the install buffer's values of `indices` into their parameters, every rank's rows
     (FSDP2: this rank's shard, which is all it holds), in the order given (the model's, as a
@@ -277,7 +275,7 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
 
 
 def _correct_own_rows(pipe: HostPipeline, i: int, own: torch.Tensor,
-                      correction: tuple[tuple[float, float], int]) -> None:
+                      correction: Correction) -> None:
     """The credit rule's install correction of this rank's rows `own` of matrix i (DDP), from
     its own window sum, for `correction` = ((lr, bound), gradients summed since the hand-off)."""
     sizes, count = correction

@@ -279,9 +279,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             return
         self._timer.begin()
         self._step_period.tick()
-        norms = dict(zip(grads, gradient_norms(list(grads.values()))))
+        norms = gradient_norms(list(grads.values()))   # (in the order of grads)
         # torch.amp.GradScaler sets grad_scale and found_inf around step() (None without one)
-        scale = step_scale(list(norms.values()), self.settings.max_grad_norm,
+        scale = step_scale(norms, self.settings.max_grad_norm,
                            getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
                            self._partition)
         count = self.counters
@@ -311,7 +311,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                       self._pipeline.weight_views, self._vector_weights)
         if not warming_up and self._window.watches_importance:
             present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
-            split = importance_split(present, norms, scale, self._partition) if present else None
+            position = {p: j for j, p in enumerate(grads)}
+            split = importance_split(present, norms[[position[m.param] for m in present]], scale,
+                                     self._partition) if present else None
             if split is not None:
                 self._window.observe(*split)
         self._pipeline.accumulate()

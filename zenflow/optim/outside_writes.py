@@ -156,9 +156,8 @@ class OutsideWrites:
     def adopt_device_writes(self) -> None:
         """At each step's start, before anything writes the weights: the columns and vectors the
         device updates take what was written into them, through `.data` too (adopt_written)."""
-        chosen = self.selector.has_chosen
-        adopt_written([(columns.as_matrix(m.local), m.selected)
-                       for m in self.host_params if chosen and m.k > 0],
+        owning = [m for m in self.host_params if m.k > 0] if self.selector.has_chosen else []
+        adopt_written([columns.as_matrix(m.local) for m in owning], [m.selected for m in owning],
                       [(v.local, v.state) for v in self.vector_params])
 
     def _written_through_data(self) -> set:

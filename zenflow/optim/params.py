@@ -18,7 +18,14 @@ import torch
 from zenflow.distributed import is_sharded, local
 from zenflow.host.weight_views import WeightViews
 from zenflow.optim import columns
-from zenflow.optim.device_adam import DeviceColumns, DeviceVector, column_blocks, device_step, write_selected
+from zenflow.optim.device_adam import (
+    DeviceColumns,
+    DeviceVector,
+    MatrixSteps,
+    column_blocks,
+    device_step,
+    write_selected,
+)
 from zenflow.optim.importance import num_selected
 
 log = logging.getLogger("zenflow")
@@ -139,8 +146,13 @@ def device_update(host_params: list[HostParam], vector_params: list[VectorParam]
     a gradient this step are left alone, as torch.optim does), scaled by `scale` (a
     zenflow.optim.step_scale.StepScale: nothing changes on a step it skips), written through
     `weights` (by host index) and `vector_weights` (by position in `vector_params`)."""
-    matrices = [(weights[m.host_index], g, m.selected, m.group) for m in host_params
-                if m.k > 0 and (g := grads.get(m.param)) is not None]
+    matrices = MatrixSteps([], [], [], [])
+    for m in host_params:
+        if m.k > 0 and (g := grads.get(m.param)) is not None:
+            matrices.weights.append(weights[m.host_index])
+            matrices.grads.append(g)
+            matrices.columns.append(m.selected)
+            matrices.groups.append(m.group)
     vectors = [(vector_weights[j], g, v.state, v.group) for j, v in enumerate(vector_params)
                if (g := grads.get(v.param)) is not None]
     device_step(matrices, vectors, scale)
@@ -184,22 +196,21 @@ def device_state_bytes(host_params: list[HostParam], vector_params: list[VectorP
             + sum(v.state.nbytes(v.local) for v in vector_params))
 
 
-def importance_split(present: list[HostParam], norms: dict, scale,
+def importance_split(present: list[HostParam], norms: torch.Tensor, scale,
                      partition=None) -> tuple[float, int, float, int] | None:
     """(squared norm, columns) of the deferred and of the selected columns of the matrices
     `present` this step, for the auto window; None when the step was skipped (`scale`, a
     zenflow.optim.step_scale.StepScale, says so in the same read). The device update has just
     gathered and clipped the selected columns, so their norms take no extra pass over the
-    gradients; `norms` holds each
-    whole gradient's norm before clipping. Where each rank holds some rows of every gradient
-    (FSDP2, `partition.shards_gradients`), the squares are summed across ranks (one all-reduce),
-    so every rank sees the whole matrices' split."""
+    gradients; `norms` (fp32, one per matrix of `present`) holds each whole gradient's norm before
+    clipping. Where each rank holds some rows of every gradient (FSDP2,
+    `partition.shards_gradients`), the squares are summed across ranks (one all-reduce), so every
+    rank sees the whole matrices' split."""
     selected = [m for m in present if m.k > 0]
     selected_norms = torch._foreach_norm([m.selected.grad for m in selected]) if selected else []
-    squares = torch.cat([(torch.stack([norms[m.param] for m in present]).double() * scale.coef
-                          ).square(),
+    squares = torch.cat([(norms.double() * scale.coef).square(),
                          torch.stack(selected_norms).double().square() if selected
-                         else torch.zeros(0, dtype=torch.float64, device=norms[present[0].param].device)])
+                         else torch.zeros(0, dtype=torch.float64, device=norms.device)])
     if partition is not None and partition.shards_gradients:
         squares = partition.sum_(squares, "summing the deferred and selected gradient norms")
     # One stacked transfer instead of one device sync per matrix (the auto window's importance

@@ -16,7 +16,7 @@ from zenflow.host.buffers import HostState
 from zenflow.host.commands import Accumulate, Update
 from zenflow.host.cores import local_rank_share, split_cores
 from zenflow.host.fingerprints import column_bit_sums
-from zenflow.host.layout import HostJob, HostLayout, HostUpdate
+from zenflow.host.layout import HostJob, HostJobs, HostLayout, HostUpdate
 from zenflow.host.transfers import Transfers, uses_cuda
 from zenflow.host.worker import WorkerHostRunner
 from zenflow.optim.step_scale import gradient_norms
@@ -93,8 +93,8 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
         return runner.busy_seconds - before
 
     def updates(runner, moments: bool, factored: bool = False) -> list[float]:
-        return [timed(runner, Update(0, (HostJob(0, i + 1, 1, HostUpdate(
-                   1e-3, 0.9, 0.999, 1e-8, 0.01, moments=moments, factored=factored)),)))
+        return [timed(runner, Update(0, HostJobs.of([HostJob(0, i + 1, 1, HostUpdate(
+                   1e-3, 0.9, 0.999, 1e-8, 0.01, moments=moments, factored=factored))])))
                 for i in range(repeats + 1)][1:]
     runner = WorkerHostRunner(host, cores)
     try:
