@@ -8,7 +8,7 @@ it queues far fewer of them than the device runs behind the backward. Every para
 8x8 matrix, so arithmetic is negligible and what is left is the per-operator cost. Counts the aten
 operators each `step()` dispatches on the calling thread (a TorchDispatchMode: what becomes
 kernel launches on a GPU), separately for steps inside a window and steps that end one, and times
-`step()` in other runs (median over alternated rounds: counting costs Python time). Writes JSON
+`step()` in other runs (median and mean over alternated rounds: counting costs Python time). Writes JSON
 (machine named) under DIR (default benchmarks/results/).
 """
 from __future__ import annotations
@@ -140,11 +140,17 @@ def main() -> None:
                 continue
             median = statistics.median(times[name])
             table[name]["step_median_s"] = median
+            # (the mean too: a step that stalls now and then, on the host or on Python's
+            # collector, hides under the median)
+            table[name]["step_mean_s"] = statistics.fmean(times[name])
             for part in ("inside", "ends"):   # steps inside a window, and those ending one
                 if times.get((name, part)):
                     table[name][f"step_median_{part}_s"] = statistics.median(times[name, part])
             if base:
                 table[name]["step_vs_torch"] = round(median / base, 2)
+                table[name]["mean_vs_torch"] = round(
+                    table[name]["step_mean_s"]
+                    / statistics.fmean(times["torch AdamW(fused=True)"]), 2)
                 if times.get((name, "inside")):
                     table[name]["inside_vs_torch"] = round(
                         table[name]["step_median_inside_s"] / base, 2)
@@ -160,7 +166,8 @@ def main() -> None:
         for name, row in table.items():
             print(f"  {name:38s} inside {row['ops_inside_window']}, window ends "
                   f"{row['ops_at_window_end']}, {row.get('step_vs_torch', '-')}x torch "
-                  f"({row.get('inside_vs_torch', '-')}x inside a window)"
+                  f"({row.get('inside_vs_torch', '-')}x inside a window; mean "
+                  f"{row.get('mean_vs_torch', '-')}x)"
                   + (f"; profiler events {row['profiler_events_inside_window']}, "
                      f"{row['profiler_events_at_window_end']}" if args.profiler else ""))
     suffix = f"_{args.name}" if args.name else ""
