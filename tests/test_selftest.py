@@ -101,18 +101,19 @@ def test_gpu_check_without_a_gpu_skips_with_a_message(tmp_path, capsys, monkeypa
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
-    """The GPU sections at the CPU's sizes: a real model against the reference, step(closure)
-    with checkpointing under a deadline, the speed comparison; JSON written, GPU named."""
+    """The GPU sections at the CPU's sizes: a real model against the reference, the speed
+    comparison; JSON written, GPU named. (The closure section, step(closure) with checkpointing
+    under a deadline, starts a process for each dtype: the selftest's test above runs it.)"""
     import json
 
     from zenflow.tools import gpu_check
     assert gpu_check.main(["--dry-run", "--out-dir", str(tmp_path),
-                           "--sections", "model,closure,pagelocks,speed"]) == 0
+                           "--sections", "model,pagelocks,speed"]) == 0
     result = json.loads((tmp_path / "gpu-check-cpu.json").read_text())
     assert result["passed"] and result["gpu"] == "cpu"
     fp32 = result["selftest"]["fp32"]["sections"]
     assert [c["status"] for c in fp32["model"]["checks"]] == ["pass"] * 3
-    assert fp32["closure"]["status"] == "pass" and fp32["pagelocks"]["status"] == "skip"
+    assert fp32["pagelocks"]["status"] == "skip" and "closure" not in fp32
     ratios = fp32["speed"]["checks"][0]["measured"]["zenflow_over_adamw"]
     assert set(ratios) == {"defaults", "mean, bf16 sums"} and min(ratios.values()) > 0
 

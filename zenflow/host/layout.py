@@ -25,7 +25,7 @@ then), so the squares cost the host no memory.
 Matrices are laid out grouped by dtype, so each dtype's part of an fp32 buffer lines up with its
 staging and install buffers and a whole group is accumulated or converted in one flat pass.
 A window's update of one matrix is a `HostJob` (its hyperparameters a `HostUpdate`): plain data
-that the worker process receives as it is.
+that the worker process receives as it is; a window's jobs travel as `HostJobs`, their columns.
 """
 from __future__ import annotations
 
