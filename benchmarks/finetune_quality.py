@@ -577,15 +577,15 @@ def main(argv=None) -> int:
                          "this machine, each 1/N of every batch, gradients averaged by an "
                          "all_reduce before step()); the others in one process")
     ap.add_argument("--quick", action="store_true",
-                    help="a tiny run to check the script works (20 pretraining steps, 10 "
-                         "fine-tuning steps of 8 sequences, 64 evaluation windows); not a "
+                    help="a tiny run to check the script works (10 pretraining steps, 10 "
+                         "fine-tuning steps of 8 sequences, 32 evaluation windows); not a "
                          "measurement")
     args = ap.parse_args(argv)
     if args.merge:
         return merge(args.merge, Path(args.out), args.name or "finetune_quality_merged")
     setting = Setting(steps=args.steps)
     if args.quick:
-        setting = Setting(pretrain_steps=20, steps=10, warmup=2, eval_windows=64, batch_size=8)
+        setting = Setting(pretrain_steps=10, steps=10, warmup=2, eval_windows=32, batch_size=8)
     setting = replace(setting, dtype=args.dtype,
                       compute=args.bf16_compute if args.dtype != "fp32" else "native")
     if args.lr is not None:
