@@ -22,8 +22,9 @@ def column_bit_sums(matrix: torch.Tensor) -> torch.Tensor:
 
 def column_sums_of_bits(matrix_bits: torch.Tensor) -> torch.Tensor:
     """column_bit_sums() of a matrix already seen as integers (`bits(matrix)`, which
-    zenflow.host.weight_views keeps per parameter: one operator a matrix, not three)."""
-    return matrix_bits.sum(dim=0, dtype=torch.int32)
+    zenflow.host.weight_views keeps per parameter: one operator a matrix, not three): [cols] of
+    a [rows, cols] matrix, [n, cols] of a stack of n alike ones."""
+    return matrix_bits.sum(dim=-2, dtype=torch.int32)
 
 
 def masked_bit_sum(matrix: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

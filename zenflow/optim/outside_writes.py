@@ -45,8 +45,8 @@ class _HostColumnBitSums:
         runs = runs_of([m.selected for m in matrices])
         bits_of = self._weights.bits
         flat = torch.cat(
-            [torch.stack([bits_of(matrices[j].host_index) for j in run])
-             .sum(dim=1, dtype=torch.int32).view(-1) for run in runs.stacked]
+            [column_sums_of_bits(torch.stack([bits_of(matrices[j].host_index) for j in run]))
+             .view(-1) for run in runs.stacked]
             + [column_sums_of_bits(bits_of(matrices[j].host_index)) for j in runs.single])
         device_owned, segments = self._flat_indices(
             matrices, runs, chosen, flat.device,
