@@ -140,6 +140,17 @@ SYSTEMS = {
     # longest "auto" window (the install's bus time asks for 18)
     "factored, 2.5 B/param, host 16 steps slow": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16"), 16, 2.5),
+    # ... with Adam's moments in bf16 on the host (host_moments_dtype, issue 37): 4 bytes less
+    # host memory a parameter
+    "factored, bf16 host moments, U=4": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=4,
+        host_moments_dtype="bfloat16"), 0, 2.5),
+    "factored, bf16 host moments, U=8": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=8,
+        host_moments_dtype="bfloat16"), 0, 2.5),
+    "factored, bf16 host moments, host 16 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16",
+        host_moments_dtype="bfloat16"), 16, 2.5),
     "moments, 5.7 B/param, U=4": System("zenflow", dict(
         deferred_credit="moments", update_interval=4), 0, 5.7),
     "moments, 5.7 B/param, U=8": System("zenflow", dict(
@@ -285,7 +296,7 @@ def pretrained(setting: Setting, direction: Direction, data,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if progress and (step % 100 == 0 or step == setting.pretrain_steps - 1):
-            print(f"  pretrain {step + 1}/{setting.pretrain_steps}  loss {float(loss):.3f}",
+            print(f"  pretrain {step + 1}/{setting.pretrain_steps}  loss {loss.item():.3f}",
                   flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -13,7 +13,9 @@ with). It times, in turn and round after round so that drift hits every system a
               lookahead ("lookahead", install_lookahead=1); deferred_credit "moments" (which
               also reads the sums of squares and writes bf16 rates); deferred_credit "factored"
               (the default: the squares as row and column sums, the rates fitted as row x
-              column factors, O(rows + cols) beside the same 30 bytes)
+              column factors, O(rows + cols) beside the same 30 bytes); "mean_bf16" and
+              "factored_bf16": the same with host_moments_dtype="bfloat16" (the moments read
+              and written in 2 bytes each: 22 bytes per parameter)
     probe     the same chunks, each touching the same buffers with the cheapest operators:
               every buffer the update reads is read from memory once, every buffer it writes is
               written once (mean and lookahead: 30 bytes per parameter; moments: 36)
@@ -37,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # zenflow, from a checkout too
 VARIANTS = {"mean": 30, "lookahead": 30, "moments": 36,   # bytes per parameter, as counted above
-            "factored": 30}
+            "factored": 30, "mean_bf16": 22, "factored_bf16": 22}
+COMPACT = "_bf16"   # a variant on bf16 moments (host_moments_dtype="bfloat16"): 8 bytes fewer
 ROWS = 4096
 
 
@@ -51,39 +54,54 @@ def _child(args) -> dict:
     torch.set_num_threads(args.cores)
     cols = max(1, args.params // ROWS)
     n = ROWS * cols
-    host = HostState.allocate(HostLayout.build([(ROWS, cols, torch.bfloat16)], sum_slots=2,
-                                               rates=True, factors=True),
-                              "benchmarks/host_adam.py")
-    v = host.arena.views
-    for name in ("master", "exp_avg", "grad_sum0"):
-        v[name].normal_()
-    v["exp_avg_sq"].uniform_(0.0, 1e-3)
-    v["grad_sum1"].uniform_(0.0, 1e-3)   # sums of squares (moments)
-    x, g, m, sq, q = (v[k] for k in ("master", "grad_sum0", "exp_avg", "exp_avg_sq", "grad_sum1"))
-    install, rate = v["install_bfloat16"], v["rate_bfloat16"]
-    row_sq, col_sq, deferred, _, _ = host.factors(0)
-    row_sq.uniform_(0.0, 4e-3 * cols)   # the window's squares' sums: 4 gradients' worth
-    col_sq.uniform_(0.0, 4e-3 * ROWS)
-    deferred.fill_(1.0)
     chunks = buffers.chunks(0, n, [0, n], [args.cores])
     step = [0]
+    hosts: dict[str, HostState] = {}
+
+    def host_for(variant: str) -> HostState:
+        """The host state a variant updates: bf16 moments for the "_bf16" ones."""
+        dtype = "bfloat16" if variant.endswith(COMPACT) else "float32"
+        if dtype not in hosts:
+            host = hosts[dtype] = HostState.allocate(HostLayout.build(
+                [(ROWS, cols, torch.bfloat16)], sum_slots=2, rates=True, factors=True,
+                moments_dtype=getattr(torch, dtype)), "benchmarks/host_adam.py")
+            v = host.arena.views
+            for name in ("master", "exp_avg", "grad_sum0"):
+                v[name].normal_()
+            v["exp_avg_sq"].uniform_(0.0, 1e-3)
+            v["grad_sum1"].uniform_(0.0, 1e-3)   # sums of squares (moments)
+            row_sq, col_sq, deferred, _, _ = host.factors(0)
+            row_sq.uniform_(0.0, 4e-3 * cols)   # the window's squares' sums: 4 gradients' worth
+            col_sq.uniform_(0.0, 4e-3 * ROWS)
+            deferred.fill_(1.0)
+        return hosts[dtype]
 
     def update(variant: str):
+        host, rule = host_for(variant), variant.removesuffix(COMPACT)
+
         def run():
             step[0] += 1
             host.update([HostJob(0, step[0], 4, HostUpdate(
-                1e-4, 0.9, 0.999, 1e-8, 0.01, lookahead=1.0 if variant == "lookahead" else 0.0,
-                moments=variant in ("moments", "factored"),
-                factored=variant == "factored"))], 0)
+                1e-4, 0.9, 0.999, 1e-8, 0.01, lookahead=1.0 if rule == "lookahead" else 0.0,
+                moments=rule in ("moments", "factored"),
+                factored=rule == "factored"))], 0)
         return run
 
-    def restore_sums():
-        # The fused kernel leaves the mean in the sums (it divides them in place by 4); times 4
-        # is exact, and is not timed.
-        g.mul_(4.0)
+    def restore_sums(variant: str):
+        g = host_for(variant).arena.views["grad_sum0"]
+
+        def run():
+            # The fused kernel leaves the mean in the sums (it divides them in place by 4);
+            # times 4 is exact, and is not timed.
+            g.mul_(4.0)
+        return run
 
     def probe(variant: str):
         moments = variant == "moments"
+        v = host_for(variant).arena.views
+        x, g, m, sq, q = (v[k] for k in ("master", "grad_sum0", "exp_avg", "exp_avg_sq",
+                                         "grad_sum1"))
+        install, rate = v["install_bfloat16"], v["rate_bfloat16"]
 
         def run():
             # Adding 0 times a buffer reads it and leaves the values as they were, so the
@@ -105,7 +123,8 @@ def _child(args) -> dict:
     systems = {}
     for variant in args.variants:
         systems[f"zenflow_{variant}"] = (update(variant),
-                                         restore_sums if variant in ("mean", "lookahead")
+                                         restore_sums(variant)
+                                         if variant.removesuffix(COMPACT) in ("mean", "lookahead")
                                          else None)
         systems[f"probe_{variant}"] = (probe(variant), None)
     systems["torch_adamw_fused"] = (fused.step, None)
@@ -122,7 +141,8 @@ def _child(args) -> dict:
             times[name].append(time.perf_counter() - start)
             if after:
                 after()
-    host.arena.release()
+    for host in hosts.values():
+        host.arena.release()
     out = {"cores": args.cores, "cpus": sorted(os.sched_getaffinity(0)), "params": n,
            "torch_threads": torch.get_num_threads(), "piece": buffers.PIECE, "systems": {}}
     for name, ts in times.items():

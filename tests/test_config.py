@@ -52,7 +52,8 @@ def test_empty_zenflow_block_has_deepspeed_defaults():
         "update_interval": "auto", "overlap_step": False, "offload": False, "auto_ratio": 0.99,
         "full_warm_up_rounds": 0, "steps_per_epoch": None,
         # ours, not DeepSpeed's: the constructor's defaults
-        "deferred_credit": "factored", "install_lookahead": 1.0, "pt_reserved_cores_perc": None}
+        "deferred_credit": "factored", "install_lookahead": 1.0, "pt_reserved_cores_perc": None,
+        "host_moments_dtype": "float32"}
     cfg = parse_config(with_(zero_optimization={"stage": 2, "zenflow": {}}), world_size=1)
     assert cfg.optimizer_kind == "zenflow"
 

@@ -323,13 +323,15 @@ def _small_llama():
                          seq_len=8))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_memory_matches_what_the_optimizers_allocate(overlap):
+@pytest.mark.parametrize("overlap,moments", [(True, "float32"), (False, "float32"),
+                                             (True, "bfloat16")])
+def test_memory_matches_what_the_optimizers_allocate(overlap, moments):
     model = _small_llama()
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    r = estimate(shapes, torch.float32, topk_ratio=0.05, overlap=overlap, target="cpu")
+    r = estimate(shapes, torch.float32, topk_ratio=0.05, overlap=overlap, target="cpu",
+                 host_moments_dtype=moments)
     with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.05, overlap_step=overlap,
-                              worker=False) as opt:
+                              worker=False, host_moments_dtype=moments) as opt:
         stats = opt.stats()
         layout = opt._pipeline.layout
         pinned = sum(opt._pipeline.host.arena.region(n).nbytes for n in layout.dma_regions())
@@ -560,6 +562,30 @@ def test_the_host_figures_follow_the_server_and_the_placement():
     r = estimate(shapes, torch.bfloat16, fwd_bwd_s=0.5, measured={"host_adamw_params_per_s": 3e9})
     assert r["figures"]["host_adamw_params_per_s"] == 3e9
     assert r["figures"]["host_factored_params_per_s"] == 250e9 / 34
+
+
+def test_bf16_host_moments_take_4_bytes_a_parameter_and_their_own_host_figures():
+    """host_moments_dtype="bfloat16": 4 bytes less host memory per host-held parameter; the
+    update moves 8 bytes fewer a parameter but computes more per core (COMPACT_PASSES), and a
+    selftest's figure, measured with fp32 moments, is not used for it."""
+    from zenflow.tools.estimate_host import COMPACT_PASSES, HostMachine, host_figures
+    shapes = llama_shapes(**LLAMA2_7B)
+    P_mat = sum(math.prod(s) for _, s in shapes if len(s) >= 2)
+    measured = {"host_adamw_params_per_s": 3e9}
+    fp32, bf16 = (estimate(shapes, torch.bfloat16, fwd_bwd_s=0.5, measured=measured,
+                           host_moments_dtype=dtype) for dtype in ("float32", "bfloat16"))
+    assert (fp32["per_host"]["zenflow"]["host_bytes"] - bf16["per_host"]["zenflow"]["host_bytes"]
+            == 4 * P_mat)
+    assert bf16["settings"]["host_moments_dtype"] == "bfloat16"
+    figures = host_figures(HostMachine(), 1, compact_moments=True)
+    for key, (per_core, nbytes) in COMPACT_PASSES.items():
+        assert figures[key][0] == min(62 * per_core, 250e9 / nbytes)
+        assert bf16["figures"][key] == figures[key][0]
+    assert fp32["figures"]["host_adamw_params_per_s"] == 3e9
+    said = [a for a in bf16["assumptions"] if a.startswith("host_adamw_params_per_s")]
+    assert len(said) == 1 and "ASSUMED" in said[0]
+    with pytest.raises(ValueError, match="host_moments_dtype"):
+        estimate(shapes, torch.bfloat16, host_moments_dtype="float16")
 
 
 def test_on_the_stated_server_the_host_hides_in_two_steps_and_the_install_sets_the_window():

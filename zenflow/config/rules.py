@@ -218,6 +218,7 @@ SelectStrategy = Annotated[str, rule(one_of("auto", "step", "epoch", "drift"))]
 Importance = Annotated[str, rule(one_of("l2", "l1"))]
 DeferredCredit = Annotated[str, rule(one_of("mean", "window", "moments", "factored"))]
 SumDtype = Annotated[str, rule(one_of("auto", "float32", "bfloat16"))]
+MomentsDtype = Annotated[str, rule(one_of("float32", "bfloat16"))]
 Lookahead = Annotated[float, rule(real(0.0, 4.0, between=True))]                # [0, 4]
 
 

@@ -39,6 +39,7 @@ from zenflow.config.rules import (
     IntervalBounds,
     LearningRate,
     Lookahead,
+    MomentsDtype,
     NonNegInt,
     PosInt,
     Positive,
@@ -202,6 +203,17 @@ class ZenFlowSettings(_Arguments):
     # rounds as they did, and the default "factored" then fits in 2 bytes a parameter, as
     # measured), else "float32".
     device_sum_dtype: SumDtype = "auto"
+    # The dtype of Adam's two moments in host memory. "bfloat16" keeps them in 2 bytes each
+    # instead of 4: 4 bytes less host memory per parameter (Llama-2-7B: 27 GB) and 8 fewer of
+    # the ~28 bytes a host update moves per parameter, so windows shorten where the host is
+    # memory-bound. The arithmetic stays fp32 (the moments are widened a chunk at a time) and
+    # they are rounded back stochastically, with random bits taken from the new master value
+    # (reproducible: no generator state), so the second moment keeps following the gradients'
+    # scale where rounding to nearest would stall it (zenflow/host/compact_moments.py). The
+    # master values stay fp32, the device's columns fp32, and a saved state holds fp32 moments
+    # (loadable under either setting). Measured on the bf16 fine-tune: benchmarks/README.md,
+    # "Compact host moments".
+    host_moments_dtype: MomentsDtype = "float32"
     # Run the host side in a worker process (False: in the training process, synchronously;
     # for debugging and for machines without a spare core).
     worker: Flag = True

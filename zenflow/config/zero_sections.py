@@ -12,6 +12,7 @@ from zenflow.config.rules import (
     Flag,
     Fraction,
     Lookahead,
+    MomentsDtype,
     NonNegInt,
     PosInt,
     SelectInterval,
@@ -62,6 +63,7 @@ class ZenFlowSection(Section):
     # Ours, not DeepSpeed's (docs/semantics.md, "Window end").
     deferred_credit: DeferredCredit = DEFAULTS.deferred_credit
     install_lookahead: Lookahead = DEFAULTS.install_lookahead
+    host_moments_dtype: MomentsDtype = DEFAULTS.host_moments_dtype
 
     _fits_the_strategy = field_validator("select_interval")(select_interval_fits_strategy)
 

@@ -21,6 +21,7 @@ import torch
 
 from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_chunk_
 from zenflow.host.arena import Arena, Region
+from zenflow.host.compact_moments import round_moments_, widen
 from zenflow.host.factored import factored_pass
 from zenflow.host.layout import HostJob, HostLayout, dtype_name
 from zenflow.host.numa import share_bounds
@@ -102,7 +103,7 @@ class _Run:
     hyper: dict              # lr, beta1, beta2, eps, weight_decay
     counts: tuple            # (step, window length) as 0-dim fp32 tensors for the fused kernel
     master: torch.Tensor
-    exp_avg: torch.Tensor
+    exp_avg: torch.Tensor        # fp32, or bf16 (host_moments_dtype: widened a chunk at a time)
     exp_avg_sq: torch.Tensor
     install: torch.Tensor    # the parameters' dtype
     rate: torch.Tensor | None            # "moments" jobs' rates
@@ -137,7 +138,11 @@ def _chunk(run: _Run, a: int, b: int) -> None:
     """All the work on elements [a, b) of `run`, while they are in cache: AdamW (an update), the
     rates ("moments"), the install values."""
     x, m, sq = run.master[a:b], run.exp_avg[a:b], run.exp_avg_sq[a:b]
-    scratch = thread_scratch(b - a)
+    compact = m.dtype != torch.float32
+    scratch = thread_scratch(b - a, 5 if compact else 2)
+    if compact:   # the fp32 arithmetic on the moments widened, rounded back at the end
+        m_stored, sq_stored = m, sq
+        m, sq = widen(m_stored, scratch[2]), widen(sq_stored, scratch[3])
     denom = None
     if run.sums is not None:
         grads = _gradients(run, a, b, scratch[0])
@@ -158,7 +163,8 @@ def _chunk(run: _Run, a: int, b: int) -> None:
                         scratch=scratch[1], **run.hyper)
     else:
         run.install[a:b].copy_(x)
-
+    if compact and run.sums is not None:
+        round_moments_(m_stored, sq_stored, m, sq, x, scratch[4].view(torch.int32))
 
 
 class HostState:
@@ -195,6 +201,11 @@ class HostState:
         """[rows, cols] view of matrix i in an fp32 buffer ("master", "grad_sum0", ...)."""
         m = self.layout.matrices[i]
         return self.arena.views[kind][m.offset:m.offset + m.numel].view(m.rows, m.cols)
+
+    def state(self, kind: str, i: int) -> torch.Tensor:
+        """[rows, cols] view of matrix i's AdamW state `kind` ("master", "exp_avg",
+        "exp_avg_sq"): fp32, the moments in layout.moments_dtype."""
+        return self.fp32(kind, i)   # (laid out as the fp32 buffers, whatever the dtype)
 
     def staging(self, slot: int, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""

@@ -31,6 +31,7 @@ from functools import partial
 
 import torch
 
+from zenflow.host.compact_moments import round_moments_, widen
 from zenflow.host.scratch import thread_scratch
 
 ROW_BLOCK = 1 << 18   # elements of a block of rows (at least one row): its fp32 temporaries,
@@ -132,8 +133,8 @@ class _Matrix:
     def __init__(self, host, job, sum_slot: int):
         i = job.matrix
         self.job = job
-        self.x = host.fp32("master", i)
-        self.m, self.v = host.fp32("exp_avg", i), host.fp32("exp_avg_sq", i)
+        self.x = host.state("master", i)
+        self.m, self.v = host.state("exp_avg", i), host.state("exp_avg_sq", i)
         self.install = host.install(i)
         self.grad_sum = host.fp32(f"grad_sum{sum_slot}", i)
         if job.widen:   # a bf16 sum landed in the first half of its fp32 slot
@@ -190,9 +191,17 @@ class _Matrix:
         """The second pass on block k, from its mean and square."""
         u, x = self.job.update, self._rows(self.x, k)
         msq = _mean_square_(sq, self._rows(self.vr, k), self.vc, self.total)
-        denom = moments_step_(x, mean, msq, self._rows(self.m, k), self._rows(self.v, k),
-                              self.job.step, self.job.num_grads, lr=u.lr, beta1=u.beta1,
-                              beta2=u.beta2, eps=u.eps, weight_decay=u.weight_decay)
+        m, v = self._rows(self.m, k), self._rows(self.v, k)
+        if m.dtype != torch.float32:   # host_moments_dtype="bfloat16": fp32 arithmetic
+            scratch = thread_scratch(m.numel(), 5)
+            m32, v32 = widen(m, scratch[2]), widen(v, scratch[3])
+        else:
+            m32, v32 = m, v
+        denom = moments_step_(x, mean, msq, m32, v32, self.job.step, self.job.num_grads,
+                              lr=u.lr, beta1=u.beta1, beta2=u.beta2, eps=u.eps,
+                              weight_decay=u.weight_decay)
+        if m32 is not m:
+            round_moments_(m, v, m32, v32, x, scratch[4].view(torch.int32))
         if self.count:
             _log_sums(denom.log_(), self.deferred, self.count, self._rows(self.row_part, k),
                       self.partial[k])

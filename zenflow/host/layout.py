@@ -4,7 +4,8 @@ The host keeps each matrix at full width [rows, in] (rows: this rank's share; ze
 says why). The buffers, all flat views of one `Arena` (zenflow/host/arena.py), are the layout's
 `regions()`:
 
-    master, exp_avg, exp_avg_sq    fp32, every matrix back to back
+    master, exp_avg, exp_avg_sq    fp32, every matrix back to back (the moments bf16 with
+                                   host_moments_dtype="bfloat16": host/compact_moments.py)
     grad_sum{slot}                 fp32; one per window in flight (two with overlap)
     staging{slot}_{dtype}          the parameters' dtype: gradients on their way to the sums
     step_coef                      fp32, one per staging slot: the factor of the gradients in
@@ -35,10 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from zenflow.adamw import FP32_STATE
+from zenflow.adamw import MOMENTS
 from zenflow.host.transfers import STACK_ELEMENTS, STACK_RUN_ELEMENTS
-
-FP32_KINDS = FP32_STATE   # the fp32 buffers every matrix has
 
 
 @dataclass(frozen=True)
@@ -154,6 +153,7 @@ class HostLayout:
     staging_slots: int = 1
     rates: bool = False      # deferred_credit="moments": a rate buffer per dtype
     factors: bool = False    # deferred_credit="factored": the factors buffer
+    moments_dtype: torch.dtype = torch.float32   # host_moments_dtype
     # back_to_back's answers, by the indices asked for: every step asks it of the same indices
     # twice (staging, installs), and 5,000 matrices take a few ms of Python each time
     _runs: dict = field(default_factory=dict, compare=False, repr=False)
@@ -196,7 +196,8 @@ class HostLayout:
 
     @classmethod
     def build(cls, shapes: list[tuple[int, int, torch.dtype]], sum_slots: int,
-              staging_slots: int = 1, rates: bool = False, factors: bool = False) -> HostLayout:
+              staging_slots: int = 1, rates: bool = False, factors: bool = False,
+              moments_dtype: torch.dtype = torch.float32) -> HostLayout:
         """Layout for matrices given as (rows, cols, dtype), numbered in the given order."""
         # By dtype, in order, except that alike small matrices (an MoE's experts, interleaved with
         # others in the model) are placed together, where the first of them is: back to back
@@ -222,7 +223,8 @@ class HostLayout:
             raise ValueError("rates (deferred_credit='moments') need two sum slots: the squares "
                              "of device-summed matrices go into the slot the window does not read")
         return cls(tuple(placed[i] for i in range(len(shapes))),
-                   tuple(tuple(g) for g in groups), sum_slots, staging_slots, rates, factors)
+                   tuple(tuple(g) for g in groups), sum_slots, staging_slots, rates, factors,
+                   moments_dtype)
 
     @property
     def numel(self) -> int:
@@ -234,8 +236,9 @@ class HostLayout:
         return sum(2 * m.rows + 3 * m.cols for m in self.matrices) if self.factors else 0
 
     def regions(self) -> list[tuple[str, torch.dtype, int]]:
-        fp32 = [*FP32_KINDS, *(f"grad_sum{s}" for s in range(self.sum_slots))]
-        out = [(name, torch.float32, self.numel) for name in fp32]
+        out = [("master", torch.float32, self.numel),
+               *((name, self.moments_dtype, self.numel) for name in MOMENTS),
+               *((f"grad_sum{s}", torch.float32, self.numel) for s in range(self.sum_slots))]
         out.append(("step_coef", torch.float32, self.staging_slots))
         if self.factors:
             out.append(("factors", torch.float32, self.factors_numel))

@@ -77,7 +77,8 @@ class HostPipeline:
                  owner: str, available_bytes: int | None = None,
                  device_sum_budget: int | str = 0, credit: Credit | None = None,
                  lock: threading.RLock | None = None,
-                 device_sum_dtype: torch.dtype = torch.float32):
+                 device_sum_dtype: torch.dtype = torch.float32,
+                 moments_dtype: torch.dtype = torch.float32):
         """`credit`: the deferred-credit rule (default "mean"); `lock`: the owner's lock around
         its calls into this pipeline; with it, host-summed gradients may start their copy during
         backward (zenflow/host/early_copies.py)."""
@@ -97,7 +98,8 @@ class HostPipeline:
         rates = self.credit.host_rates
         self.layout = HostLayout.build(shapes, sum_slots=2 if overlap or rates else 1,
                                        staging_slots=2 if self.transfers.copies_outlive_step else 1,
-                                       rates=rates, factors=self.credit.host_factors)
+                                       rates=rates, factors=self.credit.host_factors,
+                                       moments_dtype=moments_dtype)
         # The worker's memory: on its cores' NUMA node(s) (zenflow/host/numa.py).
         self.host = HostState.allocate(self.layout, owner, available_bytes, numa.nodes_for(
             worker_cores or sorted(os.sched_getaffinity(0))))

@@ -8,7 +8,8 @@ import math
 
 import torch
 
-from zenflow.host.layout import FP32_KINDS, HostJob, HostJobs, HostUpdate
+from zenflow.adamw import FP32_STATE
+from zenflow.host.layout import HostJob, HostJobs, HostUpdate
 from zenflow.saved_state import check_count, check_saved_tensors
 
 
@@ -25,7 +26,9 @@ def save(pipe) -> dict:
         squares, rate = pipe.credit.saved(i, grad_sum)
         per_param.append({
             **pipe.credit.saved_factors(i, pipe.host, pipe.num_grads[i]),
-            **{kind: pipe.host.fp32(kind, i).clone() for kind in FP32_KINDS},
+            # fp32 whatever host_moments_dtype (a bf16 moment widens exactly)
+            **{kind: pipe.host.state(kind, i).to(torch.float32, copy=True)
+               for kind in FP32_STATE},
             # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
             "grad_sum": grad_sum.clone() if pipe.num_grads[i] else torch.zeros_like(grad_sum),
             "grad_sq_sum": squares if pipe.num_grads[i] else torch.zeros_like(grad_sum),
@@ -49,7 +52,7 @@ def check(pipe, state: dict, window_steps: int | None = None) -> None:
                          f"this optimizer has {len(pipe.params)}")
     for i, (saved, param) in enumerate(zip(saved_params, pipe.params)):
         what = f"host state of the parameter of shape {tuple(param.shape)}"
-        buffers = {kind: pipe.host.fp32(kind, i) for kind in FP32_KINDS}
+        buffers = {kind: pipe.host.state(kind, i) for kind in FP32_STATE}
         check_saved_tensors(saved, {**buffers, "grad_sum": buffers["master"],
                                     "grad_sq_sum": buffers["master"],
                                     "rate": buffers["master"]}, what)
@@ -87,8 +90,8 @@ def load(pipe, state: dict) -> HostJobs | None:
     pipe.timer.stall(pipe._install_reader.wait() + pipe.device_sums.wait_copied())
     pipe._start_over()
     for i, s in enumerate(state["params"]):
-        for kind in FP32_KINDS:
-            pipe.host.fp32(kind, i).copy_(s[kind])
+        for kind in FP32_STATE:   # (into bf16 moments: rounded to nearest)
+            pipe.host.state(kind, i).copy_(s[kind])
         if i in pipe.device_sums:
             pipe.device_sums.sums[i].copy_(s["grad_sum"])
         else:

@@ -1,7 +1,8 @@
 """State moves with its column: the handoff of columns between the device and the host.
 
 When a column joins the device set, its fp32 master value and both Adam moments come from the
-host; when it leaves, they go back. Nothing is reset. The two sides count updates separately,
+host; when it leaves, they go back (into bf16 moments with host_moments_dtype="bfloat16":
+rounded to nearest, once per move). Nothing is reset. The two sides count updates separately,
 so a moment is rescaled on the way (`moment_rescale`) to keep its bias-corrected value unchanged.
 Both functions run at a window boundary after the host has been drained.
 """
@@ -22,8 +23,8 @@ def _host_columns(host_rows: torch.Tensor, cols: torch.Tensor, num_rows: int,
     """host[:, cols] over all rows of the matrix (other ranks hold the other rows); on the
     collectives' device under data parallel (NCCL: this rank's rows go to the device first).
     Under FSDP2 a rank's device holds only its own rows: nothing to gather."""
-    own = columns.gather_columns(host_rows, cols,
-                                 out=host_rows.new_empty(host_rows.shape[0], len(cols)))
+    own = columns.gather_columns(host_rows, cols, out=host_rows.new_empty(
+        host_rows.shape[0], len(cols), dtype=torch.float32))   # (bf16 moments widen)
     if not partition.splits_rows:
         return own
     return partition.gather_rows(partition.from_host(own), num_rows,

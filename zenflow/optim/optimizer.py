@@ -144,6 +144,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                  auto_update_bounds: tuple[int, int] = DEFAULTS.auto_update_bounds,
                  device_sum_budget: int | Literal["auto"] = DEFAULTS.device_sum_budget,
                  device_sum_dtype: str = DEFAULTS.device_sum_dtype,
+                 host_moments_dtype: str = DEFAULTS.host_moments_dtype,
                  worker: bool = DEFAULTS.worker,
                  process_group=None,
                  # torch.optim.AdamW's flags (see the docstring).
@@ -196,21 +197,18 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             self.state[m.param] = {"kind": "host"}
         for v in self._vector_params:
             self.state[v.param] = {"kind": "vector"}
-        self._timer = StepTimer()
-        worker_cores = None
-        if self.settings.worker and self._host_params:
+        self._timer, knobs, worker_cores = StepTimer(), self.settings, None
+        if knobs.worker and self._host_params:
             cores = local_rank_share(sorted(os.sched_getaffinity(0)))
-            worker_cores = split_cores(self.settings.pt_reserved_cores_perc, cores)[1]
-        budget = self.settings.device_sum_budget
-        credit = credit_for(self.settings.deferred_credit, budget, uses_cuda(self.device),
-                            self._partition.splits_rows)
-        self._pipeline = HostPipeline([m.param for m in self._host_params], self._partition,
-                                      self.device, self.settings.overlap_step, worker_cores,
-                                      self._timer, self._NAME, device_sum_budget=budget,
-                                      device_sum_dtype=sum_dtype(
-                                          self.settings.device_sum_dtype,
-                                          [m.param.dtype for m in self._host_params]),
-                                      credit=credit, lock=self._lock)
+            worker_cores = split_cores(knobs.pt_reserved_cores_perc, cores)[1]
+        weights = [m.param for m in self._host_params]
+        self._pipeline = HostPipeline(
+            weights, self._partition, self.device, knobs.overlap_step, worker_cores, self._timer,
+            self._NAME, device_sum_budget=knobs.device_sum_budget, lock=self._lock,
+            credit=credit_for(knobs.deferred_credit, knobs.device_sum_budget,
+                              uses_cuda(self.device), self._partition.splits_rows),
+            device_sum_dtype=sum_dtype(knobs.device_sum_dtype, [w.dtype for w in weights]),
+            moments_dtype=getattr(torch, knobs.host_moments_dtype))
         self._closed = False
         self._vector_weights = WeightViews([v.param for v in self._vector_params])
         self._selector = ColumnSelector(self._host_params, self._pipeline, self._partition,
@@ -335,10 +333,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         return
 
     def _settle_skips(self) -> None:
-        """Read the kept flags of the steps inside this window so far (zenflow/optim/step_scale.py); a
-        skipped one spoils the window (saved with the counters, so that a state saved mid-window
-        resumes to the same end: the window is dropped when it ends), and its inf/NaN may be in
-        the device's sums, which count for nothing now (and a saved state must hold finite ones)."""
+        """Read the kept flags of this window's steps so far (optim/step_scale.py); a skipped
+        one spoils the window (saved with the counters: a state saved mid-window drops it at the
+        same end), and the device's sums, which may hold its inf/NaN, are cleared."""
         if self._skips.settle():
             self._pipeline.clear_sums()
             self.counters.window_spoiled = True
@@ -371,8 +368,8 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
     # ------------------------------------------------------------------ windows and selection
     def _end_window(self, synchronous: bool, looked: bool = False) -> None:
         """Install the previous window's host update, hand this window's sums to the host, and
-        with `synchronous` install that too before returning. `looked`: writes through .data
-        were looked for since the optimizer last wrote the host-owned columns."""
+        with `synchronous` install that too. `looked`: writes through .data were looked for
+        since the optimizer last wrote the host-owned columns."""
         if not looked:
             self._outside_writes.adopt_data_writes()
         installed = self._installs.queue_update(self._step_sizes())

@@ -82,7 +82,7 @@ class ColumnSelector:
         self.pipeline.drain()
         for m, importance in zip(plan.matrices, plan.importances):
             chosen = top_columns(importance, m.k)
-            host = {kind: self.pipeline.host.fp32(kind, m.host_index)
+            host = {kind: self.pipeline.host.state(kind, m.host_index)
                     for kind in FP32_STATE}
             host_step = self.pipeline.host_step[m.host_index]
             if plan.first:

@@ -27,7 +27,7 @@ from zenflow.tools import estimate_memory as memory
 from zenflow.tools import estimate_terms as cost
 from zenflow.tools import estimate_time as timing
 from zenflow.tools.estimate_counts import count, place, split_shapes
-from zenflow.tools.estimate_host import HostMachine, host_figures
+from zenflow.tools.estimate_host import COMPACT_PASSES, HostMachine, host_figures
 from zenflow.tools.estimate_memory import GIB, RESERVE_BYTES, per_rank
 from zenflow.tools.estimate_terms import Counts, Speeds
 from zenflow.tools.estimate_terms import exposed_install_s as _exposed_install_s
@@ -69,14 +69,16 @@ CPU_DEVICE = {"device_adamw_params_per_s": 1.0e9, "device_norm_bytes_per_s": 5e9
               "device_copy_bytes_per_s": 5e9}
 
 
-def _figures(measured: dict | None, target: str, host: HostMachine, ranks: int
-             ) -> tuple[dict, dict]:
+def _figures(measured: dict | None, target: str, host: HostMachine, ranks: int,
+             compact_moments: bool = False) -> tuple[dict, dict]:
     """The figures the model uses and where each came from: measured by the selftest, else
-    ASSUMED (the host's from the server `host` with `ranks` workers; a CPU device has memcpy for
-    its bus, a GPU d2h and h2d)."""
+    ASSUMED (the host's from the server `host` with `ranks` workers, its moments bf16 with
+    `compact_moments`; a CPU device has memcpy for its bus, a GPU d2h and h2d)."""
     values, sources = {}, {}
     measured = measured or {}
-    placed = host_figures(host, ranks)
+    placed = host_figures(host, ranks, compact_moments)
+    if compact_moments:   # the selftest measures the update with fp32 moments
+        measured = {k: v for k, v in measured.items() if k not in COMPACT_PASSES}
     for key, (value, what) in ASSUMED.items():
         if key in placed:
             value, what = placed[key][0], f"{what} ({placed[key][1]})"
@@ -117,12 +119,14 @@ def _budget(asked: int | str, left_for_activations: int, activation_bytes: int,
 
 
 def per_host(mats, vecs, dtype: torch.dtype, world: int, overlap: bool, staging: int,
-             moments: bool, device_summed: set[int], measured: dict | None) -> dict:
+             moments: bool, device_summed: set[int], measured: dict | None,
+             moments_dtype: torch.dtype = torch.float32) -> dict:
     """Host memory of ZenFlowAdamW and OffloadAdamW (every matrix has host state whatever
     topk_ratio is; OffloadAdamW has its vectors there too and no device sums), what of it is
     page-locked, and whether it fits the RAM available (this machine's, or the selftest's)."""
     zen = memory.host_memory([(r, c, dtype) for r, c, _ in mats], world, 2 if overlap else 1,
-                             staging, rates=moments, device_summed=device_summed)
+                             staging, rates=moments, device_summed=device_summed,
+                             moments_dtype=moments_dtype)
     off = memory.host_memory([(r, c, dtype) for r, c, _ in mats] + [(1, n, dtype) for n in vecs],
                              world, 1, staging)
     avail = (measured or {}).get("available_host_bytes")
@@ -175,7 +179,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              activation_bytes: int = 0, fsdp: int | None = None,
              deferred_credit: str = "factored", attached: bool = False,
              device_sum_dtype: str = "auto", activation_note: str = "",
-             host: HostMachine | None = None) -> dict:
+             host: HostMachine | None = None, host_moments_dtype: str = "float32") -> dict:
     """The estimate as a dict (see estimate_report.format_report); `shapes` is [(name, shape),
     ...]. `fsdp`: also the bytes per rank of the model sharded that many ways with FSDP2
     (`per_rank`), beside DDP's on as many GPUs (`gpus` must then be that number).
@@ -191,11 +195,14 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     `device_sum_dtype`: the optimizer's ("bfloat16": half the bytes of every device sum not
     under "moments", which the host widens once per window). `activation_note`: where
     `activation_bytes` came from (printed with it). `host`: the server whose cores and memory
-    the host figures assume where `measured` has none (estimate_host.py)."""
+    the host figures assume where `measured` has none (estimate_host.py). `host_moments_dtype`:
+    the optimizer's ("bfloat16": 4 bytes less host memory a parameter, and the host update's
+    own figures, COMPACT_PASSES, in place of any the selftest measured)."""
     _check_arguments(gpus=gpus, gpu_memory_bytes=gpu_memory_bytes, topk_ratio=topk_ratio,
                      update_interval=update_interval, fwd_bwd_s=fwd_bwd_s, target=target,
                      device_sum_budget=device_sum_budget, activation_bytes=activation_bytes,
-                     deferred_credit=deferred_credit, device_sum_dtype=device_sum_dtype)
+                     deferred_credit=deferred_credit, device_sum_dtype=device_sum_dtype,
+                     host_moments_dtype=host_moments_dtype)
     # "auto", as the optimizer resolves it: bf16 sums for bf16 weights
     device_sum_dtype = str(sum_dtype(device_sum_dtype, [dtype])).removeprefix("torch.")
     if fsdp is not None and (isinstance(fsdp, bool) or not isinstance(fsdp, int) or fsdp < 1
@@ -211,7 +218,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     moments = rule.name == "moments"   # per-value squares and rates: the host keeps rates too
     budget_asked = device_sum_budget
     rate_item = rate_dtype(dtype).itemsize
-    fig, fig_source = _figures(measured, target, host or HostMachine(), gpus)
+    fig, fig_source = _figures(measured, target, host or HostMachine(), gpus,
+                               compact_moments=host_moments_dtype == "bfloat16")
     gpu_memory_bytes = gpu_memory_bytes or int((measured or {}).get("gpu_memory_bytes") or 80 * GIB)
     mats, vecs = split_shapes(shapes, topk_ratio)
     # (placed with rank 0's rows and every rank's factors of the deferred matrices)
@@ -230,7 +238,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     staging = 2 if target == "cuda" else 1
     deferred_index = [i for i, (_, cols, k) in enumerate(mats) if k < cols]   # into mats
     host = per_host(mats, vecs, dtype, world, overlap, staging, moments,
-                    {deferred_index[d] for d in summed}, measured)
+                    {deferred_index[d] for d in summed}, measured,
+                    moments_dtype=getattr(torch, host_moments_dtype))
     gpu.update({"device_sum_bytes": cost.device_sums_bytes(counts),
                 "device_sum_dtype": device_sum_dtype, "moments_matrices": len(moving),
                 "credit_rule": rule.name,
@@ -295,6 +304,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
                          "update_interval_asked": update_interval, "window_known": window_known,
                          "overlap_step": overlap, "target": target, "fwd_bwd_s": fwd_bwd_s,
                          "deferred_credit": deferred_credit, "host_rates": moments,
+                         "host_moments_dtype": host_moments_dtype,
                          "activation_bytes": activation_bytes,
                          "activation_note": activation_note},
             "by_step_time": by_step_time,
@@ -328,6 +338,8 @@ def _check_arguments(**given) -> None:
                             '"moments", "factored", "mean" or "window"'),
         "device_sum_dtype": (lambda x: x in ("auto", "float32", "bfloat16"),
                              '"auto", "float32" or "bfloat16"'),
+        "host_moments_dtype": (lambda x: x in ("float32", "bfloat16"),
+                               '"float32" or "bfloat16"'),
     }
     for name, value in given.items():
         ok, what = rules[name]

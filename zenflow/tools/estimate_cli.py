@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-sum-dtype", choices=("auto", "float32", "bfloat16"),
                    default="auto", help="ZenFlow device_sum_dtype (default: the optimizer's, "
                                         "auto: bfloat16 for bf16 weights, else float32)")
+    p.add_argument("--host-moments-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="ZenFlow host_moments_dtype (default: the optimizer's, float32; "
+                        "bfloat16: 4 bytes less host memory a parameter)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="ZenFlow overlap_step")
     p.add_argument("--attach", action=argparse.BooleanOptionalAction, default=False,
@@ -190,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
                           activation_bytes=activations, activation_note=activation_note,
                           deferred_credit=args.deferred_credit, attached=args.attach,
                           device_sum_dtype=args.device_sum_dtype,
+                          host_moments_dtype=args.host_moments_dtype,
                           host=HostMachine(args.host_sockets, args.host_cores_per_socket,
                                            args.host_gbps_per_socket))
     except (ValueError, OSError) as exc:

@@ -47,14 +47,26 @@ PASSES = {
     # a bf16 gradient row read, its fp32 sum read and written
     "host_accumulate_params_per_s": (2.0e9, 10),
 }
+# host_moments_dtype="bfloat16": both moments read and written in 2 bytes (8 fewer a
+# parameter), but widened and rounded back by separate passes (host/compact_moments.py): per
+# core the update runs at the share of the fp32 one that benchmarks/host_adam.py measured
+# ("mean_bf16" against "mean", "factored_bf16" against "factored", on one core)
+COMPACT_PASSES = {
+    "host_adamw_params_per_s": (0.9e9 * 0.43, 22),
+    "host_factored_params_per_s": (0.18e9 * 0.78, 26),
+}
 
 
-def host_figures(machine: HostMachine, ranks: int) -> dict[str, tuple[float, str]]:
-    """{figure: (parameters per second of every rank's worker together, how it was reached)}."""
+def host_figures(machine: HostMachine, ranks: int, compact_moments: bool = False
+                 ) -> dict[str, tuple[float, str]]:
+    """{figure: (parameters per second of every rank's worker together, how it was reached)};
+    `compact_moments`: host_moments_dtype="bfloat16" (COMPACT_PASSES)."""
     cores = machine.worker_cores(ranks)
     bandwidth = machine.sockets * machine.gbps_per_socket * 1e9
     out = {}
     for key, (per_core, nbytes) in PASSES.items():
+        if compact_moments:
+            per_core, nbytes = COMPACT_PASSES.get(key, (per_core, nbytes))
         computed, streamed = cores * per_core, bandwidth / nbytes
         bound = "memory" if streamed < computed else "cores"
         out[key] = (min(computed, streamed),

@@ -86,10 +86,11 @@ def _span(matrices: list, typed: bool = False) -> int:
 
 def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slots: int,
                 staging_slots: int, rates: bool = False, device_summed: set[int] = frozenset(),
-                factors: bool = False) -> dict:
+                factors: bool = False, moments_dtype: torch.dtype = torch.float32) -> dict:
     """Host memory of every rank on the host, from the optimizer's own HostLayout (two staging
     buffers where copies outlive the step, as on CUDA: zenflow/host/pipeline.py; "moments": the
-    rates, and always two sum slots; `factors`: "factored"'s factors buffer), and what of it is
+    rates, and always two sum slots; `factors`: "factored"'s factors buffer; `moments_dtype`:
+    host_moments_dtype), and what of it is
     page-locked (`pinned_bytes`; every rank
     with rank 0's placement of the sums: `device_summed`, indices into `entries`, the others
     summed on the host). `entries`: (rows, columns, dtype) of each matrix."""
@@ -98,7 +99,7 @@ def host_memory(entries: list[tuple[int, int, torch.dtype]], gpus: int, sum_slot
         layout = HostLayout.build([(rank_rows(rows, rank, gpus), cols, dtype)
                                    for rows, cols, dtype in entries],
                                   2 if rates else sum_slots, staging_slots=staging_slots,
-                                  rates=rates, factors=factors)
+                                  rates=rates, factors=factors, moments_dtype=moments_dtype)
         regions, size = plan(layout.regions())
         nbytes = sum(r.nbytes for r in regions)
         total, arena = total + nbytes, arena + size

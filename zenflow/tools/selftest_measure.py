@@ -78,7 +78,7 @@ def host_throughput(numel: int, dtype: torch.dtype, repeats: int = 3) -> dict:
     layout = HostLayout.build([(rows, cols, dtype)], sum_slots=2, rates=True, factors=True)
     host = HostState.allocate(layout, "zenflow selftest")
     host.step_coef(0).fill_(1.0)   # a kept step's factor: a skipped step's (0) adds nothing
-    host.fp32("exp_avg_sq", 0).fill_(1e-4)
+    host.state("exp_avg_sq", 0).fill_(1e-4)
     host.fp32("grad_sum1", 0).fill_(1e-4)   # the squares of a "moments" window
     row_sq, col_sq, deferred, _, _ = host.factors(0)   # ... and of a "factored" one
     row_sq.fill_(1e-4 * cols)
