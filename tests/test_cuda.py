@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zenflow.tools import selftest_checks, selftest_gpu, selftest_transfers
+from zenflow.tools import selftest_checks, selftest_compiled, selftest_gpu, selftest_transfers
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -44,5 +44,5 @@ def test_async_transfers_equal_synchronous_ones_bit_for_bit(ctx):
 
 
 def test_the_compiled_factored_step_and_correction_equal_their_eager_run(ctx):
-    check, = selftest_gpu.compiled(ctx)
+    check, = selftest_compiled.compiled(ctx)
     assert check.status == "pass", check.detail

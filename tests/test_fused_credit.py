@@ -1,5 +1,5 @@
 """deferred_credit="factored" in one kernel a matrix (zenflow/host/compiled.py,
-credit_factored.factored_step_): on a GPU its sum's add, statistics and interim step are compiled
+factored_kernels.factored_step_): on a GPU its sum's add, statistics and interim step are compiled
 into one or two passes. Here the fused function runs eagerly (the same arithmetic as the op-by-op
 path, so the same bits), compiled by the CPU's backend (slow), and failing to compile."""
 import logging
@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from zenflow.host import compiled, credit_factored
+from zenflow.host import compiled, credit_factored, factored_kernels
 from zenflow.host.credit_base import MovingCredit
 
 from helpers.reference import SHAPES, factored_against_reference
@@ -129,7 +129,7 @@ def test_the_compiled_step_on_the_cpu_backend_equals_the_reference(dtype, batch,
     with mock.patch.object(credit_factored.log, "warning") as warned:
         fused, reference, stats = _train(dtype, "float32")
     assert not warned.called, warned.call_args
-    assert any(key[0] is credit_factored.factored_steps_
+    assert any(key[0] is factored_kernels.factored_steps_
                for key in compiled._Kernel._compiled) == batch
     assert stats["fused_steps"] > 0
     assert stats["op_by_op_moves"] == stats["op_by_op_corrections"] == 0
@@ -147,14 +147,14 @@ def test_the_selftest_check_of_the_compiled_step_passes_with_the_cpu_backend(mon
     """`zenflow selftest`'s "compiled" section (what a GPU's Triton kernels are held to, in
     tests/test_cuda.py) run with the CPU's C++ backend: the check itself works; and it is
     skipped on a device that takes no compiled kernels."""
-    from zenflow.tools import selftest_gpu
+    from zenflow.tools import selftest_compiled
     from zenflow.tools.selftest_checks import _Ctx
     ctx = _Ctx(torch.device("cpu"), torch.float32, None, False)
-    skipped, = selftest_gpu.compiled(ctx)
+    skipped, = selftest_compiled.compiled(ctx)
     assert skipped.status == "skip" and "COMPILE_ON" in skipped.detail
     monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
     monkeypatch.setattr(credit_factored, "BATCH", 4)   # a GPU's is 16: a compile 4x as long
-    check, batch = selftest_gpu.compiled(ctx)
+    check, batch = selftest_compiled.compiled(ctx)
     assert check.status == "pass", check.detail
     assert batch.status == "pass" and "batch of 4" in batch.name, batch.detail
     assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq",
@@ -180,7 +180,7 @@ def test_many_optimizers_and_dtypes_in_one_process_all_take_the_compiled_step(mo
                 _, _, stats = _train(dtype, sum_dtype, steps=8)
                 assert stats["fused_steps"] > 0
                 assert stats["op_by_op_moves"] == stats["op_by_op_corrections"] == 0
-        step = compiled.compiled_for(credit_factored.factored_step_, torch.device("cpu"))
+        step = compiled.compiled_for(factored_kernels.factored_step_, torch.device("cpu"))
         for rows, cols in ((3, 5), (64, 16), (7, 7), (1, 9), (9, 1)):
             weight = torch.zeros(rows, cols, dtype=torch.bfloat16, requires_grad=True)
             with torch.no_grad():
@@ -213,7 +213,7 @@ def test_the_fused_step_fingerprints_the_hosts_columns_before_and_after_its_move
     args = [weight, grad, torch.zeros(rows, cols), torch.zeros(rows), torch.zeros(cols),
             torch.rand(rows, generator=gen) + 0.5, torch.rand(cols, generator=gen),
             host_cols] + [compiled.scalar(v, torch.device("cpu")) for v in (1.0, -1e-2, 3.0)]
-    credit_factored.factored_step_(*args, prints)
+    factored_kernels.factored_step_(*args, prints)
     assert prints.tolist() == [want_before, printed(weight)]
     assert want_before != printed(weight)   # it moved
 
@@ -233,7 +233,7 @@ def test_a_batch_traced_by_dynamo_gives_the_op_by_op_bits(monkeypatch, caplog):
         batched, _, stats = _train(torch.bfloat16, "bfloat16", steps=8)
     assert not [r for r in caplog.records if "failed" in r.getMessage()]
     assert stats["fused_steps"] > 0 and stats["op_by_op_moves"] == 0
-    assert any(key[0] is credit_factored.factored_steps_ for key in compiled._Kernel._compiled)
+    assert any(key[0] is factored_kernels.factored_steps_ for key in compiled._Kernel._compiled)
     for a, b in zip(batched, op_by_op):
         for p, q in zip(a, b):
             assert torch.equal(p, q)

@@ -24,7 +24,12 @@ import torch
 
 from zenflow.host.compiled import compiled_for, scalar
 from zenflow.host.credit_base import MovingCredit, choose_device_summed, chunks_of
-from zenflow.host.fingerprints import masked_bit_sum
+from zenflow.host.factored_kernels import (
+    factored_correct_,
+    factored_corrects_,
+    factored_step_,
+    factored_steps_,
+)
 
 log = logging.getLogger("zenflow")
 
@@ -39,73 +44,6 @@ def factor_bytes(rows: int, cols: int) -> int:
     """Device bytes of a matrix's factored state beside its sum: row sums and alpha (fp32 [R]),
     column sums, beta and the host-owned mask (fp32 [C])."""
     return 8 * rows + 12 * cols
-
-
-def factored_step_(weight: torch.Tensor, grad: torch.Tensor, grad_sum: torch.Tensor,
-                    row_sq: torch.Tensor, col_sq: torch.Tensor, alpha: torch.Tensor,
-                    beta: torch.Tensor, host_cols: torch.Tensor, coef: torch.Tensor,
-                    neg_lr: torch.Tensor, bound: torch.Tensor,
-                    prints: torch.Tensor | None = None) -> None:
-    """One step of one moving matrix ([R, C] `weight`, `grad`, `grad_sum`), everything the op-by-op
-    path does to it in a step, in its order and arithmetic: the window sum's add
-    (buffers.add_scaled_), the squares' row and column sums over the host's columns (add) and the
-    interim step at factored rates (MovingCredit.interim, with kept() and bounded_step()), each
-    with the op-by-op path's operators, so that run eagerly it gives their bits. `neg_lr` (minus
-    the learning rate) and `bound` are 0-dim tensors (compiled.scalar). Compiled (compiled.py)
-    it reads the gradient three times (its row sums, its column sums, the pointwise pass) and
-    the sum and the weights once, and writes those two once: 14 bytes a bf16 value where the
-    op-by-op path moves about 100 (zenflow/tools/estimate_terms.py counts both).
-    `prints` ([2] int32): the host's columns' fingerprints (fingerprints.masked_bit_sum) before
-    and after the move, taken in the same pass, where zenflow/optim/outside_writes.py would
-    read the matrix twice more."""
-    if prints is not None:
-        before = masked_bit_sum(weight, host_cols)
-    c = coef.reshape(1)   # 1-element: fp32 arithmetic beside bf16 (buffers.add_scaled_)
-    grad_sum.addcmul_(grad, c)
-    scaled = grad.float() * c * host_cols
-    squares = scaled * scaled
-    row_sq.add_(squares.sum(1))
-    col_sq.add_(squares.sum(0))
-    kept = torch.where(coef != 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
-    move = (kept.float() * alpha.unsqueeze(1)) * beta * coef
-    move = move.clamp(-bound, bound)
-    weight.addcmul_(move, neg_lr)
-    if prints is not None:
-        prints.copy_(torch.stack([before, masked_bit_sum(weight, host_cols)]))
-
-
-def factored_steps_(weights: list[torch.Tensor], grads: list[torch.Tensor],
-                     grad_sums: list[torch.Tensor], row_sqs: list[torch.Tensor],
-                     col_sqs: list[torch.Tensor], alphas: list[torch.Tensor],
-                     betas: list[torch.Tensor], host_cols: list[torch.Tensor], coef: torch.Tensor,
-                     neg_lrs: list[torch.Tensor], bounds: list[torch.Tensor],
-                     prints: torch.Tensor) -> None:
-    """factored_step_ of every matrix of the lists (prints: [n, 2]), in one call. Compiled, a
-    step's matrices cost one guard check and one call, not one each: on a GPU the per-matrix
-    calls took about 0.25 ms of the Python thread each, which at 170 matrices was a third of a
-    1.35B model's step (benchmarks/results/profile-step-nvidia-h100-80gb-hbm3.json)."""
-    for j, weight in enumerate(weights):
-        factored_step_(weight, grads[j], grad_sums[j], row_sqs[j], col_sqs[j], alphas[j],
-                       betas[j], host_cols[j], coef, neg_lrs[j], bounds[j], prints[j])
-
-
-def factored_correct_(weight: torch.Tensor, grad_sum: torch.Tensor, alpha: torch.Tensor,
-                      beta: torch.Tensor, neg_lr: torch.Tensor, most: torch.Tensor) -> None:
-    """An install's correction of one matrix (MovingCredit.correct at rated()'s rates: the
-    window sum's (S alpha_i) beta_j, each at most `most`), with the op-by-op path's operators.
-    Compiled: the sum read and the weights read and written once (6 bytes a bf16 value, where the
-    op-by-op path moves about 46)."""
-    move = (grad_sum.float() * alpha.unsqueeze(1)) * beta
-    weight.addcmul_(move.clamp(-most, most), neg_lr)
-
-
-def factored_corrects_(weights: list[torch.Tensor], grad_sums: list[torch.Tensor],
-                        alphas: list[torch.Tensor], betas: list[torch.Tensor],
-                        neg_lrs: list[torch.Tensor], mosts: list[torch.Tensor]) -> None:
-    """factored_correct_ of every matrix of the lists, in one call (an install's corrections in
-    runs of BATCH, as factored_steps_ takes a step's)."""
-    for j, weight in enumerate(weights):
-        factored_correct_(weight, grad_sums[j], alphas[j], betas[j], neg_lrs[j], mosts[j])
 
 
 class FactoredCredit(MovingCredit):

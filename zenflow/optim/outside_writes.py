@@ -184,7 +184,7 @@ class OutsideWrites:
         the optimizer last did; after it, fingerprint them as moved. Two passes over those
         matrices a step, no read. `printed` (after the move): (indices, [n, 2] int32) the
         rule's compiled step took of those it moved, before and after, in its own pass
-        (credit_factored.factored_step_): those are checked and refingerprinted from it, not
+        (factored_kernels.factored_step_): those are checked and refingerprinted from it, not
         read again."""
         if printed is not None and printed[0]:
             indices, prints = printed

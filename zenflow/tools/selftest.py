@@ -24,7 +24,8 @@ Sections (each a list of checks with a status, a detail and measured numbers; JS
                   Llama shape on a GPU)
 
 The checks of each section live in selftest_correctness.py (correctness, equivalences, bf16,
-offload), selftest_transfers.py, selftest_worker.py and selftest_gpu.py; what they share
+offload), selftest_transfers.py, selftest_worker.py, selftest_gpu.py and selftest_compiled.py;
+what they share
 (`Check`, the context, values and tolerances) in selftest_checks.py.
 
 `run_selftest(transfers=factory)` replaces the transfer path of every optimizer the checks
@@ -40,7 +41,7 @@ import torch
 
 from zenflow.host.transfers import uses_cuda
 from zenflow.tools import selftest_checks as checks
-from zenflow.tools import selftest_correctness, selftest_transfers, selftest_worker
+from zenflow.tools import selftest_compiled, selftest_correctness, selftest_transfers, selftest_worker
 from zenflow.tools import selftest_gpu as gpu
 from zenflow.tools import selftest_measure as measure
 from zenflow.tools.selftest_checks import Check
@@ -117,7 +118,7 @@ _RUNNERS = {
     "model": gpu.model,
     "closure": gpu.closure,
     "pagelocks": gpu.pagelocks,
-    "compiled": gpu.compiled,
+    "compiled": selftest_compiled.compiled,
     "throughput": _throughput,
     "bandwidth": _bandwidth,
     "memory": _memory,
