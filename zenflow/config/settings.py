@@ -18,12 +18,13 @@ fields, with their defaults and types); read it in the optimizer as `self.settin
 DeepSpeed's JSON block should accept it too, add the key to `ZenFlowSection` in
 zenflow/config/zero_sections.py. Torch-free, like the config.
 
-`check_torch_adamw_flags` and `unknown_keyword_error` are the constructors' answers to arguments
+`check_torch_adamw_flags` and `refuse_unknown_keywords` are the constructors' answers to arguments
 that are not knobs: torch.optim.AdamW's flags, and names that are not arguments at all.
 """
 from __future__ import annotations
 
 import difflib
+import inspect
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -257,6 +258,15 @@ def check_torch_adamw_flags(owner: str, **flags) -> None:
                                 f"True is not supported here), got {value!r:.100}")
             raise ValueError(f"{owner}: {name}=True is not supported: "
                              f"{UNSUPPORTED_TORCH_FLAGS[name]}; pass {name}=False or leave it out")
+
+
+def refuse_unknown_keywords(owner: str, init, kwargs: dict) -> None:
+    """Raise unknown_keyword_error for the first of `kwargs` that `init` (a constructor) does not
+    take, before Python would (its TypeError says only "unexpected keyword argument")."""
+    arguments = [name for name in inspect.signature(init).parameters if name != "self"]
+    for name, value in kwargs.items():
+        if name not in arguments:
+            raise unknown_keyword_error(owner, name, value, arguments)
 
 
 def unknown_keyword_error(owner: str, name: str, value, arguments: list[str]) -> TypeError:

@@ -7,7 +7,8 @@
     close, with                     the worker stopped, its memory released
     stats, timeline                 telemetry
     state_dict, load_state_dict     the state, checked and composed by zenflow/optim/state.py
-    repr, the counters as properties, no deep copy, no param group added once built
+    repr, the knobs and the counters as attributes, no deep copy, no param group added once
+    built
 
 They read the parts that ZenFlowAdamW's constructor builds (`_installs`, `_pipeline`,
 `_selector`, `_outside_writes`, `counters`, ...). The ones that change the optimizer's state run
@@ -20,7 +21,7 @@ import logging
 
 import torch
 
-from zenflow.config.settings import AdamWHyperparameters
+from zenflow.config.settings import AdamWHyperparameters, ZenFlowSettings
 from zenflow.optim import state as state_format
 from zenflow.optim.model_hooks import ModelHooks, install_units
 from zenflow.optim.stats import optimizer_stats
@@ -42,6 +43,13 @@ def serialized(method):
 class BetweenSteps:
     """ZenFlowAdamW's methods outside step() (module doc); a mixin ahead of
     torch.optim.Optimizer, whose repr, state_dict and load_state_dict it replaces."""
+
+    def __getattr__(self, name: str):
+        """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in ZenFlowSettings.model_fields:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         """torch's listing of the param groups, with ZenFlow's settings first."""
@@ -211,7 +219,7 @@ class BetweenSteps:
         afterwards count as changed outside the optimizer and become the master values."""
         self._installs.finish()
         state_format.load(self, self._state_parts(), state_dict)
-        self._tell_owned_columns()
+        self._selector.tell_owned_columns()
         self._skips.forget()       # steps of the window the loaded state replaces
         self._agreement.forget()
 

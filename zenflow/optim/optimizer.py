@@ -34,7 +34,6 @@ close, stats, state_dict, ...) is the mixin in zenflow/optim/between_steps.py.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
@@ -47,7 +46,7 @@ from zenflow.config.settings import (
     DEFAULTS,
     ZenFlowSettings,
     check_torch_adamw_flags,
-    unknown_keyword_error,
+    refuse_unknown_keywords,
 )
 from zenflow.distributed import Partition, environment_without_group, row_sharding_group
 from zenflow.host.cores import local_rank_share, split_cores
@@ -112,14 +111,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __new__(cls, *args, **kwargs):
-        """Refuse a keyword the constructor does not take before Python does, naming the closest
-        one (Python's TypeError says only "unexpected keyword argument"). Type checkers read
-        __init__'s signature, so they catch the same typo statically."""
-        arguments = [name for name in inspect.signature(cls.__init__).parameters
-                     if name != "self"]
-        for name, value in kwargs.items():
-            if name not in arguments:
-                raise unknown_keyword_error(cls._NAME, name, value, arguments)
+        """Refuse a keyword the constructor does not take before Python does (type checkers
+        read __init__'s signature, so they catch the same typo statically)."""
+        refuse_unknown_keywords(cls._NAME, cls.__init__, kwargs)
         return super().__new__(cls)
 
     def __init__(self, params, lr: float = ADAMW_DEFAULTS.lr,
@@ -177,13 +171,6 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                                    self._partition)
         self._build(schedule)
 
-    def __getattr__(self, name: str):
-        """The knobs read as attributes too: `opt.topk_ratio` is `opt.settings.topk_ratio`."""
-        settings = self.__dict__.get("settings")
-        if settings is not None and name in ZenFlowSettings.model_fields:
-            return getattr(settings, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     def _build(self, schedule: SelectionSchedule) -> None:
         self._built = built_layout(self.param_groups)
         self._host_params, self._vector_params = sort_params(
@@ -227,14 +214,6 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         """Each host matrix's (learning rate, AdamW's step bound) for the credit rule's interim
         steps and corrections, as its group holds them now (None: the rule takes none)."""
         return self._pipeline.credit.step_sizes({m.host_index: m.group for m in self._host_params})
-
-    def _tell_owned_columns(self) -> None:
-        """The credit rule learns which columns the device owns now (after a selection or a
-        load)."""
-        chosen = self._selector.has_chosen
-        for m in self._host_params:
-            owned = m.selected.column_indices if chosen and m.param.ndim >= 2 else None
-            self._pipeline.credit.owned_columns(m.host_index, owned)
 
     @property
     def _runner(self):
@@ -396,6 +375,5 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             self._installs.queue_update()  # state can only move once the host is drained
             self._installs.finish()
         self._selector.select(plan, self.counters.step)
-        self._tell_owned_columns()
         self._outside_writes.fingerprint()
         self._decided("select" if plan.first else "reselect")

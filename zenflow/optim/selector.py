@@ -36,6 +36,7 @@ class ColumnSelector:
 
     def __init__(self, matrices: list[HostParam], pipeline: HostPipeline, partition: Partition,
                  device: torch.device, importance: str, schedule: SelectionSchedule):
+        self.every_matrix = matrices
         self.matrices = [m for m in matrices if m.k > 0]
         # Matrices whose selection can change (not every column on the device).
         self.movable = [m for m in self.matrices if m.k < m.num_columns]
@@ -100,6 +101,14 @@ class ColumnSelector:
         self.schedule.selected(step)
         if not plan.first:
             self.num_reselections += 1
+        self.tell_owned_columns()
+
+    def tell_owned_columns(self) -> None:
+        """The credit rule learns which columns the device owns now (after a selection or a
+        load): each matrix's selected ones, or none before the first selection."""
+        for m in self.every_matrix:
+            owned = m.selected.column_indices if self.has_chosen and m.param.ndim >= 2 else None
+            self.pipeline.credit.owned_columns(m.host_index, owned)
 
     def _importances(self, grads: dict, todo: list[HostParam]) -> list[torch.Tensor]:
         """Column importance of each matrix. Across ranks, each computes its measure's partial over
