@@ -8,7 +8,7 @@ import torch
 
 import zenflow
 from zenflow.host import layout
-from zenflow.optim import device_adam
+from zenflow.optim import device_adam, handoff
 from zenflow.optim.device_adam import ColumnBlock, runs_of
 
 
@@ -19,10 +19,13 @@ def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter((torch.randn(*s, generator=gen) * 0.1).to(dtype)) for s in shapes]
 
 
-# where the window sums are: the host's, the device's under "mean", the default rule's
+# where the window sums are: the host's, the device's under "mean", the default rule's (also with
+# the host's moments in bf16)
 SUMS = {"host": {"device_sum_budget": 0},
         "device": {"device_sum_budget": 1 << 30, "deferred_credit": "mean"},
-        "factored": {"device_sum_budget": 1 << 30}}
+        "factored": {"device_sum_budget": 1 << 30},
+        "factored, bf16 host moments": {"device_sum_budget": 1 << 30,
+                                        "host_moments_dtype": "bfloat16"}}
 
 
 def _train(dtype: torch.dtype, sums: str = "host", steps: int = 12):
@@ -49,20 +52,39 @@ def _train(dtype: torch.dtype, sums: str = "host", steps: int = 12):
         opt.close()
 
 
+def _assert_same(got, want, where=()):
+    """Every tensor of a state, nested dicts and lists included, bit for bit."""
+    if isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            _assert_same(got[key], want[key], (*where, key))
+    elif isinstance(want, (list, tuple)):
+        for j, (a, b) in enumerate(zip(got, want, strict=True)):
+            _assert_same(a, b, (*where, j))
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    else:
+        assert got == want, where
+
+
 @pytest.mark.parametrize("sums", list(SUMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_train_exactly_as_the_per_matrix_path(monkeypatch, dtype, sums):
+    """Their reselections too: a whole block's columns move at once
+    (handoff.move_block_columns), with the same values as one matrix at a time."""
+    moved = []
+    block_move = handoff.move_block_columns
+    monkeypatch.setattr(handoff, "move_block_columns",
+                        lambda block, *a: moved.append(block.size) or block_move(block, *a))
     blocks, weights, state = _train(dtype, sums)
+    assert sorted(moved) == [2, 2, 3, 3, 9, 9]   # each block, at both reselections
     monkeypatch.setattr(device_adam, "STACK_ELEMENTS", 0)
     monkeypatch.setattr(layout, "STACK_ELEMENTS", 0)   # nor back-to-back copies
     none, expected, expected_state = _train(dtype, sums)
     assert blocks == 3 and none == 0   # the 8x8s, the 8x16s and the [4, 6]s; not the 300x300
     for got, want in zip(weights, expected):
         assert torch.equal(got, want)
-    for key, value in expected_state["state"].items():
-        for name, tensor in value.items():
-            if isinstance(tensor, torch.Tensor):
-                assert torch.equal(state["state"][key][name], tensor), (key, name)
+    _assert_same(state["state"], expected_state["state"])
 
 
 def test_whole_blocks_in_slot_order_are_stacked_and_the_rest_single():

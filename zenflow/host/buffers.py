@@ -207,6 +207,16 @@ class HostState:
         "exp_avg_sq"): fp32, the moments in layout.moments_dtype."""
         return self.fp32(kind, i)   # (laid out as the fp32 buffers, whatever the dtype)
 
+    def stacked_state(self, kind: str, matrices: list[int]) -> torch.Tensor | None:
+        """`matrices`' state `kind` as one [n, rows, cols] view where they are alike and back
+        to back in that order (HostLayout.build places alike small ones so), else None."""
+        first = self.layout.matrices[matrices[0]]
+        if any(self.layout.matrices[i].offset != first.offset + j * first.numel
+               or self.layout.matrices[i].numel != first.numel for j, i in enumerate(matrices)):
+            return None
+        flat = self.arena.views[kind][first.offset:first.offset + len(matrices) * first.numel]
+        return flat.view(len(matrices), first.rows, first.cols)
+
     def staging(self, slot: int, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i in staging buffer `slot` (the param's dtype)."""
         return self._typed(self._staging_names[slot], i)

@@ -13,7 +13,7 @@ import torch
 from zenflow.adamw import FP32_STATE, moment_rescale
 from zenflow.distributed import Partition
 from zenflow.optim import columns
-from zenflow.optim.device_adam import DeviceColumns
+from zenflow.optim.device_adam import ColumnBlock, DeviceColumns
 
 _KINDS = FP32_STATE
 
@@ -72,3 +72,44 @@ def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices:
         fresh.index_copy_(1, join_dst, joining.to(fresh.device))
         current.copy_(fresh)   # (in place: it may be a view of a ColumnBlock)
     dev.column_indices.copy_(new_indices)
+
+
+
+def move_block_columns(block: ColumnBlock, counts: list[torch.Tensor],
+                       host: dict[str, torch.Tensor], new_indices: torch.Tensor,
+                       host_steps: list[int], betas: tuple[float, float]) -> None:
+    """move_columns of every member of `block` at once: a few operators whatever its size (an
+    MoE's thousands of experts; a member alone costs about 40 operators and two reads of the
+    device), the same values. One process's rows (no gather across ranks). `counts`: the
+    members' device counts (DeviceColumns.count); `host[name]`: the members' host state as
+    [size, rows, cols] (back to back in the host buffers); `new_indices`: [size, k], each row
+    ascending; `host_steps`: the members' host counts."""
+    size, rows, k = block.master.shape
+    to_dev = block.column_indices.device
+    dev_steps = [int(c) for c in torch.stack(counts).tolist()]   # one read of the device
+    old, new = block.column_indices.cpu(), new_indices.cpu()
+    at_old = torch.searchsorted(old, new).clamp_max(k - 1)      # where a staying column was
+    stays = (old.gather(1, at_old) == new).to(to_dev).unsqueeze(1)
+    leaves = (new.gather(1, torch.searchsorted(new, old).clamp_max(k - 1)) != old).unsqueeze(1)
+    spread_old, spread_new = (c.unsqueeze(1).expand(size, rows, k) for c in (old, new))
+    keep_from = at_old.to(to_dev).unsqueeze(1).expand(size, rows, k)
+    for name, beta in (("master", None), ("exp_avg", betas[0]), ("exp_avg_sq", betas[1])):
+        current, stack = getattr(block, name), host[name]
+        leaving = current.to("cpu", copy=True)
+        if beta is not None:
+            leaving.mul_(_rescales(beta, dev_steps, host_steps))
+        # (a staying column's host copy is written back as it was: only leaving ones change)
+        stack.scatter_(2, spread_old, torch.where(leaves, leaving.to(stack.dtype),
+                                                  stack.gather(2, spread_old)))
+        joining = stack.gather(2, spread_new).float()
+        if beta is not None:
+            joining.mul_(_rescales(beta, host_steps, dev_steps))
+        current.copy_(torch.where(stays, current.gather(2, keep_from), joining.to(to_dev)))
+    block.column_indices.copy_(new_indices)
+
+
+def _rescales(beta: float, from_steps: list[int], to_steps: list[int]) -> torch.Tensor:
+    """moment_rescale of each member, as [size, 1, 1] fp32 (a Python float multiplies an fp32
+    tensor as this fp32 value does)."""
+    return torch.tensor([moment_rescale(beta, a, b) for a, b in zip(from_steps, to_steps)],
+                        dtype=torch.float32).view(-1, 1, 1)

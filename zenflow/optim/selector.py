@@ -16,7 +16,7 @@ from zenflow.adamw import FP32_STATE
 from zenflow.distributed import Partition
 from zenflow.host.pipeline import HostPipeline
 from zenflow.optim import columns, handoff
-from zenflow.optim.device_adam import runs_of
+from zenflow.optim.device_adam import runs_of, write_selected
 from zenflow.optim.importance import MEASURES, retained_masses, top_columns
 from zenflow.optim.params import HostParam
 from zenflow.optim.selection_schedule import SelectionSchedule
@@ -81,7 +81,10 @@ class ColumnSelector:
     def select(self, plan: SelectionPlan, step: int) -> None:
         """Move the columns of `plan` (the host must hold no update in flight)."""
         self.pipeline.drain()
-        for m, importance in zip(plan.matrices, plan.importances):
+        done = set() if plan.first else self._move_blocks(plan)
+        for j, (m, importance) in enumerate(zip(plan.matrices, plan.importances)):
+            if j in done:
+                continue
             chosen = top_columns(importance, m.k)
             host = {kind: self.pipeline.host.state(kind, m.host_index)
                     for kind in FP32_STATE}
@@ -102,6 +105,33 @@ class ColumnSelector:
         if not plan.first:
             self.num_reselections += 1
         self.tell_owned_columns()
+
+    def _move_blocks(self, plan: SelectionPlan) -> set[int]:
+        """A reselection's moves of whole ColumnBlocks whose members are back to back on the
+        host, a block at once (handoff.move_block_columns); returns the positions in `plan`
+        done. Under data parallel each member moves alone (its columns gather every rank's
+        rows)."""
+        if self.partition.splits_rows:
+            return set()
+        done: set[int] = set()
+        runs = runs_of([m.selected for m in plan.matrices])
+        for run, block in zip(runs.stacked, runs.blocks):
+            members = [plan.matrices[j] for j in run]
+            indices = [m.host_index for m in members]
+            stacks = {kind: self.pipeline.host.stacked_state(kind, indices) for kind in FP32_STATE}
+            betas = {tuple(float(b) for b in m.group["betas"]) for m in members}
+            if any(v is None for v in stacks.values()) or len(betas) > 1:
+                continue
+            k = members[0].k
+            order = torch.sort(torch.stack([plan.importances[j] for j in run]), dim=1,
+                               descending=True, stable=True).indices[:, :k]
+            handoff.move_block_columns(block, [m.selected.count for m in members], stacks,
+                                       order.sort(dim=1).values,   # as top_columns, per row
+                                       [self.pipeline.host_step[i] for i in indices], *betas)
+            write_selected([self.pipeline.weights(i) for i in indices],
+                           [m.selected for m in members])
+            done.update(run)
+        return done
 
     def tell_owned_columns(self) -> None:
         """The credit rule learns which columns the device owns now (after a selection or a
