@@ -568,6 +568,7 @@ def test_bf16_host_moments_take_4_bytes_a_parameter_and_their_own_host_figures()
     """host_moments_dtype="bfloat16": 4 bytes less host memory per host-held parameter; the
     update moves 8 bytes fewer a parameter but computes more per core (COMPACT_PASSES), and a
     selftest's figure, measured with fp32 moments, is not used for it."""
+    from zenflow.tools.estimate_answer import host_line
     from zenflow.tools.estimate_host import COMPACT_PASSES, HostMachine, host_figures
     shapes = llama_shapes(**LLAMA2_7B)
     P_mat = sum(math.prod(s) for _, s in shapes if len(s) >= 2)
@@ -577,6 +578,7 @@ def test_bf16_host_moments_take_4_bytes_a_parameter_and_their_own_host_figures()
     assert (fp32["per_host"]["zenflow"]["host_bytes"] - bf16["per_host"]["zenflow"]["host_bytes"]
             == 4 * P_mat)
     assert bf16["settings"]["host_moments_dtype"] == "bfloat16"
+    assert "moments in bf16" in host_line(bf16) and "moments in bf16" not in host_line(fp32)
     figures = host_figures(HostMachine(), 1, compact_moments=True)
     for key, (per_core, nbytes) in COMPACT_PASSES.items():
         assert figures[key][0] == min(62 * per_core, 250e9 / nbytes)

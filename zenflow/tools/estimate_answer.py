@@ -179,6 +179,8 @@ def host_line(r: dict) -> str:
                              ("the 'moments' rates", s["host_rates"])) if on]
     why = (f" (more than OffloadAdamW's: {', and '.join(extra)})"
            if z["host_bytes"] > o["host_bytes"] and extra else "")
+    if s.get("host_moments_dtype") == "bfloat16":
+        why += " with its moments in bf16 (host_moments_dtype: 4 bytes a parameter less)"
     return (f"host memory: ZenFlowAdamW {gib(z['arena_bytes'])} of RAM{why}, "
             f"{gib(z['pinned_bytes'])} of it page-locked; OffloadAdamW {gib(o['arena_bytes'])}. "
             f"{where.capitalize()} has {gib(h['available_host_bytes'])} available: it {fits}"
