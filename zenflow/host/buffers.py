@@ -21,7 +21,7 @@ import torch
 
 from zenflow.adamw import adam_rate, adamw_, adamw_lookahead, adamw_moments_chunk_
 from zenflow.host.arena import Arena, Region
-from zenflow.host.compact_moments import round_moments_, widen
+from zenflow.host.compact_moments import SCRATCH, fp32_moments, store_moments_
 from zenflow.host.factored import factored_pass
 from zenflow.host.layout import HostJob, HostLayout, dtype_name
 from zenflow.host.numa import share_bounds
@@ -137,12 +137,9 @@ def _gradients(run: _Run, a: int, b: int, into: torch.Tensor) -> torch.Tensor:
 def _chunk(run: _Run, a: int, b: int) -> None:
     """All the work on elements [a, b) of `run`, while they are in cache: AdamW (an update), the
     rates ("moments"), the install values."""
-    x, m, sq = run.master[a:b], run.exp_avg[a:b], run.exp_avg_sq[a:b]
-    compact = m.dtype != torch.float32
-    scratch = thread_scratch(b - a, 5 if compact else 2)
-    if compact:   # the fp32 arithmetic on the moments widened, rounded back at the end
-        m_stored, sq_stored = m, sq
-        m, sq = widen(m_stored, scratch[2]), widen(sq_stored, scratch[3])
+    x, m_stored, sq_stored = run.master[a:b], run.exp_avg[a:b], run.exp_avg_sq[a:b]
+    scratch = thread_scratch(b - a, 2 if m_stored.dtype == torch.float32 else SCRATCH)
+    m, sq = fp32_moments(m_stored, sq_stored, scratch)   # (bf16 ones widened, stored at the end)
     denom = None
     if run.sums is not None:
         grads = _gradients(run, a, b, scratch[0])
@@ -163,8 +160,8 @@ def _chunk(run: _Run, a: int, b: int) -> None:
                         scratch=scratch[1], **run.hyper)
     else:
         run.install[a:b].copy_(x)
-    if compact and run.sums is not None:
-        round_moments_(m_stored, sq_stored, m, sq, x, scratch[4].view(torch.int32))
+    if run.sums is not None:
+        store_moments_(m_stored, sq_stored, m, sq, x, scratch)
 
 
 class HostState:

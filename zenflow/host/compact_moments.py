@@ -25,9 +25,30 @@ import torch
 _LOW_BITS = 0xFFFF
 
 
-def widen(moment: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """`moment` (bf16, any shape) in fp32 in the first elements of the flat fp32 `scratch`
-    (exact), shaped like it."""
+SCRATCH = 5   # thread_scratch buffers a pass takes with bf16 moments: its own two, then these three
+
+
+def fp32_moments(m: torch.Tensor, v: torch.Tensor, scratch: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moments `m`, `v` as fp32 tensors of their shape: themselves where they are fp32, else
+    widened (exactly) into scratch[2] and scratch[3] (thread_scratch(n, SCRATCH))."""
+    if m.dtype == torch.float32:
+        return m, v
+    return _widen(m, scratch[2]), _widen(v, scratch[3])
+
+
+def store_moments_(m: torch.Tensor, v: torch.Tensor, m32: torch.Tensor, v32: torch.Tensor,
+                   master: torch.Tensor, scratch: tuple[torch.Tensor, ...]) -> None:
+    """After the update: nothing where fp32_moments returned the moments themselves; else the
+    bf16 `m`, `v` := `m32` (to nearest) and `v32` (overwritten; stochastically, with bits of the
+    updated fp32 `master`): module doc."""
+    if m32 is m:
+        return
+    m.copy_(m32)
+    round_stochastic_(v, v32, master, scratch[4].view(torch.int32))
+
+
+def _widen(moment: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return scratch[:moment.numel()].view(moment.shape).copy_(moment)
 
 
@@ -48,10 +69,3 @@ def round_stochastic_(out: torch.Tensor, values: torch.Tensor, source: torch.Ten
     # int32 -> int16 copy keeps exactly (a strided copy of the bf16 halves is 1.5x slower)
     out.view(-1).view(torch.int16).copy_(bits.bitwise_right_shift_(16))
 
-
-def round_moments_(m: torch.Tensor, v: torch.Tensor, m32: torch.Tensor, v32: torch.Tensor,
-                   master: torch.Tensor, noise: torch.Tensor) -> None:
-    """The bf16 moments `m`, `v` := their fp32 updates `m32` (to nearest) and `v32`
-    (overwritten; stochastically, with bits of the updated fp32 `master`): module doc."""
-    m.copy_(m32)
-    round_stochastic_(v, v32, master, noise)

@@ -31,7 +31,7 @@ from functools import partial
 
 import torch
 
-from zenflow.host.compact_moments import round_moments_, widen
+from zenflow.host.compact_moments import SCRATCH, fp32_moments, store_moments_
 from zenflow.host.scratch import thread_scratch
 
 ROW_BLOCK = 1 << 18   # elements of a block of rows (at least one row): its fp32 temporaries,
@@ -192,16 +192,12 @@ class _Matrix:
         u, x = self.job.update, self._rows(self.x, k)
         msq = _mean_square_(sq, self._rows(self.vr, k), self.vc, self.total)
         m, v = self._rows(self.m, k), self._rows(self.v, k)
-        if m.dtype != torch.float32:   # host_moments_dtype="bfloat16": fp32 arithmetic
-            scratch = thread_scratch(m.numel(), 5)
-            m32, v32 = widen(m, scratch[2]), widen(v, scratch[3])
-        else:
-            m32, v32 = m, v
+        scratch = thread_scratch(m.numel(), SCRATCH) if m.dtype != torch.float32 else ()
+        m32, v32 = fp32_moments(m, v, scratch)   # (bf16 ones widened, stored after the step)
         denom = moments_step_(x, mean, msq, m32, v32, self.job.step, self.job.num_grads,
                               lr=u.lr, beta1=u.beta1, beta2=u.beta2, eps=u.eps,
                               weight_decay=u.weight_decay)
-        if m32 is not m:
-            round_moments_(m, v, m32, v32, x, scratch[4].view(torch.int32))
+        store_moments_(m, v, m32, v32, x, scratch)
         if self.count:
             _log_sums(denom.log_(), self.deferred, self.count, self._rows(self.row_part, k),
                       self.partial[k])

@@ -74,7 +74,6 @@ def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices:
     dev.column_indices.copy_(new_indices)
 
 
-
 def move_block_columns(block: ColumnBlock, counts: list[torch.Tensor],
                        host: dict[str, torch.Tensor], new_indices: torch.Tensor,
                        host_steps: list[int], betas: tuple[float, float]) -> None:

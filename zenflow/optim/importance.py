@@ -64,15 +64,16 @@ def num_selected(topk_ratio: float, num_columns: int) -> int:
 
 
 def top_columns(importance: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k most important columns, sorted ascending (so gathers walk memory forward).
+    """Indices of the k most important columns, sorted ascending (so gathers walk memory forward),
+    along the last dimension (a stack of alike matrices' importances: each row its own).
 
     Ties are broken towards the lower index, so every implementation picks the same set.
     """
     if k == 0:
-        return torch.zeros(0, dtype=torch.long, device=importance.device)
+        return torch.zeros(*importance.shape[:-1], 0, dtype=torch.long, device=importance.device)
     # A stable descending sort gives a deterministic tie order, unlike torch.topk.
-    order = torch.sort(importance, descending=True, stable=True).indices[:k]
-    return order.sort().values
+    order = torch.sort(importance, dim=-1, descending=True, stable=True).indices[..., :k]
+    return order.sort(dim=-1).values
 
 
 def retained_masses(importances: list[torch.Tensor], selected: list[torch.Tensor],

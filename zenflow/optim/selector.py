@@ -122,12 +122,10 @@ class ColumnSelector:
             betas = {tuple(float(b) for b in m.group["betas"]) for m in members}
             if any(v is None for v in stacks.values()) or len(betas) > 1:
                 continue
-            k = members[0].k
-            order = torch.sort(torch.stack([plan.importances[j] for j in run]), dim=1,
-                               descending=True, stable=True).indices[:, :k]
+            chosen = top_columns(torch.stack([plan.importances[j] for j in run]), members[0].k)
             handoff.move_block_columns(block, [m.selected.count for m in members], stacks,
-                                       order.sort(dim=1).values,   # as top_columns, per row
-                                       [self.pipeline.host_step[i] for i in indices], *betas)
+                                       chosen, [self.pipeline.host_step[i] for i in indices],
+                                       *betas)
             write_selected([self.pipeline.weights(i) for i in indices],
                            [m.selected for m in members])
             done.update(run)
