@@ -91,14 +91,15 @@ def test_window_ends_and_firsts_dispatch_at_most_17_operators_per_matrix(per_mat
 def test_a_one_step_window_looks_for_data_writes_once(per_matrix):
     """One-step windows (a CPU's, or a fast host's): the look for writes through .data at the
     window's first step is the look at its end; the window-end fingerprints are one launch per
-    matrix, batched after (zenflow/optim/outside_writes.py)."""
+    matrix, batched after (zenflow/optim/outside_writes.py); the device's columns are written
+    once, after the install (9 a matrix when the step wrote them before it too)."""
     rows = _steps({"update_interval": 1, "topk_ratio": 0.25})
     plain = [(t, c) for t, _, ended, c in rows if ended and not c.by_op["aten.topk"]]
     assert len(plain) >= 4   # (a step with topk checks the selection's drift: more sums)
     for t, count in plain:
         # one per-column bit sum per matrix for the look, one for the new fingerprint
         assert count.by_op["aten.sum"] <= 2 * MATRICES + 8, (t, count.by_op["aten.sum"])
-        assert _per_matrix(count) <= 9, (t, count.total, count.by_op.most_common(8))
+        assert _per_matrix(count) <= 8, (t, count.total, count.by_op.most_common(8))
 
 
 def test_the_default_rule_with_every_sum_on_the_device_stays_within_its_count(per_matrix):

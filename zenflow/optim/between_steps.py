@@ -88,6 +88,11 @@ class BetweenSteps:
                         "parameters and load_state_dict(this.state_dict()) into it")
 
     @property
+    def _runner(self):
+        """What runs the host's work: the worker process's link, or the in-process runner."""
+        return self._pipeline.runner
+
+    @property
     def closed(self) -> bool:
         return getattr(self, "_closed", True)
 

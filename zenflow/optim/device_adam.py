@@ -100,6 +100,7 @@ class ColumnBlock:
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor
     spread: torch.Tensor           # column_indices as an index into a [size, rows, cols] stack
+    counts: torch.Tensor           # [size] fp32: each member's count (DeviceColumns.count)
 
     @property
     def size(self) -> int:
@@ -112,9 +113,9 @@ class ColumnBlock:
         indices = torch.zeros(size, k, dtype=torch.long, device=device)
         blocks = [torch.zeros(size, rows, k, dtype=torch.float32, device=device)
                   for _ in range(4)]
-        block = cls(indices, *blocks, indices.unsqueeze(1).expand(size, rows, k))
-        members = [DeviceColumns(indices[j], *(b[j] for b in blocks[:3]),
-                                 torch.zeros((), dtype=torch.float32, device=device), blocks[3][j],
+        counts = torch.zeros(size, dtype=torch.float32, device=device)
+        block = cls(indices, *blocks, indices.unsqueeze(1).expand(size, rows, k), counts)
+        members = [DeviceColumns(indices[j], *(b[j] for b in blocks[:3]), counts[j], blocks[3][j],
                                  block, j) for j in range(size)]
         return block, members
 
@@ -239,7 +240,7 @@ class _Batch:
         self.grads.append(grad)
         self.exp_avgs.append(exp_avg)
         self.exp_avg_sqs.append(exp_avg_sq)
-        self.counts.append(count)
+        self.counts.append(count)   # (advanced before the kernel: device_step)
 
 
 _CHUNK_ELEMENTS = 1 << 24   # 16-bit values compared at once: at most ~200 MiB of temporaries
@@ -301,10 +302,8 @@ def group_hyperparameters(group: dict) -> tuple[float, float, float, float, floa
 
 class MatrixSteps(NamedTuple):
     """The matrices a device step updates, as parallel lists (a tuple per matrix would be
-    thousands of objects a step, an MoE's, for Python's collector to track): the view the
-    optimizer writes each through ([rows, cols]: zenflow.host.weight_views), its gradient, its
+    thousands of objects a step, an MoE's, for Python's collector to track): its gradient, its
     selected columns and its param group."""
-    weights: list[torch.Tensor]
     grads: list[torch.Tensor]
     columns: list[DeviceColumns]
     groups: list[dict]
@@ -313,14 +312,16 @@ class MatrixSteps(NamedTuple):
 def device_step(matrices: MatrixSteps,
                 vectors: list[tuple[torch.Tensor, torch.Tensor, DeviceVector, dict]],
                 scale) -> None:
-    """One AdamW step of the selected columns and the vectors, then write them into the params.
+    """One AdamW step of the selected columns and the vectors; the vectors are written into their
+    params, the columns are not (write_selected: the caller writes them once, after a window
+    end's install where there is one: zenflow/optim/installs.py).
 
     `vectors` holds (weights, grad, state, group), `weights` the view the optimizer writes the
     parameter through (one row); entries without a gradient are left out by the caller, exactly
     as torch.optim skips them. `scale` (a `zenflow.optim.step_scale.StepScale`) multiplies every
     gradient; on a step it marks skipped, nothing changes: the counts advance by its kept flag and
     the fused kernel, handed its skip flag as torch.optim hands GradScaler's found_inf, leaves the
-    state alone. The members of a whole ColumnBlock are gathered and scattered together.
+    state alone. The members of a whole ColumnBlock are gathered together.
     """
     batches: dict[tuple, _Batch] = {}
     hyperparameters: dict[int, tuple] = {}   # id(group) -> its own: read once per group
@@ -353,14 +354,17 @@ def device_step(matrices: MatrixSteps,
         batch_of(group).add(state.master, vector_grad, state.exp_avg, state.exp_avg_sq,
                             state.count)
 
+    # Every count this step updates advances by the kept flag: a whole block's in one add. A
+    # list of the flag, not the flag: given one 0-dim tensor, _foreach_add_ picks its Scalar
+    # overload and reads the flag into a number, which waits for the device.
+    counts = ([block.counts for block in runs.blocks] + [selected[j].count for j in single]
+              + [state.count for _, _, state, _ in vectors])
+    if counts:
+        torch._foreach_add_(counts, [scale.kept] * len(counts))
     for (lr, beta1, beta2, eps, weight_decay), b in batches.items():
-        # A list of the flag, not the flag: given one 0-dim tensor, _foreach_add_ picks its
-        # Scalar overload and reads the flag into a number, which waits for the device.
-        torch._foreach_add_(b.counts, [scale.kept] * len(b.counts))
         adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.counts, lr=lr, beta1=beta1,
                beta2=beta2, eps=eps, weight_decay=weight_decay, skip=scale.skip)
 
-    write_selected(matrices.weights, selected, runs)
     for weights, _, state, _ in vectors:
         if state.master.data_ptr() != weights.data_ptr():
             weights.copy_(state.master.view(weights.shape))

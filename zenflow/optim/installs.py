@@ -64,6 +64,25 @@ class Installs:
         self._pending: dict[int, Ticket] = {}   # in the order queued
         self._corrections: dict[int, Correction] = {}
         self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hooks
+        self._stepped: dict[int, object] = {}   # host index -> HostParam: see columns_stepped
+
+    # -- the device's columns -------------------------------------------------------------------
+    def columns_stepped(self, matrices: list) -> None:
+        """The device's step just updated the selected columns of `matrices` (HostParams) and
+        did not write them into the parameters: a window end that installs a matrix in this
+        step writes its columns after the copy (finish), so writing them before as well would be
+        a pass (and on a GPU launches per matrix) for nothing. The others are written before any
+        install's copy is queued (the copy must not race the write) and at the step's end
+        (write_stepped_columns)."""
+        self._stepped = {m.host_index: m for m in matrices}
+
+    def write_stepped_columns(self, but: set[int] = frozenset()) -> None:
+        """Write the stepped columns not written yet, except those of matrices `but` (an install
+        about to be finished in this step writes them)."""
+        todo = [m for i, m in self._stepped.items() if i not in but]
+        if todo:
+            params_from_selected(todo, self._pipeline.weight_views)
+            self._stepped = {i: m for i, m in self._stepped.items() if i in but}
 
     # -- queue ----------------------------------------------------------------------------------
     def queue_update(self, sizes: dict[int, tuple[float, float]] | None = None) -> list[int]:
@@ -75,6 +94,8 @@ class Installs:
         flight = self._pipeline.take_update()
         if flight is None:
             return []
+        waited = self._waited()
+        self.write_stepped_columns(but={i for i in flight.matrices if i not in waited})
         moving = {i for i, u in zip(flight.jobs.matrices, flight.jobs.updates)
                   if u.moments and self._credit.moves(i)}
         num_grads = self._pipeline.num_grads
@@ -86,6 +107,7 @@ class Installs:
         """Queue the install of the host values of `indices` themselves (an update installed with
         a lookahead leads them, and a credit rule's interim steps moved them since)."""
         self.finish()
+        self.write_stepped_columns()
         self._pipeline.take_masters(indices)
         self._add(self._queue(indices, set()))
 
@@ -113,10 +135,14 @@ class Installs:
         assert not any(i in self._pending for i in tickets), "finish() the last first"
         self._pending.update(tickets)
         self._corrections.update((i, c) for i, c in corrections.items() if i in tickets)
-        waited = set().union(*(h.matrices for h in self._attached.values()
-                               if not h.finishes_in_step))
+        waited = self._waited()
         self.finish([i for i in tickets if i not in waited])
         return list(tickets)
+
+    def _waited(self) -> set[int]:
+        """The matrices whose installs an attached model's forward finishes."""
+        return set().union(*(h.matrices for h in self._attached.values()
+                             if not h.finishes_in_step))
 
     # -- finish ---------------------------------------------------------------------------------
     def pending(self, matrices: list[int] | None = None) -> bool:
@@ -150,6 +176,9 @@ class Installs:
         if self._selector.has_chosen:   # the device's own columns are newer than the host's
             owning = [m for i in matrices if (m := self._host_params[i]).k > 0]
             params_from_selected(owning, pipeline.weight_views)
+            if self._stepped:
+                for m in owning:
+                    self._stepped.pop(m.host_index, None)
             for m in owning:
                 self._credit.device_owns(m.host_index, m.selected.column_indices)
         self._outside_writes.fingerprint(matrices)

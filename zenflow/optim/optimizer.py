@@ -215,10 +215,6 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         steps and corrections, as its group holds them now (None: the rule takes none)."""
         return self._pipeline.credit.step_sizes({m.host_index: m.group for m in self._host_params})
 
-    @property
-    def _runner(self):
-        return self._pipeline.runner
-
     # ------------------------------------------------------------------ the step
     def step(self, closure=None):
         """One optimizer step (module doc). `closure` (re-evaluates the loss: forward and
@@ -284,15 +280,24 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                                          printed=credit.take_prints())
         if not reads_now:
             self._skips.defer(count.step, scale)
-        device_update(self._host_params if chosen else [], self._vector_params, grads, scale,
-                      self._pipeline.weight_views, self._vector_weights)
-        if not warming_up and self._window.watches_importance:
-            present = [m for m in self._host_params if m.param in grads and m.param.ndim >= 2]
-            position = {p: j for j, p in enumerate(grads)}
-            split = importance_split(present, norms[[position[m.param] for m in present]], scale,
-                                     self._partition) if present else None
-            if split is not None:
-                self._window.observe(*split)
+        self._installs.columns_stepped(device_update(
+            self._host_params if chosen else [], self._vector_params, grads, scale,
+            self._vector_weights))
+        try:
+            self._after_device_update(grads, norms, scale, warming_up)
+        finally:   # (written by an install in this step, or now)
+            self._installs.write_stepped_columns()
+        self._pipeline.fence()
+        count.step += 1
+        self._timer.end()
+
+    def _after_device_update(self, grads: dict, norms: torch.Tensor, scale, warming_up: bool) -> None:
+        """The rest of a step: the importance the window rule watches, the host's accumulate,
+        and the window's end if it ends here."""
+        count = self.counters
+        if not warming_up and self._window.watches_importance and (split := importance_split(
+                self._host_params, grads, norms, scale, self._partition)) is not None:
+            self._window.observe(*split)
         self._pipeline.accumulate()
         count.window_steps += 1
         if warming_up or self._window_ends():
@@ -306,10 +311,6 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             # a one-step window's writes through .data were looked for at this step's start
             self._end_window(synchronous=warming_up or not self.settings.overlap_step,
                              looked=not warming_up and count.window_steps == 1)
-        self._pipeline.fence()
-        count.step += 1
-        self._timer.end()
-        return
 
     def _settle_skips(self) -> None:
         """Read the kept flags of this window's steps so far (optim/step_scale.py); a skipped

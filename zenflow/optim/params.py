@@ -141,21 +141,24 @@ def _changed_since_built(p: torch.Tensor, dtype: torch.dtype | None) -> str:
 
 
 def device_update(host_params: list[HostParam], vector_params: list[VectorParam], grads: dict,
-                  scale, weights: WeightViews, vector_weights: WeightViews) -> None:
+                  scale, vector_weights: WeightViews) -> list[HostParam]:
     """AdamW on the device: the selected columns of `host_params` and every vector (those without
     a gradient this step are left alone, as torch.optim does), scaled by `scale` (a
-    zenflow.optim.step_scale.StepScale: nothing changes on a step it skips), written through
-    `weights` (by host index) and `vector_weights` (by position in `vector_params`)."""
-    matrices = MatrixSteps([], [], [], [])
+    zenflow.optim.step_scale.StepScale: nothing changes on a step it skips). The vectors are
+    written through `vector_weights` (by position in `vector_params`); returns the matrices whose
+    columns it stepped, for the caller to write (params_from_selected)."""
+    matrices = MatrixSteps([], [], [])
+    stepped = []
     for m in host_params:
         if m.k > 0 and (g := grads.get(m.param)) is not None:
-            matrices.weights.append(weights[m.host_index])
+            stepped.append(m)
             matrices.grads.append(g)
             matrices.columns.append(m.selected)
             matrices.groups.append(m.group)
     vectors = [(vector_weights[j], g, v.state, v.group) for j, v in enumerate(vector_params)
                if (g := grads.get(v.param)) is not None]
     device_step(matrices, vectors, scale)
+    return stepped
 
 
 def params_from_selected(matrices: list[HostParam], weights: WeightViews) -> None:
@@ -196,16 +199,22 @@ def device_state_bytes(host_params: list[HostParam], vector_params: list[VectorP
             + sum(v.state.nbytes(v.local) for v in vector_params))
 
 
-def importance_split(present: list[HostParam], norms: torch.Tensor, scale,
+def importance_split(host_params: list[HostParam], grads: dict, norms: torch.Tensor, scale,
                      partition=None) -> tuple[float, int, float, int] | None:
-    """(squared norm, columns) of the deferred and of the selected columns of the matrices
-    `present` this step, for the auto window; None when the step was skipped (`scale`, a
+    """(squared norm, columns) of the deferred and of the selected columns of the matrices of
+    `host_params` with a gradient this step (`grads`: parameter -> gradient), for the auto
+    window; None when none has or the step was skipped (`scale`, a
     zenflow.optim.step_scale.StepScale, says so in the same read). The device update has just
     gathered and clipped the selected columns, so their norms take no extra pass over the
-    gradients; `norms` (fp32, one per matrix of `present`) holds each whole gradient's norm before
-    clipping. Where each rank holds some rows of every gradient (FSDP2,
+    gradients; `norms` (fp32, one per gradient of `grads`, in its order) holds each whole
+    gradient's norm before clipping. Where each rank holds some rows of every gradient (FSDP2,
     `partition.shards_gradients`), the squares are summed across ranks (one all-reduce), so every
     rank sees the whole matrices' split."""
+    present = [m for m in host_params if m.param in grads and m.param.ndim >= 2]
+    if not present:
+        return None
+    position = {p: j for j, p in enumerate(grads)}
+    norms = norms[[position[m.param] for m in present]]
     selected = [m for m in present if m.k > 0]
     selected_norms = torch._foreach_norm([m.selected.grad for m in selected]) if selected else []
     squares = torch.cat([(norms.double() * scale.coef).square(),
