@@ -115,3 +115,23 @@ def test_the_tree_is_clean_under_ruff():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."],
                          capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
+
+
+# A module a newcomer reads in one sitting, a class that does one job (issue 34's limits).
+MODULE_LINES, CLASS_LINES = 400, 300
+
+
+def test_no_module_or_class_is_too_long_to_read_in_one_sitting():
+    too_long = []
+    for path in modules():
+        text = path.read_text()
+        name = path.relative_to(PACKAGE)
+        if len(text.splitlines()) > MODULE_LINES:
+            too_long.append(f"{name}: {len(text.splitlines())} lines (at most {MODULE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > CLASS_LINES:
+                    too_long.append(f"{name}: class {node.name}, {lines} lines "
+                                    f"(at most {CLASS_LINES})")
+    assert not too_long, "\n".join(too_long)

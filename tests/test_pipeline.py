@@ -99,7 +99,7 @@ def test_late_copies_give_the_reference_result(seed, worker):
                                worker=worker, **settings)
     late = LateCopies(opt.device)
     opt._pipeline.transfers.close()
-    opt._pipeline.transfers = late
+    opt._pipeline.use_transfers(late)
     try:
         _train_beside_reference(opt, fast, slow, settings, seed)
         state = opt.state_dict()   # drains: every late copy lands, every command is sent
@@ -117,7 +117,7 @@ def test_install_does_not_wait_for_this_steps_copy():
                                overlap_step=True, worker=False)
     late = LateCopies(opt.device)
     opt._pipeline.transfers.close()
-    opt._pipeline.transfers = late
+    opt._pipeline.use_transfers(late)
 
     def no_fence(ticket):   # let copies stay in flight across steps, as a busy GPU would
         pass

@@ -46,6 +46,63 @@ def factor_bytes(rows: int, cols: int) -> int:
     return 8 * rows + 12 * cols
 
 
+class _Kernels:
+    """factored_kernels' functions compiled for the device (zenflow/host/compiled.py), by name:
+    "step" and "correct" a matrix, "steps" and "corrects" a run of BATCH matrices; and the
+    device scalars their calls take. A kernel that fails is logged once and dropped: a run's
+    alone (its matrices' own kernels take them), a matrix's with every other (the op-by-op path
+    runs from then on)."""
+
+    def __init__(self):
+        self._compiled: dict[str, Callable] = {}
+        self._scalars: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def compile(self, moving: int, device: torch.device) -> None:
+        """The kernels for `moving` matrices on `device` (none where it takes no compiled code:
+        zenflow.host.compiled.COMPILE_ON)."""
+        self._compiled = {}
+        for name, fn in (("step", factored_step_), ("correct", factored_correct_)):
+            kernel = compiled_for(fn, device)
+            if kernel is not None:
+                self._compiled[name] = kernel
+        if moving >= BATCH and "step" in self._compiled:
+            self._compiled["steps"] = compiled_for(factored_steps_, device, batch=True)
+            self._compiled["corrects"] = compiled_for(factored_corrects_, device, batch=True)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._compiled
+
+    def run(self, name: str, *args, **kwargs) -> bool:
+        """Kernel `name` on `args` if it is compiled; False where it is not, or it failed."""
+        kernel = self._compiled.get(name)
+        if kernel is None:
+            return False
+        try:
+            kernel(*args, **kwargs)
+        except Exception as exc:   # noqa: BLE001 - any compiler failure: fall back, loudly
+            batch = isinstance(args[0], list)   # a run's kernel: its first argument a list
+            first = args[0][0] if batch else args[0]
+            log.warning("deferred_credit='factored': the compiled %s failed on %s (%s: %s); %s "
+                        "runs instead from now on", name, first.device, type(exc).__name__, exc,
+                        "a kernel a matrix" if batch else "the op-by-op path")
+            if batch:
+                del self._compiled[name]
+            else:
+                self._compiled = {}
+            return False
+        return True
+
+    def scalars_of(self, lr: float, bound: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(-lr, bound) as device scalars, made again only when they change (a scheduler's lr,
+        a correction's bound for its count)."""
+        found = self._scalars.get((lr, bound))
+        if found is None:
+            if len(self._scalars) > 32:
+                self._scalars.clear()
+            found = self._scalars[lr, bound] = (scalar(-lr, device), scalar(bound, device))
+        return found
+
+
 class FactoredCredit(MovingCredit):
     """The window as that many AdamW steps, from factored squares; interim steps and an
     install's correction at factored rates."""
@@ -65,9 +122,7 @@ class FactoredCredit(MovingCredit):
         self._restored: dict[int, tuple] = {}         # loaded before placed
         self._from_sum: dict[int, tuple] = {}        # a window summed without the statistics
         self._placed = False
-        # factored_step_ and factored_correct_ compiled for the device (allocate()), by name
-        self._kernels: dict[str, Callable] = {}
-        self._scalars: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kernels = _Kernels()   # compiled for the device by allocate()
         self.fused_steps = 0        # matrix steps the compiled kernel took (stats())
         self._prints: tuple[list[int], torch.Tensor] | None = None   # the last fused_step's
 
@@ -96,15 +151,9 @@ class FactoredCredit(MovingCredit):
             self._alpha_column[i] = self.alpha[i].unsqueeze(1)   # [R, 1]: broadcast per row
             self.deferred[i] = torch.ones(cols, dtype=torch.float32, device=device)
         self._placed = True
-        self._kernels = {}
+        self._kernels = _Kernels()
         if moving and self.fuses:
-            for name, fn in (("step", factored_step_), ("correct", factored_correct_)):
-                kernel = compiled_for(fn, device)
-                if kernel is not None:
-                    self._kernels[name] = kernel
-            if len(moving) >= BATCH and "step" in self._kernels:
-                self._kernels["steps"] = compiled_for(factored_steps_, device, batch=True)
-                self._kernels["corrects"] = compiled_for(factored_corrects_, device, batch=True)
+            self._kernels.compile(len(moving), device)
         for i, values in self._restored.items():
             if i in self.alpha:
                 for dst, src in zip(self._device(i), values):
@@ -196,10 +245,10 @@ class FactoredCredit(MovingCredit):
         taken.update(moving[:start])
         for j in range(start, len(moving)):
             i = moving[j]
-            neg_lr, bound = self._scalars_of(*sizes[i], coef.device)
-            if not self._run("step", weights(i), rows[i], sums[i], self.row_sq[i],
-                             self.col_sq[i], self.alpha[i], self.beta[i], self.deferred[i],
-                             coef, neg_lr, bound, prints[j]):
+            neg_lr, bound = self._kernels.scalars_of(*sizes[i], coef.device)
+            if not self._kernels.run("step", weights(i), rows[i], sums[i], self.row_sq[i],
+                                     self.col_sq[i], self.alpha[i], self.beta[i],
+                                     self.deferred[i], coef, neg_lr, bound, prints[j]):
                 break
             taken.add(i)
         self.fused_steps += len(taken)
@@ -209,17 +258,18 @@ class FactoredCredit(MovingCredit):
     def _run_batch(self, moving, rows, sums, weights, coef, sizes, prints) -> bool:
         """factored_steps_ of the run `moving`; False where its compile failed (then logged
         once and the per-matrix kernels take every matrix, now and from then on)."""
-        scalars = [self._scalars_of(*sizes[i], coef.device) for i in moving]
+        scalars = [self._kernels.scalars_of(*sizes[i], coef.device) for i in moving]
         matrices = [weights(i) for i in moving]
         grads = [rows[i] for i in moving]
         summed = [sums[i] for i in moving]
         signature = tuple((tuple(w.shape), w.dtype, g.dtype, s.dtype, tuple(g.stride()))
                           for w, g, s in zip(matrices, grads, summed))
-        return self._run("steps", matrices, grads, summed, [self.row_sq[i] for i in moving],
-                         [self.col_sq[i] for i in moving], [self.alpha[i] for i in moving],
-                         [self.beta[i] for i in moving], [self.deferred[i] for i in moving],
-                         coef, [lr for lr, _ in scalars], [bound for _, bound in scalars],
-                         prints, signature=signature)
+        return self._kernels.run(
+            "steps", matrices, grads, summed, [self.row_sq[i] for i in moving],
+            [self.col_sq[i] for i in moving], [self.alpha[i] for i in moving],
+            [self.beta[i] for i in moving], [self.deferred[i] for i in moving], coef,
+            [lr for lr, _ in scalars], [bound for _, bound in scalars], prints,
+            signature=signature)
 
     @property
     def prints_moves(self) -> bool:
@@ -233,20 +283,22 @@ class FactoredCredit(MovingCredit):
         """MovingCredit.correct in the compiled kernels where allocate() compiled them: runs of
         BATCH matrices a call and the rest as one run, a matrix alone a call of its own
         (fused_step's fallbacks)."""
-        items = [(i, weight, *self._scalars_of(sizes[i][0], counts[i] * sizes[i][1],
-                                               weight.device)) for i, weight in weights.items()]
+        items = [(i, weight, *self._kernels.scalars_of(sizes[i][0], counts[i] * sizes[i][1],
+                                                       weight.device))
+                 for i, weight in weights.items()]
         start = 0   # items[:start] taken by runs: of BATCH, and the rest (an install of one
         # layer's matrices: the same run at every layer of a model that repeats them) as one
         while "corrects" in self._kernels and len(items) - start >= 2:
             run = items[start:start + BATCH]
-            if not self._run("corrects", *self._correct_lists(run, sums),
-                             signature=tuple((tuple(w.shape), w.dtype, sums[i].dtype)
-                                             for i, w, _, _ in run)):
+            if not self._kernels.run("corrects", *self._correct_lists(run, sums),
+                                     signature=tuple((tuple(w.shape), w.dtype, sums[i].dtype)
+                                                     for i, w, _, _ in run)):
                 break
             start += len(run)
         rest = {}
         for i, weight, neg_lr, most in items[start:]:
-            if not self._run("correct", weight, sums[i], *self.own_factors(i), neg_lr, most):
+            if not self._kernels.run("correct", weight, sums[i], *self.own_factors(i), neg_lr,
+                                     most):
                 rest[i] = weight
         if rest:
             super().correct(rest, sums, sizes, counts)
@@ -257,38 +309,6 @@ class FactoredCredit(MovingCredit):
         return ([w for _, w, _, _ in items], [sums[i] for i, _, _, _ in items],
                 [a for a, _ in factors], [b for _, b in factors],
                 [lr for _, _, lr, _ in items], [most for _, _, _, most in items])
-
-    def _run(self, name: str, *args, **kwargs) -> bool:
-        """Kernel `name` on `args` if it is compiled; False where it is not, or it failed: then
-        it is logged once and dropped, with every kernel (the op-by-op path runs from now on)
-        but for the batch's (its matrices' own kernels take them)."""
-        kernel = self._kernels.get(name)
-        if kernel is None:
-            return False
-        try:
-            kernel(*args, **kwargs)
-        except Exception as exc:   # noqa: BLE001 - any compiler failure: fall back, loudly
-            batch = isinstance(args[0], list)   # a run's kernel: its first argument a list
-            first = args[0][0] if batch else args[0]
-            log.warning("deferred_credit='factored': the compiled %s failed on %s (%s: %s); %s "
-                        "runs instead from now on", name, first.device, type(exc).__name__, exc,
-                        "a kernel a matrix" if batch else "the op-by-op path")
-            if batch:
-                del self._kernels[name]
-            else:
-                self._kernels = {}
-            return False
-        return True
-
-    def _scalars_of(self, lr: float, bound: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(-lr, bound) as device scalars, made again only when they change (a scheduler's lr,
-        a correction's bound for its count)."""
-        found = self._scalars.get((lr, bound))
-        if found is None:
-            if len(self._scalars) > 32:
-                self._scalars.clear()
-            found = self._scalars[lr, bound] = (scalar(-lr, device), scalar(bound, device))
-        return found
 
     def rated(self, values, chunk):
         """(values alpha_i) beta_j, new fp32 tensors."""

@@ -54,24 +54,11 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from zenflow.distributed import Partition
-from zenflow.host.transfers import Ticket, Transfers, all_of
-
-
-class Staging(Protocol):
-    """What the early copies need of their pipeline (zenflow/host/pipeline.py)."""
-    partition: Partition
-    transfers: Transfers
-
-    def free_staging_slot(self) -> int | None: ...
-
-    def copy_to_staging(self, slot: int, grads: dict[int, torch.Tensor]
-                        ) -> tuple[Ticket, int]: ...
-
+from zenflow.host.staging import Staging
+from zenflow.host.transfers import Ticket, all_of
 
 log = logging.getLogger("zenflow")
 
@@ -105,9 +92,9 @@ def _gradient_ready(copies: weakref.ref, index: int, param: torch.Tensor) -> Non
 class EarlyCopies:
     """The hooks on one pipeline's host-summed parameters and what they copied since stage()."""
 
-    def __init__(self, pipeline: Staging, params: list[torch.Tensor],
+    def __init__(self, staging: Staging, params: list[torch.Tensor],
                  lock: threading.RLock | None, owner: str = "ZenFlowAdamW"):
-        self._pipeline = pipeline
+        self._staging = staging
         self._owner = owner
         self._shapes = [tuple(p.shape) for p in params]
         self.checking = True                    # this window looks for writes through .data
@@ -122,7 +109,7 @@ class EarlyCopies:
         self._bytes = 0
         self._unscaled_in_place = False
         self.early = self.late = 0              # matrices staged early / late, over all steps
-        watched = lock is not None and _copies_can_start_early(pipeline)
+        watched = lock is not None and _copies_can_start_early(staging)
         owner = weakref.ref(self)
         self._hooks = {i: p.register_post_accumulate_grad_hook(
             functools.partial(_gradient_ready, owner, i))
@@ -161,10 +148,10 @@ class EarlyCopies:
         try:
             if i not in self._hooks:   # closed, or summed on the device, since this began
                 return
-            slot = self._pipeline.free_staging_slot()
+            slot = self._staging.free_staging_slot()
             if slot is None:
                 return
-            ticket, nbytes = self._pipeline.copy_to_staging(slot, {i: grad})
+            ticket, nbytes = self._staging.copy_to_staging(slot, {i: grad})
             self._copies[i] = _EarlyCopy(weakref.ref(grad), grad._version, slot,
                                          _bit_sum(grad) if self.checking else None)
             self._tickets.append(ticket)
@@ -223,11 +210,11 @@ class EarlyCopies:
                         f"shape {self._shapes[written[0]]}")
 
 
-def _copies_can_start_early(pipeline: Staging) -> bool:
+def _copies_can_start_early(staging: Staging) -> bool:
     """Whether a copy queued in backward runs beside it (else it only moves work into backward),
     and the gradient a hook sees is the one step() gets (one process, unsharded)."""
-    partition = pipeline.partition
-    return (pipeline.transfers.copies_overlap_compute and partition.world_size == 1
+    partition = staging.partition
+    return (staging.transfers.copies_overlap_compute and partition.world_size == 1
             and not partition.rows_are_local)
 
 

@@ -20,13 +20,10 @@ it where a step adds to the sums, where a window ends, and where the sums are pl
 The training thread does no host arithmetic: the worker (or, with worker=False, the inline
 runner) does the adds and the AdamW. Commands reach it through the worker link
 (zenflow/host/worker_link.py), each once the copies it reads have landed (a `Ticket`): the worker
-is told to read a staging buffer only once its bytes have landed, and to overwrite the install
-buffer only once the device has read it. Where copies land within the step (the CPU), one staging
-buffer is enough: the worker adds a step's gradients during the next forward and backward. Where
-they land later (CUDA: the step returns with the copy in flight, and the link's dispatch thread
-sends the accumulate once it has landed), two staging buffers alternate, so the worker has a
-whole step to add one before it is reused. One install buffer is enough: it is copied long before
-the next update is due. A slow host shows up as stall in stats(), never as a race.
+is told to read a staging buffer (zenflow/host/staging.py) only once its bytes have landed, and to
+overwrite the install buffer only once the device has read it. One install buffer is enough: it
+is copied long before the next update is due. A slow host shows up as stall in stats(), never as
+a race.
 With overlap, two gradient-sum slots alternate: one window fills one while the host's update of
 the previous window reads the other.
 """
@@ -43,12 +40,13 @@ import torch
 from zenflow.distributed import Partition, local
 from zenflow.host import numa, pipeline_state
 from zenflow.host.buffers import HostState, landing_of
-from zenflow.host.commands import Accumulate, Update
+from zenflow.host.commands import Update
 from zenflow.host.credit import Credit, on_replicas
 from zenflow.host.device_sums import DeviceSums
 from zenflow.host.early_copies import EarlyCopies
 from zenflow.host.layout import HostJobs, HostLayout
 from zenflow.host.placement import SumPlacement
+from zenflow.host.staging import Staging
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
 from zenflow.host.weight_views import WeightViews, host_view
@@ -107,6 +105,7 @@ class HostPipeline:
         self.transfers.pin([self.host.arena.views[n] for n in self.layout.install_regions()])
         self.worker_cores = worker_cores   # None: the host work runs in process
         self.link = WorkerLink(self.host, worker_cores, timer)
+        self.staging = Staging(self.host, self.transfers, self.link, partition, self.rows)
 
         self.device = device
         self.placement = SumPlacement(device_sum_budget)
@@ -114,16 +113,13 @@ class HostPipeline:
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
         self._start_over()
-        self.early_copies = EarlyCopies(self, params, lock, owner)
+        self.early_copies = EarlyCopies(self.staging, params, lock, owner)
 
     def _start_over(self) -> None:
         """No buffer being read, no update in flight; every slot at 0."""
-        self._sum_slot = self._staging_slot = 0
-        # the accumulate reading each staging buffer; the copy reading the install buffer
-        self._staging_reader: list[Command | None] = [None] * self.layout.staging_slots
-        self._install_reader: Ticket = DONE
-        self._staged: tuple[int, list[int], Ticket, float] | None = None
-        self._last_copy: Ticket = DONE
+        self._sum_slot = 0
+        self.staging.start_over()
+        self._install_reader: Ticket = DONE   # the copies reading the install buffer
         self.in_flight: InFlight | None = None
 
     # -- the worker ---------------------------------------------------------------------------
@@ -161,7 +157,8 @@ class HostPipeline:
         counts in num_grads; drop_window() drops a window with a skipped step."""
         start = time.perf_counter()
         self.place()
-        on_device = {i: self._own_rows(i, g) for i, g in grads.items() if i in self.device_sums}
+        on_device = {i: self.staging.own_rows(i, g) for i, g in grads.items()
+                     if i in self.device_sums}
         if on_device:
             fresh = [i for i in on_device if self.num_grads[i] == 0]
             self.device_sums.fence()
@@ -180,76 +177,16 @@ class HostPipeline:
             self.credit.interim({i: self.weights(i) for i in on_device if self.credit.moves(i)},
                                 whole, coef, sizes)
             grads = {i: g for i, g in grads.items() if i not in self.device_sums}
-        slot = self._staging_slot
         # Copies the backward's hooks made; the fence covers the ones no longer wanted too.
-        early, self._last_copy, early_bytes = self.early_copies.take(grads, slot)
-        self.timer.moved(d2h=early_bytes)
-        if not grads:
-            self.timer.offload(time.perf_counter() - start)
-            return
-        waited = 0.0
-        reader = self._staging_reader[slot]
-        if reader is not None:   # the previous accumulate of this slot, sent or still queued
-            waited = self.link.wait(reader)
-            self.timer.stall(waited)
-            self._staging_reader[slot] = None
-        ticket, nbytes = self.copy_to_staging(
-            slot, {i: g for i, g in grads.items() if i not in early}, coef)
-        ticket = all_of(self._last_copy, ticket)
-        self._staged = (slot, list(grads), ticket)
-        self._last_copy = ticket
-        self.timer.moved(d2h=nbytes)
+        early, early_ticket, early_bytes = self.early_copies.take(grads, self.staging.slot)
+        nbytes, waited = self.staging.put(grads, coef, early, early_ticket)
+        self.timer.stall(waited)
+        self.timer.moved(d2h=early_bytes + nbytes)
         self.timer.offload(time.perf_counter() - start - waited)
-
-    def copy_to_staging(self, slot: int, grads: dict[int, torch.Tensor],
-                        coef: torch.Tensor | None = None) -> tuple[Ticket, int]:
-        """Queue the copy of the rows of `grads` (index -> gradient) into staging buffer `slot`,
-        and of the step's factor `coef` into the slot's step_coef (stage() does; a backward hook
-        copies gradients only); returns its ticket and the bytes it moves."""
-        pairs = [] if coef is None else [(self.host.step_coef(slot), coef.reshape(()))]
-        sources = {i: self._own_rows(i, grad) for i, grad in grads.items()}
-        nbytes = sum(src.numel() * src.element_size() for src in sources.values())
-        for run in self.layout.back_to_back(list(sources)):
-            if len(run) == 1:
-                pairs.append((self.host.staging(slot, run[0]), sources[run[0]]))
-            else:   # one copy for all (a launch and a small copy each cost more)
-                pairs.append((self.host.span(f"staging{slot}", [run[0], run[-1]])[0],
-                              torch.stack([sources[i] for i in run]).view(-1)))
-        return (self.transfers.to_host(pairs) if pairs else DONE), nbytes
-
-    def _own_rows(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of matrix i's gradient as [rows, cols] (a slice is an operator a
-        matrix: none when it holds them all)."""
-        view, rows = host_view(grad), self.rows[i]
-        return view if view.shape[0] == rows.stop - rows.start else view[rows]
-
-    def free_staging_slot(self) -> int | None:
-        """The staging slot the next stage() writes, or None while a host command reads it (or
-        is queued to). Never blocks: a backward hook asks (zenflow/host/early_copies.py)."""
-        slot = self._staging_slot
-        reader = self._staging_reader[slot]
-        if reader is None:
-            return slot
-        try:
-            return slot if self.link.done(reader) else None
-        except RuntimeError:   # the next step() reports it (check()); a hook only skips its copy
-            return None
 
     def accumulate(self) -> None:
         """Have the host add the staged gradients, times their coef, to this window's sums."""
-        if self._staged is None:
-            return
-        slot, matrices, ticket = self._staged
-        self._staged = None
-        if not matrices:
-            return
-        fresh = [i for i in matrices if self.num_grads[i] == 0]
-        added = [i for i in matrices if self.num_grads[i] > 0]
-        for i in matrices:
-            self.num_grads[i] += 1
-        self._staging_reader[slot] = self.link.submit(
-            ticket, Accumulate(slot, self._sum_slot, tuple(added), tuple(fresh)))
-        self._staging_slot = (slot + 1) % self.layout.staging_slots
+        self.staging.accumulate(self.num_grads, self._sum_slot)
 
     def drop_window(self) -> None:
         """The window about to end had a skipped step (docs/semantics.md, "Skipped steps"): its
@@ -358,8 +295,8 @@ class HostPipeline:
         """End of step(): later device work may not overwrite this step's gradient sources. (On
         the CPU this waits for the copy thread: the part of the copy the step did not hide.)"""
         start = time.perf_counter()
-        self.transfers.fence(self._last_copy)
-        self._last_copy = DONE
+        self.transfers.fence(self.staging.last_copy)
+        self.staging.last_copy = DONE
         self.link.send_landed()   # what has landed: the worker may start adding it now
         self.timer.offload(time.perf_counter() - start)
 
@@ -376,6 +313,11 @@ class HostPipeline:
             self.in_flight = InFlight(jobs)
 
     # -- lifecycle --------------------------------------------------------------------------------
+    def use_transfers(self, transfers: Transfers) -> None:
+        """Copy through `transfers` from now on (the selftest and the tests swap in a path that
+        lands copies late, or too early)."""
+        self.transfers = self.device_sums.transfers = self.staging.transfers = transfers
+
     def pinned_bytes(self) -> int:
         return self.transfers.pinned_bytes
 

@@ -53,7 +53,7 @@ def _use_transfers(opt, factory) -> None:
         return
     old, new = opt._pipeline.transfers, factory(opt.device)
     new._locks, old._locks = old._locks, new._locks
-    opt._pipeline.transfers = opt._pipeline.device_sums.transfers = new
+    opt._pipeline.use_transfers(new)
 
 
 def _tol(ctx: _Ctx, dtype=torch.float32) -> dict:
