@@ -37,6 +37,7 @@ FACTORS = "installing deferred_credit='factored' factors"
 def ranks(tmp_path_factory):
     """Each case's result on each rank (helpers/ddp_factored_ranks.py's modes)."""
     runs = {"factored": ("ddp", {"worker": True, "settings": FACTORED}),
+            "fused": ("ddp", {"worker": True, "settings": FACTORED, "fused": 2}),
             "adamw": ("ddp", {"overlap": False, "settings": ADAMW_LIKE}),
             "resume": ("resume", {"worker": True, "settings": FACTORED})}
     out = run_ddp_factored(tmp_path_factory.mktemp("ddp_factored"), runs, world=WORLD)
@@ -62,6 +63,19 @@ def test_the_replicas_equal_the_reference_fitted_per_ddp_row_block(ranks):
     one_block, _ = per_block_reference(STEPS, 1)
     assert not all(torch.allclose(v, one_block[k], rtol=1e-5, atol=1e-6)
                    for k, v in runs[0]["weights"].items())
+
+
+@pytest.mark.slow
+def test_the_fused_replica_step_gives_the_op_by_op_steps_bits(ranks):
+    """On a GPU each step of a matrix is one kernel (factored_kernels.replica_step_; the MLP's
+    three in a run of two, replica_steps_, and one alone), run here eagerly: the same weights
+    as the op-by-op path's, bit for bit, on every rank, with no op-by-op step left."""
+    for r in ranks:
+        fused, plain = r["fused"], r["factored"]
+        assert plain["fused_steps"] == 0
+        assert fused["fused_steps"] == 3 * STEPS   # every matrix, every step
+        assert fused["selections"] == plain["selections"]
+        assert_same(fused["weights"], plain["weights"], exact=True)
 
 
 @pytest.mark.slow

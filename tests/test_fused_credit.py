@@ -154,9 +154,10 @@ def test_the_selftest_check_of_the_compiled_step_passes_with_the_cpu_backend(mon
     assert skipped.status == "skip" and "COMPILE_ON" in skipped.detail
     monkeypatch.setattr(compiled, "COMPILE_ON", {"cuda", "cpu"})
     monkeypatch.setattr(credit_factored, "BATCH", 4)   # a GPU's is 16: a compile 4x as long
-    check, batch = selftest_compiled.compiled(ctx)
+    check, batch, replica = selftest_compiled.compiled(ctx)
     assert check.status == "pass", check.detail
     assert batch.status == "pass" and "batch of 4" in batch.name, batch.detail
+    assert replica.status == "pass" and "replica" in replica.name, replica.detail
     assert set(check.measured["max_diff"]) == {"weight", "grad_sum", "row_sq", "col_sq",
                                                 "prints"}
 

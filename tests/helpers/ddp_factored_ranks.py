@@ -1,6 +1,7 @@
 """Code that runs inside the DDP ranks of deferred_credit="factored" (spawned, gloo on 127.0.0.1),
 and the one process they are compared with: zenflow.optim.reference with each matrix's factors
 fitted per row block, the ranks' blocks (FSDP2's shards and DDP's host rows split alike)."""
+import contextlib
 import os
 import traceback
 from datetime import timedelta
@@ -63,15 +64,35 @@ def _optimizer(model, options, taint=None):
     return opt
 
 
+@contextlib.contextmanager
+def _step_kernels(batch: int | None):
+    """With `batch` (options "fused"), the "factored" step takes its kernels as a GPU does
+    (factored_kernels.replica_step_, and replica_steps_ in runs of `batch`), run eagerly: the
+    op-by-op path's arithmetic, so its bits."""
+    if batch is None:
+        yield
+        return
+    from zenflow.host import credit_factored
+    saved = credit_factored.compiled_for, credit_factored.BATCH
+    credit_factored.compiled_for = (
+        lambda fn, device, batch=False: (lambda *args, signature: fn(*args)) if batch else fn)
+    credit_factored.BATCH = batch
+    try:
+        yield
+    finally:
+        credit_factored.compiled_for, credit_factored.BATCH = saved
+
+
 def _ddp(rank, world, steps, options, result, taint=None):
     """`steps` steps of the bare optimizer on a DDP-wrapped MLP."""
     model = torch.nn.parallel.DistributedDataParallel(make_mlp())
-    opt = _optimizer(model, options, taint)
-    train_share(model, opt, 0, steps, rank, world)
+    with _step_kernels(options.get("fused")):
+        opt = _optimizer(model, options, taint)
+        train_share(model, opt, 0, steps, rank, world)
     stats = opt.stats()
     result.update(weights=_weights(model), selections=_selections(opt),
                   windows=stats["windows"], reselections=stats["reselections"],
-                  moments_matrices=stats["moments_matrices"],
+                  moments_matrices=stats["moments_matrices"], fused_steps=stats["fused_steps"],
                   collective_bytes_sent=stats["collective_bytes_sent"])
     opt.close()
 

@@ -119,12 +119,15 @@ class Credit:
         install's correction, from its param group (index -> group); None: the rule takes none."""
         return None
 
-    def fused_step(self, rows: dict[int, torch.Tensor], sums: dict[int, torch.Tensor],
-                   weights: Callable[[int], torch.Tensor], fresh: list[int], coef: torch.Tensor,
+    def fused_step(self, rows: dict[int, torch.Tensor], whole: dict[int, torch.Tensor],
+                   sums: dict[int, torch.Tensor], weights: Callable[[int], torch.Tensor],
+                   fresh: list[int], coef: torch.Tensor,
                    sizes: dict[int, tuple[float, float]] | None) -> set[int]:
-        """Before the sums' add: the matrices of `rows` whose window sum (`sums`), add() and
-        interim() (`weights(i)`: the [rows, cols] view the interim step writes) the rule took in
-        one fused kernel each (none here), which the step then leaves out of the three."""
+        """Before the sums' add: the matrices of `rows` (this rank's rows of each gradient;
+        `whole`: every row the device holds, which interim() moves) whose window sum (`sums`),
+        add() and interim() (`weights(i)`: the [rows, cols] view the interim step writes) the
+        rule took in one fused kernel each (none here), which the step then leaves out of the
+        three."""
         return set()
 
     @property

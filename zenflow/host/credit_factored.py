@@ -57,16 +57,17 @@ class _Kernels:
         self._compiled: dict[str, Callable] = {}
         self._scalars: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def compile(self, moving: int, device: torch.device) -> None:
-        """The kernels for `moving` matrices on `device` (none where it takes no compiled code:
-        zenflow.host.compiled.COMPILE_ON)."""
+    def compile(self, moving: int, device: torch.device, step: Callable = factored_step_,
+                steps: Callable = factored_steps_) -> None:
+        """The kernels for `moving` matrices on `device` (none outside compiled.COMPILE_ON);
+        `step`, `steps`: a matrix's step and a run's (DDP's replicas take their own)."""
         self._compiled = {}
-        for name, fn in (("step", factored_step_), ("correct", factored_correct_)):
+        for name, fn in (("step", step), ("correct", factored_correct_)):
             kernel = compiled_for(fn, device)
             if kernel is not None:
                 self._compiled[name] = kernel
         if moving >= BATCH and "step" in self._compiled:
-            self._compiled["steps"] = compiled_for(factored_steps_, device, batch=True)
+            self._compiled["steps"] = compiled_for(steps, device, batch=True)
             self._compiled["corrects"] = compiled_for(factored_corrects_, device, batch=True)
 
     def __contains__(self, name: str) -> bool:
@@ -109,7 +110,9 @@ class FactoredCredit(MovingCredit):
 
     name = "factored"
     host_factors = True
-    fuses = True   # fused_step() may take the compiled kernel (DDP's replicas may not)
+    fuses = True   # fused_step() may take the compiled kernel
+    # the step kernels (factored_kernels.py): a matrix's, a run's
+    step_kernels: tuple[Callable, Callable] = (factored_step_, factored_steps_)
 
     def __init__(self):
         self.row_sq: dict[int, torch.Tensor] = {}    # the window's sums of squares, per row
@@ -153,7 +156,7 @@ class FactoredCredit(MovingCredit):
         self._placed = True
         self._kernels = _Kernels()
         if moving and self.fuses:
-            self._kernels.compile(len(moving), device)
+            self._kernels.compile(len(moving), device, *self.step_kernels)
         for i, values in self._restored.items():
             if i in self.alpha:
                 for dst, src in zip(self._device(i), values):
@@ -221,7 +224,7 @@ class FactoredCredit(MovingCredit):
             torch._foreach_add_([self.row_sq[i] for i in chunk], [sq.sum(1) for sq in scaled])
             torch._foreach_add_([self.col_sq[i] for i in chunk], [sq.sum(0) for sq in scaled])
 
-    def fused_step(self, rows, sums, weights, fresh, coef, sizes):
+    def fused_step(self, rows, whole, sums, weights, fresh, coef, sizes):
         """The sum's add, add() and interim() of the moving matrices of `rows`, where
         allocate() compiled the kernels: in runs of BATCH matrices a call, the rest a call each,
         with the moved columns' fingerprints (take_prints()); returns the indices it took, whose
@@ -239,37 +242,39 @@ class FactoredCredit(MovingCredit):
         prints = torch.empty((len(moving), 2), dtype=torch.int32, device=coef.device)
         start = 0   # moving[:start] taken by runs of BATCH
         while "steps" in self._kernels and start + BATCH <= len(moving) and self._run_batch(
-                moving[start:start + BATCH], rows, sums, weights, coef, sizes,
+                moving[start:start + BATCH], rows, whole, sums, weights, coef, sizes,
                 prints[start:start + BATCH]):
             start += BATCH
         taken.update(moving[:start])
         for j in range(start, len(moving)):
             i = moving[j]
-            neg_lr, bound = self._kernels.scalars_of(*sizes[i], coef.device)
-            if not self._kernels.run("step", weights(i), rows[i], sums[i], self.row_sq[i],
-                                     self.col_sq[i], self.alpha[i], self.beta[i],
-                                     self.deferred[i], coef, neg_lr, bound, prints[j]):
+            if not self._kernels.run("step", *self.step_tensors(i, rows, whole, sums, weights),
+                                     coef, *self._kernels.scalars_of(*sizes[i], coef.device),
+                                     prints[j]):
                 break
             taken.add(i)
         self.fused_steps += len(taken)
         self._prints = (moving[:len(taken)], prints[:len(taken)])
         return taken
 
-    def _run_batch(self, moving, rows, sums, weights, coef, sizes, prints) -> bool:
-        """factored_steps_ of the run `moving`; False where its compile failed (then logged
-        once and the per-matrix kernels take every matrix, now and from then on)."""
+    def step_tensors(self, i, rows, whole, sums, weights) -> tuple[torch.Tensor, ...]:
+        """The step kernel's tensors of matrix i (factored_step_'s, before its scalars): its
+        weight, this rank's rows of its gradient (every row the device holds: `whole`), its
+        sum, statistics, factors and host-column mask."""
+        return (weights(i), rows[i], sums[i], self.row_sq[i], self.col_sq[i], self.alpha[i],
+                self.beta[i], self.deferred[i])
+
+    def _run_batch(self, moving, rows, whole, sums, weights, coef, sizes, prints) -> bool:
+        """The run kernel of the run `moving` (its shapes compiled in: `signature`); False where
+        its compile failed (then logged once and the per-matrix kernels take every matrix, now
+        and from then on)."""
         scalars = [self._kernels.scalars_of(*sizes[i], coef.device) for i in moving]
-        matrices = [weights(i) for i in moving]
-        grads = [rows[i] for i in moving]
-        summed = [sums[i] for i in moving]
-        signature = tuple((tuple(w.shape), w.dtype, g.dtype, s.dtype, tuple(g.stride()))
-                          for w, g, s in zip(matrices, grads, summed))
-        return self._kernels.run(
-            "steps", matrices, grads, summed, [self.row_sq[i] for i in moving],
-            [self.col_sq[i] for i in moving], [self.alpha[i] for i in moving],
-            [self.beta[i] for i in moving], [self.deferred[i] for i in moving], coef,
-            [lr for lr, _ in scalars], [bound for _, bound in scalars], prints,
-            signature=signature)
+        tensors = [self.step_tensors(i, rows, whole, sums, weights) for i in moving]
+        signature = tuple((tuple(t[0].shape), *((u.dtype, tuple(u.shape), tuple(u.stride()))
+                                                 for u in t[1:4]), t[0].dtype) for t in tensors)
+        return self._kernels.run("steps", *(list(column) for column in zip(*tensors)), coef,
+                                 [lr for lr, _ in scalars], [bound for _, bound in scalars],
+                                 prints, signature=signature)
 
     @property
     def prints_moves(self) -> bool:

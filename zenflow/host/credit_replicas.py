@@ -17,6 +17,8 @@ factored.py, unchanged). What differs is that every replica must move alike, and
   before the ranks gather them (zenflow/optim/installs.py), so the gather spreads corrected rows.
 - The ranks agree on the matrices the rule moves (a rank's "auto" budget is its own, and the
   last rank holds fewer rows): a matrix moves where every rank placed its state.
+- On a GPU a step of a matrix is one compiled kernel (factored_kernels.replica_step_: the sums of
+  its own rows, the move of every row at its block's factors), as one process's is.
 - A rank's state saves its own rows' and block's factors, as one process's; after a load (and at
   the first placement) the next step gathers every rank's into the device (`gather_loaded`).
 """
@@ -26,6 +28,7 @@ import torch
 
 from zenflow.distributed import Partition
 from zenflow.host.credit_factored import FactoredCredit
+from zenflow.host.factored_kernels import replica_step_, replica_steps_
 
 
 def replica_factor_bytes(rows: int, whole_rows: int, cols: int, ranks: int) -> int:
@@ -39,8 +42,8 @@ class ReplicaFactoredCredit(FactoredCredit):
     """"factored" on DDP replicas (module doc). `whole_rows`: every host matrix's rows in the
     replica, in the pipeline's order."""
 
-    # the interim step moves every rank's rows and the statistics sum this rank's: not one kernel
-    fuses = False
+    # the statistics sum this rank's rows, the interim step moves every rank's
+    step_kernels = (replica_step_, replica_steps_)
 
     def __init__(self, partition: Partition, whole_rows: list[int]):
         if not partition.splits_rows:
@@ -49,8 +52,10 @@ class ReplicaFactoredCredit(FactoredCredit):
         super().__init__()
         self.partition = partition
         self.whole_rows = list(whole_rows)
-        # each moving matrix's (rank, that rank's rows) for every rank that holds some
+        # each moving matrix's (rank, that rank's rows) for every rank that holds some, and
+        # the rank of each of its rows ([R] on the device: the step kernel's)
         self._blocks: dict[int, list[tuple[int, slice]]] = {}
+        self._block_of_row: dict[int, torch.Tensor] = {}
         self._gather_due = False
 
     def _own_rows(self, i: int) -> slice:
@@ -75,12 +80,20 @@ class ReplicaFactoredCredit(FactoredCredit):
             blocks = [(k, Partition(rank=k, world_size=ranks).rows(self.whole_rows[i]))
                       for k in range(ranks)]
             self._blocks[i] = [(k, rows) for k, rows in blocks if rows.stop > rows.start]
+            self._block_of_row[i] = torch.cat(
+                [torch.full((rows.stop - rows.start,), k, dtype=torch.long)
+                 for k, rows in self._blocks[i]]).to(device)
         self._gather_due = True
 
     def own_factors(self, i):
         return self.alpha[i][self._own_rows(i)], self.beta[i][self.partition.rank]
 
     # -- each step ------------------------------------------------------------------------------
+    def step_tensors(self, i, rows, whole, sums, weights):
+        """replica_step_'s tensors of matrix i: every row's gradient and this rank's."""
+        return (weights(i), whole[i], rows[i], sums[i], self.row_sq[i], self.col_sq[i],
+                self.alpha[i], self.beta[i], self._block_of_row[i], self.deferred[i])
+
     def rated(self, values, chunk):
         """(values alpha_i) beta_j of whole replicas, with each rank's block at its own beta: a
         row block of a contiguous matrix is a contiguous view, so one launch for all blocks."""

@@ -28,11 +28,33 @@ def factored_step_(weight: torch.Tensor, grad: torch.Tensor, grad_sum: torch.Ten
     `prints` ([2] int32): the host's columns' fingerprints (fingerprints.masked_bit_sum) before
     and after the move, taken in the same pass, where zenflow/optim/outside_writes.py would
     read the matrix twice more."""
+    _moving_step_(weight, grad, grad, grad_sum, row_sq, col_sq, alpha, beta, host_cols, coef,
+                  neg_lr, bound, prints)
+
+
+def replica_step_(weight: torch.Tensor, grad: torch.Tensor, own: torch.Tensor,
+                  grad_sum: torch.Tensor, row_sq: torch.Tensor, col_sq: torch.Tensor,
+                  alpha: torch.Tensor, beta: torch.Tensor, block_of_row: torch.Tensor,
+                  host_cols: torch.Tensor, coef: torch.Tensor, neg_lr: torch.Tensor,
+                  bound: torch.Tensor, prints: torch.Tensor | None = None) -> None:
+    """factored_step_ on a DDP replica (host/credit_replicas.py): the window sum and the
+    squares' sums take this rank's rows (`own`, a row block of `grad`, as `grad_sum` and
+    `row_sq` are), the interim step moves every row of the replica, each rank's row block at
+    its own factors (`alpha` [R]; `beta` [ranks, C], `block_of_row` [R] the rank whose block
+    each row is in), as ReplicaFactoredCredit.rated() does op by op."""
+    _moving_step_(weight, grad, own, grad_sum, row_sq, col_sq, alpha,
+                  beta.index_select(0, block_of_row), host_cols, coef, neg_lr, bound, prints)
+
+
+def _moving_step_(weight, grad, own, grad_sum, row_sq, col_sq, alpha, beta, host_cols, coef,
+                  neg_lr, bound, prints) -> None:
+    """The arithmetic both take: the sums of `own` rows, the move of every row of `weight` at
+    (grad alpha_i) beta_j, `beta` [C] or [R, C]."""
     if prints is not None:
         before = masked_bit_sum(weight, host_cols)
     c = coef.reshape(1)   # 1-element: fp32 arithmetic beside bf16 (buffers.add_scaled_)
-    grad_sum.addcmul_(grad, c)
-    scaled = grad.float() * c * host_cols
+    grad_sum.addcmul_(own, c)
+    scaled = own.float() * c * host_cols
     squares = scaled * scaled
     row_sq.add_(squares.sum(1))
     col_sq.add_(squares.sum(0))
@@ -57,6 +79,20 @@ def factored_steps_(weights: list[torch.Tensor], grads: list[torch.Tensor],
     for j, weight in enumerate(weights):
         factored_step_(weight, grads[j], grad_sums[j], row_sqs[j], col_sqs[j], alphas[j],
                        betas[j], host_cols[j], coef, neg_lrs[j], bounds[j], prints[j])
+
+
+def replica_steps_(weights: list[torch.Tensor], grads: list[torch.Tensor],
+                   owns: list[torch.Tensor], grad_sums: list[torch.Tensor],
+                   row_sqs: list[torch.Tensor], col_sqs: list[torch.Tensor],
+                   alphas: list[torch.Tensor], betas: list[torch.Tensor],
+                   blocks_of_rows: list[torch.Tensor], host_cols: list[torch.Tensor],
+                   coef: torch.Tensor, neg_lrs: list[torch.Tensor], bounds: list[torch.Tensor],
+                   prints: torch.Tensor) -> None:
+    """replica_step_ of every matrix of the lists (prints: [n, 2]), in one call."""
+    for j, weight in enumerate(weights):
+        replica_step_(weight, grads[j], owns[j], grad_sums[j], row_sqs[j], col_sqs[j], alphas[j],
+                      betas[j], blocks_of_rows[j], host_cols[j], coef, neg_lrs[j], bounds[j],
+                      prints[j])
 
 
 def factored_correct_(weight: torch.Tensor, grad_sum: torch.Tensor, alpha: torch.Tensor,

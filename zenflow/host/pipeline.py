@@ -161,19 +161,21 @@ class HostPipeline:
                      if i in self.device_sums}
         if on_device:
             fresh = [i for i in on_device if self.num_grads[i] == 0]
-            self.device_sums.fence()
-            # the rule's matrices whose sum, statistics and interim step one kernel each took
-            fused = self.credit.fused_step(on_device, self.device_sums.sums, self.weights, fresh,
-                                           coef, sizes)
-            for i in on_device:
-                self.num_grads[i] += 1
-            on_device = {i: g for i, g in on_device.items() if i not in fused}
-            fresh = [i for i in fresh if i not in fused]
-            self.device_sums.add(on_device, fresh, coef)
-            self.credit.add(on_device, fresh, coef)
             # every row the device holds moves (DDP: every rank's, alike on every replica)
             whole = ({i: host_view(grads[i]) for i in on_device} if self.partition.splits_rows
                      else on_device)
+            self.device_sums.fence()
+            # the rule's matrices whose sum, statistics and interim step one kernel each took
+            fused = self.credit.fused_step(on_device, whole, self.device_sums.sums, self.weights,
+                                           fresh, coef, sizes)
+            for i in on_device:
+                self.num_grads[i] += 1
+            if fused:
+                on_device = {i: g for i, g in on_device.items() if i not in fused}
+                whole = {i: g for i, g in whole.items() if i not in fused}
+                fresh = [i for i in fresh if i not in fused]
+            self.device_sums.add(on_device, fresh, coef)
+            self.credit.add(on_device, fresh, coef)
             self.credit.interim({i: self.weights(i) for i in on_device if self.credit.moves(i)},
                                 whole, coef, sizes)
             grads = {i: g for i, g in grads.items() if i not in self.device_sums}

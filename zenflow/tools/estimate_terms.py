@@ -41,7 +41,7 @@ class Counts:
     # their rows, beta of their blocks), and the other ranks' rows, which its interim step moves
     factored_other_factors: int = 0
     factored_other_params: int = 0
-    # the "factored" step is one compiled kernel a matrix (a GPU; not DDP's replicas)
+    # the "factored" step is one compiled kernel a matrix (a GPU)
     fused_factored: bool = False
     # matrices: every one the rank steps, those whose sums are on the device, and of those the
     # ones "factored" moves (the Python thread's work goes by matrices, not bytes)
@@ -173,10 +173,13 @@ def sum_add_bytes(c: Counts) -> int:
     moments_sum = c.item + 2 * FP32               # the same into an fp32 sum
     factored = (fused_factored_bytes(c) if c.fused_factored
                 else plain + factored_squares_bytes(c) + factored_interim_bytes(c))
+    # DDP: the interim step moves the other ranks' rows of the replica too; compiled, in the
+    # same pointwise pass (the gradient read, the weight read and written)
+    other = 3 * c.item if c.fused_factored else factored_interim_bytes(c)
     return (c.device_plain * plain
             + c.device_moments * (moments_sum + squares_bytes(c) + interim_step_bytes(c))
             + c.device_factored * factored
-            + c.factored_other_params * factored_interim_bytes(c))   # DDP: the whole replica
+            + c.factored_other_params * other)
 
 
 def fused_factored_bytes(c: Counts) -> int:

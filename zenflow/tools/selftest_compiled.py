@@ -1,9 +1,9 @@
 """The selftest's "compiled" section (a GPU run needs it: zenflow/tools/selftest_gpu.py lists
 the others): deferred_credit="factored"'s step and an install's correction compiled for the
 device (host/compiled.py: Triton on CUDA) against the same functions run eagerly, on bf16
-matrices of three shapes, fp32 and bf16 sums, and a skipped step; and the batched calls a
-model's step and an install take for each run of matrices. Skipped where the device takes no
-compiled kernels.
+matrices of three shapes, fp32 and bf16 sums, and a skipped step; the batched calls a
+model's step and an install take for each run of matrices; and a DDP replica's step. Skipped
+where the device takes no compiled kernels.
 """
 from __future__ import annotations
 
@@ -34,7 +34,50 @@ def compiled(ctx: _Ctx) -> list[Check]:
     return [Check(name, "fail" if bad else "pass",
                   f"largest differences: {detail}" + (f"; OFF: {', '.join(bad)}" if bad else ""),
                   seconds=time.perf_counter() - start, measured={"max_diff": worst}),
-            _batch_against_eager(ctx.device)]
+            _batch_against_eager(ctx.device), _replica_against_eager(ctx.device)]
+
+
+def _replica_against_eager(device: torch.device) -> Check:
+    """replica_step_ (DDP's replicas: the sums of this rank's rows, every row moved at its
+    rank's block's factors) compiled against eager, on a bf16 replica of 1000 x 300 rows split
+    between two ranks, as rank 1: the weights within a bf16 ulp, the sum and the statistics as
+    factored_step_'s are held, and the fingerprints exactly each run's own weights'."""
+    from zenflow.host.compiled import compiled_for, scalar
+    from zenflow.host.factored_kernels import replica_step_
+    from zenflow.host.fingerprints import masked_bit_sum
+    start = time.perf_counter()
+    step = compiled_for(replica_step_, device)
+    gen = torch.Generator(device=device).manual_seed(11)
+    rows, cols, own = 1000, 300, slice(500, 1000)
+
+    def rand(*shape):
+        return torch.rand(*shape, device=device, generator=gen)
+    grad = (rand(rows, cols) - 0.5).bfloat16()
+    eager = dict(weight=((rand(rows, cols) - 0.5) * 0.04).bfloat16(), grad=grad, own=grad[own],
+                 grad_sum=(rand(500, cols) - 0.5).bfloat16(), row_sq=torch.zeros(500, device=device),
+                 col_sq=torch.zeros(cols, device=device), alpha=rand(rows) + 0.5,
+                 beta=rand(2, cols) * 10,
+                 block_of_row=torch.arange(rows, device=device) // 500,
+                 host_cols=(rand(cols) > 0.1).float())
+    fused = {k: v.clone() for k, v in eager.items()}
+    fused["own"] = fused["grad"][own]
+    scalars = [scalar(v, device) for v in (0.7, -0.05, 3.0)]
+    prints = [torch.zeros(2, dtype=torch.int32, device=device) for _ in range(2)]
+    before = masked_bit_sum(eager["weight"], eager["host_cols"])
+    replica_step_(*eager.values(), *scalars, prints[0])
+    step(*fused.values(), *scalars, prints[1])
+    worst, ok = {}, True
+    for key, rtol in (("weight", 2.0 ** -7), ("grad_sum", 2.0 ** -7), ("row_sq", 1e-5),
+                      ("col_sq", 1e-5)):
+        worst[key], close = _within(eager[key], fused[key], rtol)
+        ok = ok and close
+    ok = ok and all(torch.equal(p, torch.stack([before, masked_bit_sum(run["weight"],
+                                                                       run["host_cols"])]))
+                    for p, run in zip(prints, (eager, fused)))
+    detail = ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    return Check("compiled 'factored' DDP replica step == eager", "pass" if ok else "fail",
+                 f"largest differences: {detail}", seconds=time.perf_counter() - start,
+                 measured={"max_diff": worst})
 
 
 def _batch_against_eager(device: torch.device) -> Check:
