@@ -28,14 +28,15 @@ SUMS = {"host": {"device_sum_budget": 0},
                                         "host_moments_dtype": "bfloat16"}}
 
 
-def _train(dtype: torch.dtype, sums: str = "host", steps: int = 12):
+def _train(dtype: torch.dtype, sums: str = "host", steps: int = 12, warm_up: int = 0):
     """A run with a reselection, a step where one block member has no gradient, and writes
     through .data (one into a device-owned column); returns the optimizer's blocks, the weights
-    and the state."""
+    and the state. `warm_up`: full_warm_up_rounds (the first selection then takes moments the
+    host has stepped, and its counts)."""
     params = _params(dtype)
     opt = zenflow.ZenFlowAdamW(params, lr=1e-2, worker=False, update_interval=2, topk_ratio=0.25,
                                select_strategy="step", select_interval=5, weight_decay=0.01,
-                               **SUMS[sums])
+                               full_warm_up_rounds=warm_up, **SUMS[sums])
     gen = torch.Generator().manual_seed(1)
     try:
         for t in range(steps):
@@ -70,18 +71,36 @@ def _assert_same(got, want, where=()):
 @pytest.mark.parametrize("sums", list(SUMS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_train_exactly_as_the_per_matrix_path(monkeypatch, dtype, sums):
-    """Their reselections too: a whole block's columns move at once
-    (handoff.move_block_columns), with the same values as one matrix at a time."""
-    moved = []
-    block_move = handoff.move_block_columns
+    """Their selections too: a whole block's columns come from the host at once
+    (handoff.take_block_from_host) and move at once (move_block_columns), with the same values
+    as one matrix at a time."""
+    moved, taken = [], []
+    block_move, block_take = handoff.move_block_columns, handoff.take_block_from_host
     monkeypatch.setattr(handoff, "move_block_columns",
                         lambda block, *a: moved.append(block.size) or block_move(block, *a))
+    monkeypatch.setattr(handoff, "take_block_from_host",
+                        lambda block, *a: taken.append(block.size) or block_take(block, *a))
     blocks, weights, state = _train(dtype, sums)
     assert sorted(moved) == [2, 2, 3, 3, 9, 9]   # each block, at both reselections
+    assert sorted(taken) == [2, 3, 9]            # ... and at the first selection
     monkeypatch.setattr(device_adam, "STACK_ELEMENTS", 0)
     monkeypatch.setattr(layout, "STACK_ELEMENTS", 0)   # nor back-to-back copies
     none, expected, expected_state = _train(dtype, sums)
     assert blocks == 3 and none == 0   # the 8x8s, the 8x16s and the [4, 6]s; not the 300x300
+    for got, want in zip(weights, expected):
+        assert torch.equal(got, want)
+    _assert_same(state["state"], expected_state["state"])
+
+
+def test_a_first_selection_after_warm_up_rounds_takes_the_hosts_state_as_each_matrix_does(
+        monkeypatch):
+    """After full_warm_up_rounds the host has stepped every matrix: the block's first selection
+    takes its moments and counts (handoff.take_block_from_host) as one matrix at a time does."""
+    blocks, weights, state = _train(torch.bfloat16, warm_up=3)
+    monkeypatch.setattr(device_adam, "STACK_ELEMENTS", 0)
+    monkeypatch.setattr(layout, "STACK_ELEMENTS", 0)
+    none, expected, expected_state = _train(torch.bfloat16, warm_up=3)
+    assert blocks == 3 and none == 0
     for got, want in zip(weights, expected):
         assert torch.equal(got, want)
     _assert_same(state["state"], expected_state["state"])

@@ -42,6 +42,19 @@ def take_from_host(dev: DeviceColumns, host: dict[str, torch.Tensor],
         getattr(dev, name).copy_(_host_columns(host[name], cpu_index, num_rows, partition))
 
 
+def take_block_from_host(block: ColumnBlock, host: dict[str, torch.Tensor],
+                         column_indices: torch.Tensor, host_steps: list[int]) -> None:
+    """take_from_host of every member of `block` at once (one process's rows): `host[name]` the
+    members' host state as [size, rows, cols] (back to back in the host buffers),
+    `column_indices` [size, k], `host_steps` the members' host counts."""
+    size, rows, k = block.master.shape
+    spread = column_indices.cpu().unsqueeze(1).expand(size, rows, k)
+    block.column_indices.copy_(column_indices)
+    block.counts.copy_(torch.tensor(host_steps, dtype=torch.float32))
+    for name in _KINDS:   # (bf16 moments widen)
+        getattr(block, name).copy_(host[name].gather(2, spread).float())
+
+
 def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices: torch.Tensor,
                  host_step: int, betas: tuple[float, float], rows: slice, num_rows: int,
                  partition: Partition) -> None:

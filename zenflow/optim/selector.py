@@ -81,7 +81,7 @@ class ColumnSelector:
     def select(self, plan: SelectionPlan, step: int) -> None:
         """Move the columns of `plan` (the host must hold no update in flight)."""
         self.pipeline.drain()
-        done = set() if plan.first else self._move_blocks(plan)
+        done = self._move_blocks(plan)
         for j, (m, importance) in enumerate(zip(plan.matrices, plan.importances)):
             if j in done:
                 continue
@@ -107,10 +107,10 @@ class ColumnSelector:
         self.tell_owned_columns()
 
     def _move_blocks(self, plan: SelectionPlan) -> set[int]:
-        """A reselection's moves of whole ColumnBlocks whose members are back to back on the
-        host, a block at once (handoff.move_block_columns); returns the positions in `plan`
-        done. Under data parallel each member moves alone (its columns gather every rank's
-        rows)."""
+        """The columns of whole ColumnBlocks whose members are back to back on the host, a block
+        at once (the first selection: handoff.take_block_from_host; a reselection:
+        move_block_columns); returns the positions in `plan` done. Under data parallel each
+        member moves alone (its columns gather every rank's rows)."""
         if self.partition.splits_rows:
             return set()
         done: set[int] = set()
@@ -123,9 +123,12 @@ class ColumnSelector:
             if any(v is None for v in stacks.values()) or len(betas) > 1:
                 continue
             chosen = top_columns(torch.stack([plan.importances[j] for j in run]), members[0].k)
-            handoff.move_block_columns(block, [m.selected.count for m in members], stacks,
-                                       chosen, [self.pipeline.host_step[i] for i in indices],
-                                       *betas)
+            host_steps = [self.pipeline.host_step[i] for i in indices]
+            if plan.first:
+                handoff.take_block_from_host(block, stacks, chosen, host_steps)
+            else:
+                handoff.move_block_columns(block, [m.selected.count for m in members], stacks,
+                                           chosen, host_steps, *betas)
             write_selected([self.pipeline.weights(i) for i in indices],
                            [m.selected for m in members])
             done.update(run)
