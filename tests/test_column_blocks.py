@@ -148,3 +148,25 @@ def test_a_stacks_column_sums_are_each_matrixs_own(dtype):
             together = columns.column_sums(stack, of)
             for j in range(5):
                 assert torch.equal(together[j], columns.column_sums(stack[j], of))
+
+
+@pytest.mark.slow
+def test_selections_under_data_parallel_move_each_block_at_once(tmp_path):
+    """2 gloo ranks, each host holding its rows of replicated experts (5-row ones split 3 + 2):
+    the first selection and each reselection take or move each block's columns at once, every
+    rank's rows gathered in one collective a kind (handoff.take_block_from_host,
+    move_block_columns), with the same weights and each rank's same state, bit for bit, as one
+    matrix at a time, and the replicas equal."""
+    from helpers.block_ranks import run_block_ranks
+    from helpers.spawn import assert_ok
+    ranks = run_block_ranks(tmp_path)
+    assert_ok(ranks)
+    for r in ranks:
+        stacked, single = r["stacked"], r["single"]
+        assert stacked["reselections"] == single["reselections"] >= 2
+        assert sorted(set(stacked["moved"])) == [4, 7] and not single["moved"]   # the 5x6s, 8x8s
+        assert sorted(stacked["taken"]) == [4, 7] and not single["taken"]
+        for got, want, other in zip(stacked["weights"], single["weights"],
+                                    ranks[0]["stacked"]["weights"]):
+            assert torch.equal(got, want) and torch.equal(got, other)
+        _assert_same(stacked["state"]["state"], single["state"]["state"])

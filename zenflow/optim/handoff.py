@@ -43,16 +43,29 @@ def take_from_host(dev: DeviceColumns, host: dict[str, torch.Tensor],
 
 
 def take_block_from_host(block: ColumnBlock, host: dict[str, torch.Tensor],
-                         column_indices: torch.Tensor, host_steps: list[int]) -> None:
-    """take_from_host of every member of `block` at once (one process's rows): `host[name]` the
-    members' host state as [size, rows, cols] (back to back in the host buffers),
-    `column_indices` [size, k], `host_steps` the members' host counts."""
-    size, rows, k = block.master.shape
-    spread = column_indices.cpu().unsqueeze(1).expand(size, rows, k)
+                         column_indices: torch.Tensor, host_steps: list[int],
+                         partition: Partition | None = None) -> None:
+    """take_from_host of every member of `block` at once: `host[name]` the members' host state
+    as [size, rows, cols] (back to back in the host buffers: this rank's rows of each;
+    `partition`, where it splits the rows, gathers every rank's), `column_indices` [size, k],
+    `host_steps` the members' host counts."""
+    size, num_rows, k = block.master.shape
+    own_rows = host["master"].shape[1]
+    spread = column_indices.cpu().unsqueeze(1).expand(size, own_rows, k)
     block.column_indices.copy_(column_indices)
     block.counts.copy_(torch.tensor(host_steps, dtype=torch.float32))
     for name in _KINDS:   # (bf16 moments widen)
-        getattr(block, name).copy_(host[name].gather(2, spread).float())
+        taken = host[name].gather(2, spread).float()
+        if partition is not None and partition.splits_rows:
+            taken = _gather_members_rows(taken, num_rows, partition)
+        getattr(block, name).copy_(taken)
+
+
+def _gather_members_rows(own: torch.Tensor, num_rows: int, partition: Partition) -> torch.Tensor:
+    """[size, num_rows, k]: every rank's rows of each member of `own` ([size, rows, k], this
+    rank's), in one gather (rows first, as gather_rows takes them)."""
+    return partition.gather_rows(partition.from_host(own.transpose(0, 1).contiguous()), num_rows,
+                                 "moving columns to the device").transpose(0, 1)
 
 
 def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices: torch.Tensor,
@@ -89,25 +102,30 @@ def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices:
 
 def move_block_columns(block: ColumnBlock, counts: list[torch.Tensor],
                        host: dict[str, torch.Tensor], new_indices: torch.Tensor,
-                       host_steps: list[int], betas: tuple[float, float]) -> None:
+                       host_steps: list[int], betas: tuple[float, float],
+                       rows: slice | None = None, partition: Partition | None = None) -> None:
     """move_columns of every member of `block` at once: a few operators whatever its size (an
     MoE's thousands of experts; a member alone costs about 40 operators and two reads of the
-    device), the same values. One process's rows (no gather across ranks). `counts`: the
-    members' device counts (DeviceColumns.count); `host[name]`: the members' host state as
-    [size, rows, cols] (back to back in the host buffers); `new_indices`: [size, k], each row
-    ascending; `host_steps`: the members' host counts."""
-    size, rows, k = block.master.shape
+    device, and under data parallel a gather of every rank's rows a kind), the same values.
+    `counts`: the members' device counts (DeviceColumns.count); `host[name]`: the members' host
+    state as [size, rows, cols] (back to back in the host buffers: this rank's `rows` of each,
+    all of them by default; `partition`, where it splits the rows, gathers every rank's);
+    `new_indices`: [size, k], each row ascending; `host_steps`: the members' host counts."""
+    size, num_rows, k = block.master.shape
+    own = rows if rows is not None else slice(0, num_rows)
+    gathers = partition is not None and partition.splits_rows
     to_dev = block.column_indices.device
     dev_steps = [int(c) for c in torch.stack(counts).tolist()]   # one read of the device
     old, new = block.column_indices.cpu(), new_indices.cpu()
     at_old = torch.searchsorted(old, new).clamp_max(k - 1)      # where a staying column was
     stays = (old.gather(1, at_old) == new).to(to_dev).unsqueeze(1)
     leaves = (new.gather(1, torch.searchsorted(new, old).clamp_max(k - 1)) != old).unsqueeze(1)
-    spread_old, spread_new = (c.unsqueeze(1).expand(size, rows, k) for c in (old, new))
-    keep_from = at_old.to(to_dev).unsqueeze(1).expand(size, rows, k)
+    own_rows = own.stop - own.start
+    spread_old, spread_new = (c.unsqueeze(1).expand(size, own_rows, k) for c in (old, new))
+    keep_from = at_old.to(to_dev).unsqueeze(1).expand(size, num_rows, k)
     for name, beta in (("master", None), ("exp_avg", betas[0]), ("exp_avg_sq", betas[1])):
         current, stack = getattr(block, name), host[name]
-        leaving = current.to("cpu", copy=True)
+        leaving = current[:, own].to("cpu", copy=True)
         if beta is not None:
             leaving.mul_(_rescales(beta, dev_steps, host_steps))
         # (a staying column's host copy is written back as it was: only leaving ones change)
@@ -116,6 +134,8 @@ def move_block_columns(block: ColumnBlock, counts: list[torch.Tensor],
         joining = stack.gather(2, spread_new).float()
         if beta is not None:
             joining.mul_(_rescales(beta, host_steps, dev_steps))
+        if gathers:   # every rank's rows, one gather for all the members
+            joining = _gather_members_rows(joining, num_rows, partition)
         current.copy_(torch.where(stays, current.gather(2, keep_from), joining.to(to_dev)))
     block.column_indices.copy_(new_indices)
 

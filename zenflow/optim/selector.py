@@ -109,10 +109,8 @@ class ColumnSelector:
     def _move_blocks(self, plan: SelectionPlan) -> set[int]:
         """The columns of whole ColumnBlocks whose members are back to back on the host, a block
         at once (the first selection: handoff.take_block_from_host; a reselection:
-        move_block_columns); returns the positions in `plan` done. Under data parallel each
-        member moves alone (its columns gather every rank's rows)."""
-        if self.partition.splits_rows:
-            return set()
+        move_block_columns; under data parallel every rank's rows of all the members in one
+        gather); returns the positions in `plan` done."""
         done: set[int] = set()
         runs = runs_of([m.selected for m in plan.matrices])
         for run, block in zip(runs.stacked, runs.blocks):
@@ -125,10 +123,11 @@ class ColumnSelector:
             chosen = top_columns(torch.stack([plan.importances[j] for j in run]), members[0].k)
             host_steps = [self.pipeline.host_step[i] for i in indices]
             if plan.first:
-                handoff.take_block_from_host(block, stacks, chosen, host_steps)
+                handoff.take_block_from_host(block, stacks, chosen, host_steps, self.partition)
             else:
                 handoff.move_block_columns(block, [m.selected.count for m in members], stacks,
-                                           chosen, host_steps, *betas)
+                                           chosen, host_steps, *betas,
+                                           self.pipeline.rows[indices[0]], self.partition)
             write_selected([self.pipeline.weights(i) for i in indices],
                            [m.selected for m in members])
             done.update(run)
