@@ -33,7 +33,7 @@ import torch
 from zenflow.host.pipeline import HostPipeline
 from zenflow.host.transfers import Ticket, all_of
 from zenflow.optim.model_hooks import ModelHooks
-from zenflow.optim.params import params_from_selected
+from zenflow.optim.params import HostParam, params_from_selected
 
 log = logging.getLogger("zenflow")
 
@@ -64,11 +64,11 @@ class Installs:
         self._pending: dict[int, Ticket] = {}   # in the order queued
         self._corrections: dict[int, Correction] = {}
         self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hooks
-        self._stepped: dict[int, object] = {}   # host index -> HostParam: see columns_stepped
+        self._stepped: dict[int, HostParam] = {}   # by host index: see columns_stepped
 
     # -- the device's columns -------------------------------------------------------------------
-    def columns_stepped(self, matrices: list) -> None:
-        """The device's step just updated the selected columns of `matrices` (HostParams) and
+    def columns_stepped(self, matrices: list[HostParam]) -> None:
+        """The device's step just updated the selected columns of `matrices` and
         did not write them into the parameters: a window end that installs a matrix in this
         step writes its columns after the copy (finish), so writing them before as well would be
         a pass (and on a GPU launches per matrix) for nothing. The others are written before any
