@@ -265,13 +265,13 @@ class FactoredCredit(MovingCredit):
                 self.beta[i], self.deferred[i])
 
     def _run_batch(self, moving, rows, whole, sums, weights, coef, sizes, prints) -> bool:
-        """The run kernel of the run `moving` (its shapes compiled in: `signature`); False where
-        its compile failed (then logged once and the per-matrix kernels take every matrix, now
-        and from then on)."""
+        """The run kernel of the run `moving` (its shapes compiled in: `signature`, where the
+        weight's give the others'); False where its compile failed (then logged once and the
+        per-matrix kernels take every matrix, now and from then on)."""
         scalars = [self._kernels.scalars_of(*sizes[i], coef.device) for i in moving]
         tensors = [self.step_tensors(i, rows, whole, sums, weights) for i in moving]
-        signature = tuple((tuple(t[0].shape), *((u.dtype, tuple(u.shape), tuple(u.stride()))
-                                                 for u in t[1:4]), t[0].dtype) for t in tensors)
+        signature = tuple((tuple(t[0].shape), *(u.dtype for u in t[:4]), tuple(t[1].stride()))
+                          for t in tensors)
         return self._kernels.run("steps", *(list(column) for column in zip(*tensors)), coef,
                                  [lr for lr, _ in scalars], [bound for _, bound in scalars],
                                  prints, signature=signature)

@@ -100,22 +100,22 @@ def move_columns(dev: DeviceColumns, host: dict[str, torch.Tensor], new_indices:
     dev.column_indices.copy_(new_indices)
 
 
-def move_block_columns(block: ColumnBlock, counts: list[torch.Tensor],
-                       host: dict[str, torch.Tensor], new_indices: torch.Tensor,
-                       host_steps: list[int], betas: tuple[float, float],
-                       rows: slice | None = None, partition: Partition | None = None) -> None:
+def move_block_columns(block: ColumnBlock, host: dict[str, torch.Tensor],
+                       new_indices: torch.Tensor, host_steps: list[int],
+                       betas: tuple[float, float], rows: slice | None = None,
+                       partition: Partition | None = None) -> None:
     """move_columns of every member of `block` at once: a few operators whatever its size (an
     MoE's thousands of experts; a member alone costs about 40 operators and two reads of the
     device, and under data parallel a gather of every rank's rows a kind), the same values.
-    `counts`: the members' device counts (DeviceColumns.count); `host[name]`: the members' host
-    state as [size, rows, cols] (back to back in the host buffers: this rank's `rows` of each,
-    all of them by default; `partition`, where it splits the rows, gathers every rank's);
-    `new_indices`: [size, k], each row ascending; `host_steps`: the members' host counts."""
+    `host[name]`: the members' host state as [size, rows, cols] (back to back in the host
+    buffers: this rank's `rows` of each, all of them by default; `partition`, where it splits
+    the rows, gathers every rank's); `new_indices`: [size, k], each row ascending;
+    `host_steps`: the members' host counts (their device counts are the block's)."""
     size, num_rows, k = block.master.shape
     own = rows if rows is not None else slice(0, num_rows)
     gathers = partition is not None and partition.splits_rows
     to_dev = block.column_indices.device
-    dev_steps = [int(c) for c in torch.stack(counts).tolist()]   # one read of the device
+    dev_steps = [int(c) for c in block.counts.tolist()]   # one read of the device
     old, new = block.column_indices.cpu(), new_indices.cpu()
     at_old = torch.searchsorted(old, new).clamp_max(k - 1)      # where a staying column was
     stays = (old.gather(1, at_old) == new).to(to_dev).unsqueeze(1)

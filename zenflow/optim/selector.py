@@ -125,8 +125,7 @@ class ColumnSelector:
             if plan.first:
                 handoff.take_block_from_host(block, stacks, chosen, host_steps, self.partition)
             else:
-                handoff.move_block_columns(block, [m.selected.count for m in members], stacks,
-                                           chosen, host_steps, *betas,
+                handoff.move_block_columns(block, stacks, chosen, host_steps, *betas,
                                            self.pipeline.rows[indices[0]], self.partition)
             write_selected([self.pipeline.weights(i) for i in indices],
                            [m.selected for m in members])
