@@ -125,7 +125,7 @@ def test_layouts_cut_over_nodes_keep_every_element():
     host = HostState.allocate(HostLayout.build(SHAPES, sum_slots=1))
     bounds = numa.share_bounds(host.layout.numel, 3)
     covered = []
-    for offset, numel, _ in host._runs(range(len(SHAPES))):
+    for offset, numel, _ in host.layout.fp32_runs(list(range(len(SHAPES)))):
         covered += [range(a, b) for _, a, b in buffers.chunks(offset, numel, bounds, [1, 2, 3])]
     assert sorted(i for r in covered for i in r) == list(range(host.layout.numel))
 

@@ -58,7 +58,7 @@ def _update_in_passes(host: HostState, jobs: list[HostJob], sum_slot: int) -> No
         step, num_grads, u = key
         lr, beta1, beta2, eps, weight_decay, moments = (u.lr, u.beta1, u.beta2, u.eps,
                                                         u.weight_decay, u.moments)
-        cut = [slice(o, o + n) for o, n, _ in host._runs(matrices) if n]
+        cut = [slice(o, o + n) for o, n, _ in host.layout.fp32_runs(matrices) if n]
         state = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         if moments:
             squares = v[f"grad_sum{1 - sum_slot}"]

@@ -271,19 +271,6 @@ class HostState:
             view = views[i] = flat[m.typed_offset:m.typed_offset + m.numel].view(m.rows, m.cols)
         return view
 
-    def _runs(self, matrices: list[int]) -> list[tuple[int, int, torch.dtype]]:
-        """Maximal runs (fp32 offset, numel, dtype) covering `matrices`, merged where adjacent."""
-        runs: list[list] = []
-        for i in sorted(matrices, key=lambda i: self.layout.matrices[i].offset):
-            m = self.layout.matrices[i]
-            if m.numel == 0:
-                continue
-            if runs and runs[-1][0] + runs[-1][1] == m.offset and runs[-1][2] == m.dtype:
-                runs[-1][1] += m.numel
-            else:
-                runs.append([m.offset, m.numel, m.dtype])
-        return [tuple(r) for r in runs]
-
     def _typed_run(self, buffer: str, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         start = next(g[1] for g in self.layout.groups if g[0] == dtype)
         flat = self.arena.views[f"{buffer}_{dtype_name(dtype)}"]
@@ -300,7 +287,7 @@ class HostState:
         coef = self.step_coef(staging_slot)
         skipped = float(coef.numpy()) == 0.0   # host memory, landed before this runs
         for matrices, add in ((added, True), (fresh, False)):
-            for offset, numel, dtype in self._runs(matrices):
+            for offset, numel, dtype in self.layout.fp32_runs(matrices):
                 total = sums[offset:offset + numel]
                 grad = self._typed_run(f"staging{staging_slot}", offset, numel, dtype)
                 for start in range(0, numel, _CHUNK):   # a dtype's fp32 temporary stays in cache
@@ -352,7 +339,7 @@ class HostState:
         threads = self.teams.threads if self.teams is not None else [torch.get_num_threads()]
         shares: list[list] = [[] for _ in range(nodes)]
         for key, matrices in groups.items():
-            for offset, numel, dtype in self._runs(matrices):
+            for offset, numel, dtype in self.layout.fp32_runs(matrices):
                 run = self._run(key, offset, numel, dtype, sum_slot,
                                 [i for i in matrices if i in narrow])
                 for node, start, end in chunks(offset, numel, bounds, threads):
@@ -388,6 +375,6 @@ class HostState:
 
     def copy_masters(self, matrices: list[int]) -> None:
         """The install buffer := the master values of `matrices`, in the parameters' dtype."""
-        for offset, numel, dtype in self._runs(matrices):
+        for offset, numel, dtype in self.layout.fp32_runs(matrices):
             self._typed_run("install", offset, numel, dtype).copy_(
                 self.arena.views["master"][offset:offset + numel])

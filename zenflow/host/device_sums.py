@@ -14,6 +14,9 @@ thread never does; on a CPU "device" the training thread waits for the copy thre
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Sequence
+
 import torch
 
 from zenflow.host.buffers import add_scaled_
@@ -29,6 +32,16 @@ def sum_dtype(setting: str, weights: list[torch.dtype]) -> torch.dtype:
         bf16 = bool(weights) and all(dtype == torch.bfloat16 for dtype in weights)
         return torch.bfloat16 if bf16 else torch.float32
     return getattr(torch, setting)
+
+
+def picker(positions: list[int]) -> Callable[[Sequence], Sequence]:
+    """A function taking a sequence to its items at `positions` (a tuple) in one C-level call:
+    operator.itemgetter, no Python bytecode per item."""
+    if not positions:
+        return lambda items: ()
+    if len(positions) == 1:
+        return lambda items, at=positions[0]: (items[at],)
+    return operator.itemgetter(*positions)
 
 
 def launch_runs(items: list, numel, limit: int):

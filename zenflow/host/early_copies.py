@@ -165,12 +165,13 @@ class EarlyCopies:
         slot); with the ticket and bytes of every early copy queued since the last take(), the
         rejected ones included, so that the worker's read and the fence wait for them too. The
         next step copies `grads` at the firing this step's were at."""
-        self._copy_at = {i: self._step_fired[i] for i in grads if i in self._step_fired}
+        fired = self._step_fired
+        self._copy_at = {i: fired[i] for i in grads if i in fired} if fired else {}
         copies, self._copies = self._copies, {}
         tickets, self._tickets = self._tickets, []
         nbytes, self._bytes = self._bytes, 0
         early = set()
-        if not self._unscaled_in_place:
+        if copies and not self._unscaled_in_place:
             for i, grad in grads.items():
                 copy = copies.get(i)
                 if (copy is not None and copy.slot == slot and copy.grad() is grad

@@ -154,8 +154,9 @@ class HostLayout:
     rates: bool = False      # deferred_credit="moments": a rate buffer per dtype
     factors: bool = False    # deferred_credit="factored": the factors buffer
     moments_dtype: torch.dtype = torch.float32   # host_moments_dtype
-    # back_to_back's answers, by the indices asked for: every step asks it of the same indices
-    # twice (staging, installs), and 5,000 matrices take a few ms of Python each time
+    # back_to_back's and fp32_runs' answers, by the indices asked for: every step asks them of
+    # the same indices (staging, accumulate, installs), and 5,000 matrices take a few ms of
+    # Python each time
     _runs: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __getstate__(self) -> dict:
@@ -167,13 +168,33 @@ class HostLayout:
         between host and device (at most STACK_ELEMENTS values each, STACK_RUN_ELEMENTS a run);
         any other matrix is a run of its own. The runs come in the order of their first member
         in `indices`. The answer is kept (the caller does not change it)."""
-        key = tuple(indices)
+        return self._kept(self._back_to_back, indices)
+
+    def fp32_runs(self, indices: list[int]) -> list[tuple[int, int, torch.dtype]]:
+        """Maximal runs (fp32 offset, numel, dtype) covering `indices`' matrices in the fp32
+        buffers, merged where adjacent. The answer is kept (the caller does not change it)."""
+        return self._kept(self._fp32_runs, indices)
+
+    def _kept(self, answer, indices: list[int]):
+        key = (answer.__name__, tuple(indices))
         runs = self._runs.get(key)
         if runs is None:
-            if len(self._runs) >= 8:
+            if len(self._runs) >= 16:
                 self._runs.clear()
-            runs = self._runs[key] = self._back_to_back(indices)
+            runs = self._runs[key] = answer(indices)
         return runs
+
+    def _fp32_runs(self, indices: list[int]) -> list[tuple[int, int, torch.dtype]]:
+        runs: list[list] = []
+        for i in sorted(indices, key=lambda i: self.matrices[i].offset):
+            m = self.matrices[i]
+            if m.numel == 0:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == m.offset and runs[-1][2] == m.dtype:
+                runs[-1][1] += m.numel
+            else:
+                runs.append([m.offset, m.numel, m.dtype])
+        return [tuple(r) for r in runs]
 
     def _back_to_back(self, indices: list[int]) -> list[list[int]]:
         position = {i: p for p, i in enumerate(indices)}

@@ -158,7 +158,7 @@ class HostPipeline:
         start = time.perf_counter()
         self.place()
         on_device = {i: self.staging.own_rows(i, g) for i, g in grads.items()
-                     if i in self.device_sums}
+                     if i in self.device_sums} if self.device_sums.sums else {}
         if on_device:
             fresh = [i for i in on_device if self.num_grads[i] == 0]
             # every row the device holds moves (DDP: every rank's, alike on every replica)

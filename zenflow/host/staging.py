@@ -15,14 +15,28 @@ a whole step to add one before it is reused.
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
 import torch
 
 from zenflow.distributed import Partition
 from zenflow.host.buffers import HostState
 from zenflow.host.commands import Accumulate
+from zenflow.host.device_sums import picker
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
 from zenflow.host.weight_views import host_view
 from zenflow.host.worker_link import Command, WorkerLink
+
+
+class _CopyPlan(NamedTuple):
+    """How copy_to_staging() copies the gradients of a list of matrices."""
+    runs: list[list[int]]              # HostLayout.back_to_back's
+    picks: list[Callable[[Sequence], Sequence]]   # each run's gradients, by position in the list
+    own_rows_are_whole: bool           # each gradient is its own rows (own_rows: no view)
+    nbytes: int
+    staged: list[int]                  # 1 for each matrix of the list, by index, else 0
 
 
 class Staging:
@@ -42,6 +56,7 @@ class Staging:
         self._readers: list[Command | None] = [None] * self.host.layout.staging_slots
         self._staged: tuple[int, list[int], Ticket] | None = None
         self.last_copy: Ticket = DONE   # every copy to the host queued since the last fence
+        self._plans: dict[tuple[int, ...], _CopyPlan] = {}   # by the matrices copied
 
     def own_rows(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """This rank's rows of matrix i's gradient as [rows, cols] (a slice is an operator a
@@ -67,15 +82,35 @@ class Staging:
         gradients only); returns its ticket and the bytes it moves."""
         host = self.host
         pairs = [] if coef is None else [(host.step_coef(slot), coef.reshape(()))]
-        sources = {i: self.own_rows(i, grad) for i, grad in grads.items()}
-        nbytes = sum(src.numel() * src.element_size() for src in sources.values())
-        for run in host.layout.back_to_back(list(sources)):
+        plan = self._plan(grads)
+        sources = list(grads.values())
+        if not plan.own_rows_are_whole:
+            sources = [self.own_rows(i, grad) for i, grad in grads.items()]
+        for run, pick in zip(plan.runs, plan.picks):
             if len(run) == 1:
-                pairs.append((host.staging(slot, run[0]), sources[run[0]]))
+                pairs.append((host.staging(slot, run[0]), pick(sources)[0]))
             else:   # one copy for all (a launch and a small copy each cost more)
                 pairs.append((host.span(f"staging{slot}", [run[0], run[-1]])[0],
-                              torch.stack([sources[i] for i in run]).view(-1)))
-        return (self.transfers.to_host(pairs) if pairs else DONE), nbytes
+                              torch.stack(pick(sources)).view(-1)))
+        return (self.transfers.to_host(pairs) if pairs else DONE), plan.nbytes
+
+    def _plan(self, grads: dict[int, torch.Tensor]) -> _CopyPlan:
+        """How the gradients of `grads`' matrices are copied, worked out at their first copy
+        (the same matrices come step after step: no Python per matrix then)."""
+        key = tuple(grads)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 8:
+                self._plans.clear()
+            runs = self.host.layout.back_to_back(list(key))
+            position = {i: j for j, i in enumerate(key)}
+            rows = {i: self.own_rows(i, grad) for i, grad in grads.items()}
+            plan = self._plans[key] = _CopyPlan(
+                runs, [picker([position[i] for i in run]) for run in runs],
+                all(rows[i] is grad for i, grad in grads.items()),
+                sum(r.numel() * r.element_size() for r in rows.values()),
+                [1 if i in position else 0 for i in range(len(self.rows))])
+        return plan
 
     def put(self, grads: dict[int, torch.Tensor], coef: torch.Tensor, early: set[int],
             early_copies: Ticket) -> tuple[int, float]:
@@ -91,7 +126,7 @@ class Staging:
             waited = self.link.wait(reader)
             self._readers[slot] = None
         ticket, nbytes = self.copy_to_staging(
-            slot, {i: g for i, g in grads.items() if i not in early}, coef)
+            slot, {i: g for i, g in grads.items() if i not in early} if early else grads, coef)
         self.last_copy = ticket = all_of(self.last_copy, ticket)
         self._staged = (slot, list(grads), ticket)
         return nbytes, waited
@@ -106,10 +141,20 @@ class Staging:
         self._staged = None
         if not matrices:
             return
-        fresh = [i for i in matrices if num_grads[i] == 0]
-        added = [i for i in matrices if num_grads[i] > 0]
-        for i in matrices:
-            num_grads[i] += 1
+        counts = picker(matrices)(num_grads)
+        if 0 not in counts:   # (C-level passes: the common cases, inside a window and its start)
+            fresh, added = [], matrices
+        elif counts.count(0) == len(counts):
+            fresh, added = matrices, []
+        else:
+            fresh = [i for i, n in zip(matrices, counts) if n == 0]
+            added = [i for i, n in zip(matrices, counts) if n > 0]
+        plan = self._plans.get(tuple(matrices))
+        if plan is not None:
+            num_grads[:] = map(operator.add, num_grads, plan.staged)
+        else:
+            for i in matrices:
+                num_grads[i] += 1
         self._readers[slot] = self.link.submit(
             ticket, Accumulate(slot, sum_slot, tuple(added), tuple(fresh)))
         self.slot = (slot + 1) % len(self._readers)

@@ -12,8 +12,10 @@ import math
 
 import torch
 
-from zenflow.distributed import local
+from zenflow.distributed import is_sharded, local
 from zenflow.host.fingerprints import bits
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 class WeightViews:
@@ -25,6 +27,7 @@ class WeightViews:
         self._views: list[torch.Tensor | None] = [None] * len(params)
         self._pointers: list[int | None] = [None] * len(params)   # each view's storage
         self._bits: list[torch.Tensor | None] = [None] * len(params)
+        self._sharded = any(map(is_sharded, params))   # (their local tensors: asked at each use)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         weights = local(self.params[i])
@@ -34,6 +37,18 @@ class WeightViews:
             self._pointers[i] = pointer
             self._bits[i] = None
         return self._views[i]
+
+    def all(self) -> list[torch.Tensor]:
+        """Every parameter's view, by position: one C-level pass over the parameters' storage
+        pointers, and a new view only for those given new storage (a step writes every matrix;
+        asking one by one is Python bytecode per matrix, thousands of an MoE's experts)."""
+        held = [local(p) for p in self.params] if self._sharded else self.params
+        pointers = list(map(_data_ptr, held))
+        if pointers != self._pointers:
+            for i, (now, seen) in enumerate(zip(pointers, self._pointers)):
+                if now != seen:
+                    self[i]   # (makes its view)
+        return self._views
 
     def bits(self, i: int) -> torch.Tensor:
         """The [rows, cols] view's values as integers (zenflow.host.fingerprints.bits), for the

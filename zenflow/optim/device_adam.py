@@ -11,13 +11,14 @@ keeps a write through `.data`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from zenflow.adamw import FP32_STATE, adamw_
-from zenflow.host.device_sums import launch_runs
+from zenflow.host.device_sums import picker
 from zenflow.host.transfers import STACK_ELEMENTS, STACK_RUN_ELEMENTS
 from zenflow.optim import columns
 from zenflow.saved_state import check_count, check_saved_tensors
@@ -119,10 +120,12 @@ class ColumnBlock:
                                  block, j) for j in range(size)]
         return block, members
 
-    def take(self, matrices: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The selected columns of `matrices` (its members', [rows, cols] each, in slot order) as
-        [size, rows, k]: into `out` (converted), else in the matrices' dtype."""
-        stack = torch.stack(matrices)
+    def take(self, matrices: Sequence[torch.Tensor], out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """The selected columns of `matrices` (its members', [rows, cols] each or the parameters'
+        own shapes, contiguous, in slot order) as [size, rows, k]: into `out` (converted), else
+        in the matrices' dtype."""
+        stack = torch.stack(matrices).view(self.spread.shape[0], self.spread.shape[1], -1)
         if out is None or out.dtype == stack.dtype:
             return torch.gather(stack, 2, self.spread, out=out)
         return out.copy_(torch.gather(stack, 2, self.spread))
@@ -242,55 +245,12 @@ class _Batch:
         self.exp_avg_sqs.append(exp_avg_sq)
         self.counts.append(count)   # (advanced before the kernel: device_step)
 
-
-_CHUNK_ELEMENTS = 1 << 24   # 16-bit values compared at once: at most ~200 MiB of temporaries
-
-
-def adopt_written(weights: list[torch.Tensor], selected: list[DeviceColumns],
-                  vectors: list[tuple[torch.Tensor, DeviceVector]]) -> None:
-    """The device's masters := what was written into their parameters since the optimizer last
-    wrote them: the matrices' (`weights` as [out, in] and their `selected` columns) and
-    `vectors`' ((parameter, state) pairs).
-
-    A write through `.data` (a WGAN's `p.data.clamp_()`) bumps no version counter, and the next
-    step would write the masters over it; torch's AdamW keeps it, and so must the columns the
-    device owns. Done at every step's start, before anything writes the weights, without reading
-    the device: a master in the parameter's dtype is the parameter's values (one gather, a
-    ColumnBlock's at once); a 16-bit parameter's fp32 master keeps its low bits where the
-    parameter still holds it rounded, and takes the parameter's value elsewhere, in a few
-    launches per run of matrices."""
-    runs = runs_of(selected)
-    written = []   # (fp32 masters, the weights' values there, narrower)
-    for run, block in zip(runs.stacked, runs.blocks):
-        members = [weights[j] for j in run]
-        if members[0].dtype == block.master.dtype:
-            block.take(members, out=block.master)
-        else:
-            written.append((block.master, block.take(members)))
-    for j in runs.single:
-        w, cols = weights[j], selected[j]
-        if w.dtype == cols.master.dtype:
-            torch.index_select(w, 1, cols.column_indices, out=cols.master)
-        else:
-            written.append((cols.master, w.index_select(1, cols.column_indices)))
-    written += [(state.master, param) for param, state in vectors]
-    narrow = []
-    for master, values in written:
-        if master.dtype == values.dtype:
-            if master.data_ptr() != values.data_ptr():
-                master.copy_(values)
-        else:
-            narrow.append((master.view(-1), values.reshape(-1)))
-    by_dtype: dict[torch.dtype, list] = {}
-    for pair in narrow:
-        by_dtype.setdefault(pair[1].dtype, []).append(pair)
-    for pairs in by_dtype.values():
-        for run in launch_runs(pairs, lambda pair: pair[0].numel(), _CHUNK_ELEMENTS):
-            master = torch.cat([m for m, _ in run])
-            values = torch.cat([v for _, v in run])
-            kept = torch.where(master.to(values.dtype) == values, master, values.float())
-            torch.split_with_sizes_copy(kept, [m.numel() for m, _ in run], 0,
-                                        out=[m for m, _ in run])
+    def extend(self, other: _Batch) -> None:
+        for mine, theirs in zip((self.params, self.grads, self.exp_avgs, self.exp_avg_sqs,
+                                 self.counts),
+                                (other.params, other.grads, other.exp_avgs, other.exp_avg_sqs,
+                                 other.counts)):
+            mine.extend(theirs)
 
 
 def group_hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
@@ -300,21 +260,46 @@ def group_hyperparameters(group: dict) -> tuple[float, float, float, float, floa
             float(group["weight_decay"]))
 
 
-class MatrixSteps(NamedTuple):
-    """The matrices a device step updates, as parallel lists (a tuple per matrix would be
-    thousands of objects a step, an MoE's, for Python's collector to track): its gradient, its
-    selected columns and its param group."""
-    grads: list[torch.Tensor]
-    columns: list[DeviceColumns]
-    groups: list[dict]
+class MatrixSteps:
+    """The selected columns a device step updates, worked out once for a list of matrices (those
+    with a gradient, which stay the same step after step: zenflow/optim/step_plan.py): their
+    ColumnBlocks and the rest (`runs`), which gradients each gathers (C-level pickers), and the
+    fused kernel's lists per param group. A step then gathers, updates and counts them in a few
+    launches with no Python per matrix (thousands of an MoE's experts)."""
+
+    def __init__(self, columns: list[DeviceColumns], groups: list[dict]):
+        self.columns = columns
+        self.runs = runs = runs_of(columns)
+        # (the same positions pick each matrix's gradient and its weights)
+        self.run_picks = [picker(run) for run in runs.stacked]
+        self.single_pick = picker(runs.single)
+        single = [columns[j] for j in runs.single]
+        self.single_indices = [cols.column_indices for cols in single]
+        self.single_bufs = [cols.grad for cols in single]
+        self.single_masters = [cols.master for cols in single]
+        self.gathered = [block.grad for block in runs.blocks] + self.single_bufs
+        self.counts = [block.counts for block in runs.blocks] + [cols.count for cols in single]
+        by_group: dict[int, tuple[dict, _Batch]] = {}
+        for cols, group in zip(columns, groups):
+            by_group.setdefault(id(group), (group, _Batch()))[1].add(
+                cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
+        self.by_group = list(by_group.values())
+
+    def write(self, weights: Sequence[torch.Tensor]) -> None:
+        """write_selected() of the columns into `weights` (in the columns' order)."""
+        for block, pick in zip(self.runs.blocks, self.run_picks):
+            block.put(list(pick(weights)))
+        columns.scatter_columns_of(self.single_pick(weights), self.single_indices,
+                                   self.single_masters)
 
 
-def device_step(matrices: MatrixSteps,
+def device_step(matrices: MatrixSteps | None, grads: Sequence[torch.Tensor],
                 vectors: list[tuple[torch.Tensor, torch.Tensor, DeviceVector, dict]],
                 scale) -> None:
-    """One AdamW step of the selected columns and the vectors; the vectors are written into their
-    params, the columns are not (write_selected: the caller writes them once, after a window
-    end's install where there is one: zenflow/optim/installs.py).
+    """One AdamW step of the selected columns of `matrices` (`grads`: their gradients, in its
+    order) and of the vectors; the vectors are written into their params, the columns are not
+    (MatrixSteps.write: the caller writes them once, after a window end's install where there is
+    one: zenflow/optim/installs.py).
 
     `vectors` holds (weights, grad, state, group), `weights` the view the optimizer writes the
     parameter through (one row); entries without a gradient are left out by the caller, exactly
@@ -335,19 +320,17 @@ def device_step(matrices: MatrixSteps,
             batch = batches[key] = _Batch()
         return batch
 
-    selected, grads = matrices.columns, matrices.grads
-    runs = runs_of(selected)
-    for run, block in zip(runs.stacked, runs.blocks):
-        block.take([columns.as_matrix(grads[j]) for j in run], out=block.grad)
-    single = runs.single
-    columns.gather_columns_of([columns.as_matrix(grads[j]) for j in single],
-                              [selected[j].column_indices for j in single],
-                              [selected[j].grad for j in single])
-    for cols, group in zip(selected, matrices.groups):
-        batch_of(group).add(cols.master, cols.grad, cols.exp_avg, cols.exp_avg_sq, cols.count)
-    if selected:   # one launch for all, not one per matrix (thousands of them in a MoE)
-        torch._foreach_mul_([block.grad for block in runs.blocks]
-                            + [selected[j].grad for j in single], scale.coef)
+    counts = []
+    if matrices is not None and matrices.columns:
+        for block, pick in zip(matrices.runs.blocks, matrices.run_picks):
+            block.take(pick(grads), out=block.grad)
+        columns.gather_columns_of([columns.as_matrix(g) for g in matrices.single_pick(grads)],
+                                  matrices.single_indices, matrices.single_bufs)
+        for group, lists in matrices.by_group:
+            batch_of(group).extend(lists)
+        # one launch for all, not one per matrix (thousands of them in a MoE)
+        torch._foreach_mul_(matrices.gathered, scale.coef)
+        counts += matrices.counts
     scaled = (torch._foreach_mul([grad.float() for _, grad, _, _ in vectors], scale.coef)
               if vectors else [])
     for (_, _, state, group), vector_grad in zip(vectors, scaled):
@@ -357,8 +340,7 @@ def device_step(matrices: MatrixSteps,
     # Every count this step updates advances by the kept flag: a whole block's in one add. A
     # list of the flag, not the flag: given one 0-dim tensor, _foreach_add_ picks its Scalar
     # overload and reads the flag into a number, which waits for the device.
-    counts = ([block.counts for block in runs.blocks] + [selected[j].count for j in single]
-              + [state.count for _, _, state, _ in vectors])
+    counts += [state.count for _, _, state, _ in vectors]
     if counts:
         torch._foreach_add_(counts, [scale.kept] * len(counts))
     for (lr, beta1, beta2, eps, weight_decay), b in batches.items():

@@ -65,24 +65,40 @@ class Installs:
         self._corrections: dict[int, Correction] = {}
         self._attached: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hooks
         self._stepped: dict[int, HostParam] = {}   # by host index: see columns_stepped
+        self._stepped_plan = None   # or all the columns a step's plan stepped, none written yet
 
     # -- the device's columns -------------------------------------------------------------------
-    def columns_stepped(self, matrices: list[HostParam]) -> None:
-        """The device's step just updated the selected columns of `matrices` and
-        did not write them into the parameters: a window end that installs a matrix in this
-        step writes its columns after the copy (finish), so writing them before as well would be
-        a pass (and on a GPU launches per matrix) for nothing. The others are written before any
-        install's copy is queued (the copy must not race the write) and at the step's end
-        (write_stepped_columns)."""
-        self._stepped = {m.host_index: m for m in matrices}
+    def columns_stepped(self, plan) -> None:
+        """The device's step just updated the selected columns of `plan.stepped` (a
+        zenflow.optim.step_plan.StepPlan) and did not write them into the parameters: a window
+        end that installs a matrix in this step writes its columns after the copy (finish), so
+        writing them before as well would be a pass (and on a GPU launches per matrix) for
+        nothing. The others are written before any install's copy is queued (the copy must not
+        race the write) and at the step's end (write_stepped_columns)."""
+        self._stepped_plan = plan if plan.matrix_steps is not None else None
+        self._stepped = {}
+
+    def _stepped_by_index(self) -> dict[int, HostParam]:
+        """The stepped matrices not written yet, by host index (a window end's installs take
+        some: Python per matrix, once a window)."""
+        if self._stepped_plan is not None:
+            self._stepped = {m.host_index: m for m in self._stepped_plan.stepped}
+            self._stepped_plan = None
+        return self._stepped
 
     def write_stepped_columns(self, but: set[int] = frozenset()) -> None:
         """Write the stepped columns not written yet, except those of matrices `but` (an install
         about to be finished in this step writes them)."""
-        todo = [m for i, m in self._stepped.items() if i not in but]
+        plan = self._stepped_plan
+        if plan is not None and not but:   # all of them, as planned: no Python per matrix
+            plan.matrix_steps.write(plan.pick_stepped(self._pipeline.weight_views.all()))
+            self._stepped_plan = None
+            return
+        stepped = self._stepped_by_index()
+        todo = [m for i, m in stepped.items() if i not in but]
         if todo:
             params_from_selected(todo, self._pipeline.weight_views)
-            self._stepped = {i: m for i, m in self._stepped.items() if i in but}
+            self._stepped = {i: m for i, m in stepped.items() if i in but}
 
     # -- queue ----------------------------------------------------------------------------------
     def queue_update(self, sizes: dict[int, tuple[float, float]] | None = None) -> list[int]:
@@ -176,9 +192,10 @@ class Installs:
         if self._selector.has_chosen:   # the device's own columns are newer than the host's
             owning = [m for i in matrices if (m := self._host_params[i]).k > 0]
             params_from_selected(owning, pipeline.weight_views)
-            if self._stepped:
+            if self._stepped or self._stepped_plan is not None:
+                stepped = self._stepped_by_index()
                 for m in owning:
-                    self._stepped.pop(m.host_index, None)
+                    stepped.pop(m.host_index, None)
             for m in owning:
                 self._credit.device_owns(m.host_index, m.selected.column_indices)
         self._outside_writes.fingerprint(matrices)

@@ -62,16 +62,11 @@ from zenflow.optim.between_steps import BetweenSteps
 from zenflow.optim.device_adam import group_hyperparameters
 from zenflow.optim.installs import Installs
 from zenflow.optim.outside_writes import OutsideWrites
-from zenflow.optim.params import (
-    built_layout,
-    device_update,
-    importance_split,
-    present_gradients,
-    sort_params,
-)
+from zenflow.optim.params import built_layout, device_update, sort_params
 from zenflow.optim.selection_schedule import SelectionSchedule
 from zenflow.optim.selector import ColumnSelector
 from zenflow.optim.state import StepCounters
+from zenflow.optim.step_plan import GradientReader, importance_split
 from zenflow.optim.step_scale import Skips, gradient_norms, step_scale
 from zenflow.optim.windows import DelayedAgreement, StepPeriod, window_for
 
@@ -209,6 +204,8 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                                              self._pipeline, self._selector, self._NAME)
         self._installs = Installs(self._pipeline, self._host_params, self._outside_writes,
                                   self._selector, self._lock)
+        self._gradients = GradientReader(self.param_groups, self._host_params, self._vector_params,
+                                         self.device, self._NAME, self._built)
 
     def _step_sizes(self) -> dict[int, tuple[float, float]] | None:
         """Each host matrix's (learning rate, AdamW's step bound) for the credit rule's interim
@@ -247,12 +244,12 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None)
         self._outside_writes.adopt()
         self._outside_writes.adopt_device_writes()
-        grads = present_gradients(self.param_groups, self.device, self._NAME, self._built)
-        if not grads:
+        grads = self._gradients.read(self._selector.has_chosen)
+        if grads is None:
             return
         self._timer.begin()
         self._step_period.tick()
-        norms = gradient_norms(list(grads.values()))   # (in the order of grads)
+        norms = gradient_norms(grads.present(), grads.plan.norm_runs)   # (in present()'s order)
         # torch.amp.GradScaler sets grad_scale and found_inf around step() (None without one)
         scale = step_scale(norms, self.settings.max_grad_norm,
                            getattr(self, "grad_scale", None), getattr(self, "found_inf", None),
@@ -267,10 +264,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         if not warming_up and count.window_steps == 0:
             self._outside_writes.adopt_data_writes()
             self._pipeline.place()
-            self._select_columns(grads)
-        chosen = self._selector.has_chosen
-        staged = {m.host_index: g for m in self._host_params
-                  if (g := grads.get(m.param)) is not None and m.host_owns_columns(chosen)}
+            self._select_columns(grads.by_param)
+            grads = self._gradients.replan(grads, self._selector.has_chosen)
+        staged = grads.staged()
         credit = self._pipeline.credit   # its interim step writes the matrices it moves
         if not credit.prints_moves:   # (else its compiled step fingerprints them itself)
             self._outside_writes.watch_moves([i for i in staged if credit.moves(i)], moved=False)
@@ -280,9 +276,8 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                                          printed=credit.take_prints())
         if not reads_now:
             self._skips.defer(count.step, scale)
-        self._installs.columns_stepped(device_update(
-            self._host_params if chosen else [], self._vector_params, grads, scale,
-            self._vector_weights))
+        device_update(grads, self._vector_params, scale, self._vector_weights)
+        self._installs.columns_stepped(grads.plan)
         try:
             self._after_device_update(grads, norms, scale, warming_up)
         finally:   # (written by an install in this step, or now)
@@ -296,7 +291,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         and the window's end if it ends here."""
         count = self.counters
         if not warming_up and self._window.watches_importance and (split := importance_split(
-                self._host_params, grads, norms, scale, self._partition)) is not None:
+                grads, norms, scale, self._partition)) is not None:
             self._window.observe(*split)
         self._pipeline.accumulate()
         count.window_steps += 1
@@ -368,7 +363,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         self.counters.num_windows += 1
         self._decided("flush")
 
-    def _select_columns(self, grads) -> None:
+    def _select_columns(self, grads: dict) -> None:
         plan = self._selector.plan(self.counters.step, grads)
         if plan is None:
             return

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import logging
+import operator
+from collections.abc import Sequence
 
 import torch
 
+from zenflow.distributed import is_sharded
+from zenflow.host.device_sums import launch_runs
 from zenflow.host.fingerprints import bits, column_sums_of_bits
 from zenflow.host.weight_views import WeightViews
-from zenflow.optim import columns
-from zenflow.optim.device_adam import adopt_written, runs_of
+from zenflow.optim.device_adam import DeviceColumns, DeviceVector, Runs, picker, runs_of
 from zenflow.optim.params import HostParam, VectorParam
 
 log = logging.getLogger("zenflow")
@@ -16,6 +19,8 @@ log = logging.getLogger("zenflow")
 # Lists of matrices whose index tensors a cache keeps (a few recur: all matrices, each layer's
 # installs, the matrices a rule moves); the oldest is forgotten first.
 _KEEP = 256
+_version = operator.attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _kept(cache: dict, key, value):
@@ -25,6 +30,55 @@ def _kept(cache: dict, key, value):
         del cache[next(iter(cache))]
     cache[key] = value
     return value
+
+
+_CHUNK_ELEMENTS = 1 << 24   # 16-bit values compared at once: at most ~200 MiB of temporaries
+
+
+def adopt_written(weights: Sequence[torch.Tensor], selected: list[DeviceColumns], runs: Runs,
+                  vectors: list[tuple[torch.Tensor, DeviceVector]]) -> None:
+    """The device's masters := what was written into their parameters since the optimizer last
+    wrote them: the matrices' (`weights` as [out, in] and their `selected` columns) and
+    `vectors`' ((parameter, state) pairs).
+
+    A write through `.data` (a WGAN's `p.data.clamp_()`) bumps no version counter, and the next
+    step would write the masters over it; torch's AdamW keeps it, and so must the columns the
+    device owns. Done at every step's start, before anything writes the weights, without reading
+    the device: a master in the parameter's dtype is the parameter's values (one gather, a
+    ColumnBlock's at once); a 16-bit parameter's fp32 master keeps its low bits where the
+    parameter still holds it rounded, and takes the parameter's value elsewhere, in a few
+    launches per run of matrices. `runs`: runs_of(selected), kept by the caller."""
+    written = []   # (fp32 masters, the weights' values there, narrower)
+    for run, block in zip(runs.stacked, runs.blocks):
+        members = operator.itemgetter(*run)(weights)
+        if members[0].dtype == block.master.dtype:
+            block.take(members, out=block.master)
+        else:
+            written.append((block.master, block.take(members)))
+    for j in runs.single:
+        w, cols = weights[j], selected[j]
+        if w.dtype == cols.master.dtype:
+            torch.index_select(w, 1, cols.column_indices, out=cols.master)
+        else:
+            written.append((cols.master, w.index_select(1, cols.column_indices)))
+    written += [(state.master, param) for param, state in vectors]
+    narrow = []
+    for master, values in written:
+        if master.dtype == values.dtype:
+            if master.data_ptr() != values.data_ptr():
+                master.copy_(values)
+        else:
+            narrow.append((master.view(-1), values.reshape(-1)))
+    by_dtype: dict[torch.dtype, list] = {}
+    for pair in narrow:
+        by_dtype.setdefault(pair[1].dtype, []).append(pair)
+    for pairs in by_dtype.values():
+        for run in launch_runs(pairs, lambda pair: pair[0].numel(), _CHUNK_ELEMENTS):
+            master = torch.cat([m for m, _ in run])
+            values = torch.cat([v for _, v in run])
+            kept = torch.where(master.to(values.dtype) == values, master, values.float())
+            torch.split_with_sizes_copy(kept, [m.numel() for m, _ in run], 0,
+                                        out=[m for m, _ in run])
 
 
 class _HostColumnBitSums:
@@ -123,6 +177,11 @@ class OutsideWrites:
         self._sums: torch.Tensor | None = None
         self._position_lists: dict[tuple[int, ...], torch.Tensor] = {}
         self._moved: tuple[tuple[int, ...], torch.Tensor] | None = None   # see watch_moves
+        self._held_params = [x.param for x in (*host_params, *vector_params)]
+        self._sharded = any(map(is_sharded, self._held_params))
+        owning = [m for m in host_params if m.k > 0]   # (what adopt_device_writes reads)
+        selected = [m.selected for m in owning]
+        self._owning = (picker([m.host_index for m in owning]), selected, runs_of(selected))
         self.forget()
 
     @staticmethod
@@ -139,6 +198,10 @@ class OutsideWrites:
         after a load, also what the fingerprints show (a load may write without bumping a
         version counter), less the weights that are exactly the loaded state's own."""
         held = (*self.host_params, *self.vector_params)
+        tensors = [x.local for x in held] if self._sharded else self._held_params
+        if (not self._saved_bits and list(map(_version, tensors)) == self._versions
+                and list(map(_data_ptr, tensors)) == self._pointers):
+            return   # (C-level passes: the common case, nothing written)
         changed = {x.param for x, version, pointer in zip(held, self._versions, self._pointers)
                    if (t := x.local)._version != version or t.data_ptr() != pointer}
         if self._saved_bits:
@@ -156,9 +219,12 @@ class OutsideWrites:
     def adopt_device_writes(self) -> None:
         """At each step's start, before anything writes the weights: the columns and vectors the
         device updates take what was written into them, through `.data` too (adopt_written)."""
-        owning = [m for m in self.host_params if m.k > 0] if self.selector.has_chosen else []
-        adopt_written([columns.as_matrix(m.local) for m in owning], [m.selected for m in owning],
-                      [(v.local, v.state) for v in self.vector_params])
+        vectors = [(v.local, v.state) for v in self._vectors_apart]
+        if self.selector.has_chosen:
+            pick, selected, runs = self._owning
+            adopt_written(pick(self.pipeline.weight_views.all()), selected, runs, vectors)
+        else:
+            adopt_written((), [], runs_of([]), vectors)
 
     def _written_through_data(self) -> set:
         """The parameters whose fingerprint changed since the optimizer last wrote them (one read
@@ -249,6 +315,9 @@ class OutsideWrites:
         # (lists in held's order: a step compares them all, and hashing 5,000 tensors costs more)
         self._versions = [x.local._version for x in held]
         self._pointers = [x.local.data_ptr() for x in held]
+        # the vectors that are not their own masters (an fp32 one is, until given new storage)
+        self._vectors_apart = [v for v in self.vector_params
+                               if v.state.master.data_ptr() != v.local.data_ptr()]
         self.fingerprint()
 
     def fingerprint(self, matrices: list[int] | None = None) -> None:

@@ -21,7 +21,6 @@ from zenflow.optim import columns
 from zenflow.optim.device_adam import (
     DeviceColumns,
     DeviceVector,
-    MatrixSteps,
     column_blocks,
     device_step,
     write_selected,
@@ -140,25 +139,18 @@ def _changed_since_built(p: torch.Tensor, dtype: torch.dtype | None) -> str:
             "format, or keep the parameters contiguous")
 
 
-def device_update(host_params: list[HostParam], vector_params: list[VectorParam], grads: dict,
-                  scale, vector_weights: WeightViews) -> list[HostParam]:
-    """AdamW on the device: the selected columns of `host_params` and every vector (those without
-    a gradient this step are left alone, as torch.optim does), scaled by `scale` (a
-    zenflow.optim.step_scale.StepScale: nothing changes on a step it skips). The vectors are
-    written through `vector_weights` (by position in `vector_params`); returns the matrices whose
-    columns it stepped, for the caller to write (params_from_selected)."""
-    matrices = MatrixSteps([], [], [])
-    stepped = []
-    for m in host_params:
-        if m.k > 0 and (g := grads.get(m.param)) is not None:
-            stepped.append(m)
-            matrices.grads.append(g)
-            matrices.columns.append(m.selected)
-            matrices.groups.append(m.group)
-    vectors = [(vector_weights[j], g, v.state, v.group) for j, v in enumerate(vector_params)
-               if (g := grads.get(v.param)) is not None]
-    device_step(matrices, vectors, scale)
-    return stepped
+def device_update(grads, vector_params: list[VectorParam], scale,
+                  vector_weights: WeightViews) -> None:
+    """AdamW on the device: the selected columns of the matrices with a gradient (`grads`, a
+    zenflow.optim.step_plan.StepGradients: its plan's `matrix_steps`, none before the columns
+    are chosen) and every vector with one (those without are left alone, as torch.optim does),
+    scaled by `scale` (a zenflow.optim.step_scale.StepScale: nothing changes on a step it
+    skips). The vectors are written through `vector_weights` (by position in `vector_params`);
+    the matrices' columns are left for the caller to write (MatrixSteps.write)."""
+    plan = grads.plan
+    vectors = [(vector_weights[j], grads.vectors[j], vector_params[j].state,
+                vector_params[j].group) for j in plan.vector_present]
+    device_step(plan.matrix_steps, plan.pick_stepped(grads.host), vectors, scale)
 
 
 def params_from_selected(matrices: list[HostParam], weights: WeightViews) -> None:
@@ -197,38 +189,3 @@ def device_state_bytes(host_params: list[HostParam], vector_params: list[VectorP
     """Bytes of optimizer state on the device: the selected columns' and the vectors'."""
     return (sum(m.selected.nbytes() for m in host_params)
             + sum(v.state.nbytes(v.local) for v in vector_params))
-
-
-def importance_split(host_params: list[HostParam], grads: dict, norms: torch.Tensor, scale,
-                     partition=None) -> tuple[float, int, float, int] | None:
-    """(squared norm, columns) of the deferred and of the selected columns of the matrices of
-    `host_params` with a gradient this step (`grads`: parameter -> gradient), for the auto
-    window; None when none has or the step was skipped (`scale`, a
-    zenflow.optim.step_scale.StepScale, says so in the same read). The device update has just
-    gathered and clipped the selected columns, so their norms take no extra pass over the
-    gradients; `norms` (fp32, one per gradient of `grads`, in its order) holds each whole
-    gradient's norm before clipping. Where each rank holds some rows of every gradient (FSDP2,
-    `partition.shards_gradients`), the squares are summed across ranks (one all-reduce), so every
-    rank sees the whole matrices' split."""
-    present = [m for m in host_params if m.param in grads and m.param.ndim >= 2]
-    if not present:
-        return None
-    position = {p: j for j, p in enumerate(grads)}
-    norms = norms[[position[m.param] for m in present]]
-    selected = [m for m in present if m.k > 0]
-    selected_norms = torch._foreach_norm([m.selected.grad for m in selected]) if selected else []
-    squares = torch.cat([(norms.double() * scale.coef).square(),
-                         torch.stack(selected_norms).double().square() if selected
-                         else torch.zeros(0, dtype=torch.float64, device=norms.device)])
-    if partition is not None and partition.shards_gradients:
-        squares = partition.sum_(squares, "summing the deferred and selected gradient norms")
-    # One stacked transfer instead of one device sync per matrix (the auto window's importance
-    # criterion reads every step: an auto_ratio window's end depends on it).
-    kept, *squares = torch.cat([scale.kept.double().reshape(1), squares]).tolist()
-    if not kept:
-        return None
-    total_sq = squares[:len(present)]
-    sel_sq = dict(zip((id(m) for m in selected), squares[len(present):]))
-    deferred_sq = sum(max(0.0, t - sel_sq.get(id(m), 0.0)) for m, t in zip(present, total_sq))
-    return (deferred_sq, sum(m.num_columns - m.k for m in present), sum(sel_sq.values()),
-            sum(m.k for m in present))
