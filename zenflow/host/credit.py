@@ -34,6 +34,7 @@ from zenflow.host.credit_base import (
 )
 from zenflow.host.credit_factored import FactoredCredit
 from zenflow.host.credit_replicas import ReplicaFactoredCredit
+from zenflow.host.device_sums import picker
 from zenflow.host.layout import rate_dtype, shared_update
 
 __all__ = ["CREDITS", "Credit", "FactoredCredit", "MomentsCredit", "ReplicaFactoredCredit",
@@ -82,23 +83,25 @@ class MomentsCredit(MovingCredit):
         self._restored = {}
         self._placed = True
 
-    def moves(self, i):
-        return i in self.rates
+    @property
+    def moving(self):
+        return self.rates
 
     def nbytes(self):
         return sum(t.numel() * t.element_size()
                    for part in (self.squares, self.rates) for t in part.values())
 
     def add(self, rows, fresh, coef):
-        squared = [i for i in rows if i in self.squares]
+        squared = list(filter(self.squares.__contains__, rows))
         if not squared:
             return
         zeroed = [self.squares[i] for i in fresh if i in self.squares]
         if zeroed:
             torch._foreach_zero_(zeroed)
         for chunk in chunks_of(squared, rows):   # (coef * g)^2 from an fp32 product, as the reference
-            scaled = torch._foreach_mul([rows[i].float() for i in chunk], coef)
-            torch._foreach_addcmul_([self.squares[i] for i in chunk], scaled, scaled)
+            pick = picker(chunk)
+            scaled = torch._foreach_mul(list(map(torch.Tensor.float, pick(rows))), coef)
+            torch._foreach_addcmul_(list(pick(self.squares)), scaled, scaled)
 
     def clear(self):
         if self.squares:
@@ -112,7 +115,7 @@ class MomentsCredit(MovingCredit):
         return [(self.rates[i], host.rate(i))] if i in self.rates else []
 
     def rated(self, values, chunk):
-        return torch._foreach_mul(values, [self.rates[i] for i in chunk])
+        return torch._foreach_mul(values, list(picker(chunk)(self.rates)))
 
     def device_owns(self, i, columns):
         if i in self.rates:

@@ -3,15 +3,16 @@ of the window sums and a rule's device state, the fused steps the moving rules t
 `Credit`, the base class, which is the "mean" rule."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 
 from zenflow.adamw import step_bound
-from zenflow.host.device_sums import launch_runs
+from zenflow.host.device_sums import launch_runs, picker
 from zenflow.host.layout import HostUpdate, shared_update
 
 _CHUNK_ELEMENTS = 1 << 26   # the temporaries of one launch of the interim steps: 256 MiB fp32
+_numel = torch.Tensor.numel
 
 
 def choose_device_summed(numels: list[int], budget_bytes: int,
@@ -48,7 +49,12 @@ def choose_placement(numels: list[int], budget_bytes: int, moments_bytes: int = 
 
 def chunks_of(indices: list[int], tensors: dict[int, torch.Tensor]):
     """`indices` in runs of at most _CHUNK_ELEMENTS elements (at least one matrix each)."""
-    return launch_runs(indices, lambda i: tensors[i].numel(), _CHUNK_ELEMENTS)
+    if not indices:
+        return []
+    numels = dict(zip(indices, map(_numel, picker(indices)(tensors))))
+    if sum(numels.values()) <= _CHUNK_ELEMENTS:   # (C-level: the common case, one run)
+        return [indices]
+    return launch_runs(indices, numels.__getitem__, _CHUNK_ELEMENTS)
 
 
 def kept(grads: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
@@ -106,9 +112,16 @@ class Credit:
                  device: torch.device) -> None:
         """The rule's device state of the matrices `moving` (index -> rows, cols, dtype)."""
 
+    # The matrices that take the rule's device work (their values change every step): a
+    # moving rule's own dict of them.
+    moving: Container[int] = ()
+
     def moves(self, i: int) -> bool:
-        """Whether matrix i takes the rule's device work (its values change every step)."""
-        return False
+        return i in self.moving
+
+    def moving_among(self, indices: Iterable[int]) -> list[int]:
+        """Those of `indices` that move, in their order (one C-level pass, no Python each)."""
+        return list(filter(self.moving.__contains__, indices))
 
     def nbytes(self) -> int:
         return 0
@@ -245,7 +258,11 @@ class MovingCredit(Credit):
         return num_grads if self.moves(i) else 1
 
     def step_sizes(self, groups):
-        return {i: (float(g["lr"]), step_bound(*g["betas"])) for i, g in groups.items()}
+        # per param group, then per matrix in C-level passes (a step asks for them all)
+        ids = list(map(id, groups.values()))
+        sizes = {key: (float(g["lr"]), step_bound(*g["betas"]))
+                 for key, g in dict(zip(ids, groups.values())).items()}
+        return dict(zip(groups, map(sizes.__getitem__, ids)))
 
     def interim(self, weights, grads, coef, sizes):
         """weights[i] -= lr * clamp(coef * grads[i] * rate[i], -bound, bound), (lr, bound) =
@@ -255,15 +272,18 @@ class MovingCredit(Credit):
         rate is stale from moving further than AdamW could, where a row that saw no gradient for
         long (an embedding's rare token) has v near 0 and a rate near 1 / eps. On a skipped step
         (coef 0) the step is 0. A few fused launches per (lr, bound) and chunk."""
-        groups: dict[tuple, list[int]] = {}
-        for i in grads:
-            if self.moves(i):
-                groups.setdefault(sizes[i], []).append(i)
+        moving = self.moving_among(grads)
+        keys = picker(moving)(sizes)
+        groups: dict[tuple, list[int]] = {keys[0]: moving} if len(set(keys)) == 1 else {}
+        if len(groups) != 1:   # (C-level passes above: the common case, one lr for all)
+            for i, key in zip(moving, keys):
+                groups.setdefault(key, []).append(i)
         for (lr, bound), indices in groups.items():
             for chunk in chunks_of(indices, grads):
-                moves = self.rated(kept([grads[i] for i in chunk], coef), chunk)
+                pick = picker(chunk)
+                moves = self.rated(kept(pick(grads), coef), chunk)
                 torch._foreach_mul_(moves, coef)
-                bounded_step([weights[i] for i in chunk], moves, bound, lr)
+                bounded_step(list(pick(weights)), moves, bound, lr)
 
     def correct(self, weights, sums, sizes, counts):
         """weights[i] -= lr * clamp(sums[i] * rate[i], -counts[i] * bound, counts[i] * bound):

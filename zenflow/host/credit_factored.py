@@ -24,6 +24,7 @@ import torch
 
 from zenflow.host.compiled import compiled_for, scalar
 from zenflow.host.credit_base import MovingCredit, choose_device_summed, chunks_of
+from zenflow.host.device_sums import picker
 from zenflow.host.factored_kernels import (
     factored_correct_,
     factored_corrects_,
@@ -47,11 +48,10 @@ def factor_bytes(rows: int, cols: int) -> int:
 
 
 class _Kernels:
-    """factored_kernels' functions compiled for the device (zenflow/host/compiled.py), by name:
-    "step" and "correct" a matrix, "steps" and "corrects" a run of BATCH matrices; and the
-    device scalars their calls take. A kernel that fails is logged once and dropped: a run's
-    alone (its matrices' own kernels take them), a matrix's with every other (the op-by-op path
-    runs from then on)."""
+    """factored_kernels' functions compiled for the device (zenflow/host/compiled.py): "step"
+    and "correct" a matrix, "steps" and "corrects" a run of BATCH; and the scalars their calls
+    take. A failed kernel is logged once and dropped: a run's alone (its matrices' own kernels
+    take them), a matrix's with every other (the op-by-op path runs from then on)."""
 
     def __init__(self):
         self._compiled: dict[str, Callable] = {}
@@ -118,6 +118,7 @@ class FactoredCredit(MovingCredit):
         self.row_sq: dict[int, torch.Tensor] = {}    # the window's sums of squares, per row
         self.col_sq: dict[int, torch.Tensor] = {}    # ... per column
         self.alpha: dict[int, torch.Tensor] = {}     # rate factors, per row
+        self.moving = self.alpha
         self._alpha_column: dict[int, torch.Tensor] = {}   # the same as [R, 1] views
         self.beta: dict[int, torch.Tensor] = {}      # ... per column, 0 on the device's columns
         self.deferred: dict[int, torch.Tensor] = {}  # 1.0 on the columns the host owns
@@ -178,9 +179,6 @@ class FactoredCredit(MovingCredit):
         """What this rank's state holds of matrix i's device state (saved, loaded)."""
         return self.row_sq[i], self.col_sq[i], *self.own_factors(i)
 
-    def moves(self, i):
-        return i in self.alpha
-
     def nbytes(self):
         return sum(t.numel() * t.element_size() for part in
                    (self.row_sq, self.col_sq, self.alpha, self.beta, self.deferred)
@@ -211,30 +209,30 @@ class FactoredCredit(MovingCredit):
     def add(self, rows, fresh, coef):
         """The row and column sums of (coef * g)^2 over the host's columns: the fp32 product,
         masked, squared (as the reference)."""
-        summed = [i for i in rows if i in self.row_sq]
+        summed = self.moving_among(rows)
         if not summed:
             return
         zeroed = [t for i in fresh if i in self.row_sq for t in (self.row_sq[i], self.col_sq[i])]
         if zeroed:
             torch._foreach_zero_(zeroed)
         for chunk in chunks_of(summed, rows):
-            scaled = torch._foreach_mul([rows[i].float() for i in chunk], coef)
-            torch._foreach_mul_(scaled, [self.deferred[i] for i in chunk])
+            pick = picker(chunk)
+            scaled = torch._foreach_mul(list(map(torch.Tensor.float, pick(rows))), coef)
+            torch._foreach_mul_(scaled, list(pick(self.deferred)))
             torch._foreach_mul_(scaled, scaled)
-            torch._foreach_add_([self.row_sq[i] for i in chunk], [sq.sum(1) for sq in scaled])
-            torch._foreach_add_([self.col_sq[i] for i in chunk], [sq.sum(0) for sq in scaled])
+            torch._foreach_add_(list(pick(self.row_sq)), [sq.sum(1) for sq in scaled])
+            torch._foreach_add_(list(pick(self.col_sq)), [sq.sum(0) for sq in scaled])
 
     def fused_step(self, rows, whole, sums, weights, fresh, coef, sizes):
-        """The sum's add, add() and interim() of the moving matrices of `rows`, where
-        allocate() compiled the kernels: in runs of BATCH matrices a call, the rest a call each,
-        with the moved columns' fingerprints (take_prints()); returns the indices it took, whose
-        three steps the caller leaves out. A run whose compile fails leaves its matrices to
-        their own kernels; a matrix kernel that fails leaves the rest to the op-by-op path; each
-        logged once, and so from then on."""
+        """The sum's add, add() and interim() of the moving matrices of `rows` in the kernels
+        allocate() compiled (runs of BATCH matrices a call, the rest a call each), with the moved
+        columns' fingerprints (take_prints()); returns the indices taken (the caller leaves out
+        their three steps). A failed run's matrices go to their own kernels, a failed matrix's
+        kernel leaves the rest to the op-by-op path: logged once, and so from then on."""
         taken: set[int] = set()
         if "step" not in self._kernels:
             return taken
-        moving = [i for i in rows if i in self.row_sq]
+        moving = self.moving_among(rows)
         zeroed = [t for i in fresh if i in self.row_sq
                   for t in (sums[i], self.row_sq[i], self.col_sq[i])]
         if zeroed:   # (a fallback's op-by-op add zeroes the fresh sums it takes again)
@@ -317,8 +315,9 @@ class FactoredCredit(MovingCredit):
 
     def rated(self, values, chunk):
         """(values alpha_i) beta_j, new fp32 tensors."""
-        moves = torch._foreach_mul(values, [self._alpha_column[i] for i in chunk])
-        torch._foreach_mul_(moves, [self.beta[i] for i in chunk])
+        pick = picker(chunk)
+        moves = torch._foreach_mul(values, list(pick(self._alpha_column)))
+        torch._foreach_mul_(moves, list(pick(self.beta)))
         return moves
 
     def clear(self):

@@ -70,6 +70,8 @@ class DeviceSums:
         # sums are the slots of one [n, rows, cols] tensor, copied out in one copy
         self._blocks: list[tuple[list[int], torch.Tensor]] = []
         self._copied: Ticket = DONE               # the last copy of the sums to the host
+        self.version = 0                          # allocations so far (which matrices are here)
+        self._runs: dict[tuple[int, ...], list] = {}   # add()'s launch runs, by matrices
 
     def allocate(self, shapes: dict[int, tuple[int, int]], device: torch.device,
                  fp32: set[int] = frozenset(), runs: list[list[int]] = ()) -> None:
@@ -79,6 +81,7 @@ class DeviceSums:
         def dtype_of(i: int) -> torch.dtype:
             return torch.float32 if i in fp32 else self.dtype
         self.sums, self._blocks = {}, []
+        self.version += 1
         for run in runs:
             if len(run) > 1 and all(dtype_of(i) == torch.float32 for i in run):
                 block = torch.zeros(len(run), *shapes[run[0]], device=device)
@@ -103,9 +106,16 @@ class DeviceSums:
             return
         self.fence()
         if fresh:
-            torch._foreach_zero_([self.sums[i] for i in fresh])
-        for run in launch_runs(list(rows), lambda i: rows[i].numel(), _CHUNK_ELEMENTS):
-            add_scaled_([self.sums[j] for j in run], [rows[j] for j in run], coef)
+            torch._foreach_zero_(list(picker(fresh)(self.sums)))
+        key = tuple(rows)   # (the runs are kept per list of matrices: the same every step)
+        picks = self._runs.get(key)
+        if picks is None:
+            if len(self._runs) >= 8:
+                self._runs.clear()
+            picks = self._runs[key] = [picker(run) for run in launch_runs(
+                list(rows), lambda i: rows[i].numel(), _CHUNK_ELEMENTS)]
+        for pick in picks:
+            add_scaled_(list(pick(self.sums)), list(pick(rows)), coef)
 
     def fence(self) -> None:
         """Later device work on the sums waits until the last window's sums have left them."""

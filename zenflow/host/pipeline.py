@@ -30,10 +30,13 @@ the previous window reads the other.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -42,17 +45,27 @@ from zenflow.host import numa, pipeline_state
 from zenflow.host.buffers import HostState, landing_of
 from zenflow.host.commands import Update
 from zenflow.host.credit import Credit, on_replicas
-from zenflow.host.device_sums import DeviceSums
+from zenflow.host.device_sums import DeviceSums, picker
 from zenflow.host.early_copies import EarlyCopies
 from zenflow.host.layout import HostJobs, HostLayout
 from zenflow.host.placement import SumPlacement
-from zenflow.host.staging import Staging
+from zenflow.host.staging import Staging, first_gradients
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
 from zenflow.host.weight_views import WeightViews, host_view
 from zenflow.host.worker_link import Command, WorkerLink
 
 log = logging.getLogger("zenflow")
+
+
+class _Split(NamedTuple):
+    """A list of staged matrices (HostPipeline.stage's `grads`), split by where they are summed."""
+    on_device: list[int]
+    pick_on_device: Callable[[Sequence], Sequence]   # their gradients, by position in the list
+    on_host: list[int]
+    pick_on_host: Callable[[Sequence], Sequence]
+    rows_are_whole: bool     # each device-summed gradient is its own rows (Staging.own_rows)
+    counted: list[int]       # 1 for each device-summed matrix, by index, else 0
 
 
 @dataclass
@@ -112,6 +125,7 @@ class HostPipeline:
         self.device_sums = DeviceSums(self.transfers, device_sum_dtype)
         self.host_step = [0] * len(params)   # host AdamW updates of each parameter so far
         self.num_grads = [0] * len(params)   # gradients summed in the current window
+        self._splits: dict[tuple, _Split] = {}   # see _split
         self._start_over()
         self.early_copies = EarlyCopies(self.staging, params, lock, owner)
 
@@ -157,10 +171,13 @@ class HostPipeline:
         counts in num_grads; drop_window() drops a window with a skipped step."""
         start = time.perf_counter()
         self.place()
-        on_device = {i: self.staging.own_rows(i, g) for i, g in grads.items()
-                     if i in self.device_sums} if self.device_sums.sums else {}
-        if on_device:
-            fresh = [i for i in on_device if self.num_grads[i] == 0]
+        split = self._split(grads)
+        if split.on_device:
+            values = list(grads.values())
+            on_device = dict(zip(split.on_device, split.pick_on_device(values)))
+            if not split.rows_are_whole:
+                on_device = {i: self.staging.own_rows(i, g) for i, g in on_device.items()}
+            fresh = first_gradients(split.on_device, self.num_grads)
             # every row the device holds moves (DDP: every rank's, alike on every replica)
             whole = ({i: host_view(grads[i]) for i in on_device} if self.partition.splits_rows
                      else on_device)
@@ -168,23 +185,41 @@ class HostPipeline:
             # the rule's matrices whose sum, statistics and interim step one kernel each took
             fused = self.credit.fused_step(on_device, whole, self.device_sums.sums, self.weights,
                                            fresh, coef, sizes)
-            for i in on_device:
-                self.num_grads[i] += 1
+            self.num_grads[:] = map(operator.add, self.num_grads, split.counted)
             if fused:
                 on_device = {i: g for i, g in on_device.items() if i not in fused}
                 whole = {i: g for i, g in whole.items() if i not in fused}
                 fresh = [i for i in fresh if i not in fused]
             self.device_sums.add(on_device, fresh, coef)
             self.credit.add(on_device, fresh, coef)
-            self.credit.interim({i: self.weights(i) for i in on_device if self.credit.moves(i)},
-                                whole, coef, sizes)
-            grads = {i: g for i, g in grads.items() if i not in self.device_sums}
+            if moving := self.credit.moving_among(on_device):
+                self.credit.interim(dict(zip(moving, picker(moving)(self.weight_views.all()))),
+                                    whole, coef, sizes)
+            grads = dict(zip(split.on_host, split.pick_on_host(values)))
         # Copies the backward's hooks made; the fence covers the ones no longer wanted too.
         early, early_ticket, early_bytes = self.early_copies.take(grads, self.staging.slot)
         nbytes, waited = self.staging.put(grads, coef, early, early_ticket)
         self.timer.stall(waited)
         self.timer.moved(d2h=early_bytes + nbytes)
         self.timer.offload(time.perf_counter() - start - waited)
+
+    def _split(self, grads: dict[int, torch.Tensor]) -> _Split:
+        """Which of `grads`' matrices are summed on the device, worked out once per list of
+        matrices and placement (the same come step after step: no Python per matrix then)."""
+        key = (tuple(grads), self.device_sums.version)
+        split = self._splits.get(key)
+        if split is None:
+            if len(self._splits) >= 8:
+                self._splits.clear()
+            at = [(j, i) for j, i in enumerate(grads) if i in self.device_sums]
+            rest = [(j, i) for j, i in enumerate(grads) if i not in self.device_sums]
+            on_device = [i for _, i in at]
+            split = self._splits[key] = _Split(
+                on_device, picker([j for j, _ in at]), [i for _, i in rest],
+                picker([j for j, _ in rest]),
+                all(self.staging.own_rows(i, grads[i]) is grads[i] for i in on_device),
+                [1 if i in set(on_device) else 0 for i in range(len(self.params))])
+        return split
 
     def accumulate(self) -> None:
         """Have the host add the staged gradients, times their coef, to this window's sums."""

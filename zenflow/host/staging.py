@@ -141,14 +141,9 @@ class Staging:
         self._staged = None
         if not matrices:
             return
-        counts = picker(matrices)(num_grads)
-        if 0 not in counts:   # (C-level passes: the common cases, inside a window and its start)
-            fresh, added = [], matrices
-        elif counts.count(0) == len(counts):
-            fresh, added = matrices, []
-        else:
-            fresh = [i for i, n in zip(matrices, counts) if n == 0]
-            added = [i for i, n in zip(matrices, counts) if n > 0]
+        fresh = first_gradients(matrices, num_grads)
+        added = (matrices if not fresh else [] if len(fresh) == len(matrices)
+                 else [i for i in matrices if num_grads[i] > 0])
         plan = self._plans.get(tuple(matrices))
         if plan is not None:
             num_grads[:] = map(operator.add, num_grads, plan.staged)
@@ -158,3 +153,15 @@ class Staging:
         self._readers[slot] = self.link.submit(
             ticket, Accumulate(slot, sum_slot, tuple(added), tuple(fresh)))
         self.slot = (slot + 1) % len(self._readers)
+
+
+def first_gradients(matrices: list[int], num_grads: list[int]) -> list[int]:
+    """Those of `matrices` with no gradient in the window yet (`num_grads`, the window's count
+    of each): C-level passes in the common cases, none of them (inside a window) or all (its
+    first step)."""
+    counts = picker(matrices)(num_grads)
+    if 0 not in counts:
+        return []
+    if counts.count(0) == len(counts):
+        return matrices
+    return [i for i, n in zip(matrices, counts) if n == 0]

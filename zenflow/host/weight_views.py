@@ -16,6 +16,7 @@ from zenflow.distributed import is_sharded, local
 from zenflow.host.fingerprints import bits
 
 _data_ptr = torch.Tensor.data_ptr
+_NONE_TYPE = type(None)
 
 
 class WeightViews:
@@ -49,6 +50,15 @@ class WeightViews:
                 if now != seen:
                     self[i]   # (makes its view)
         return self._views
+
+    def all_bits(self) -> list[torch.Tensor]:
+        """bits() of every view, by position (as all())."""
+        views = self.all()
+        if _NONE_TYPE in list(map(type, self._bits)):   # (not `None in`: Tensor.__eq__ each)
+            for i, seen in enumerate(self._bits):
+                if seen is None:
+                    self._bits[i] = bits(views[i])
+        return self._bits
 
     def bits(self, i: int) -> torch.Tensor:
         """The [rows, cols] view's values as integers (zenflow.host.fingerprints.bits), for the

@@ -184,6 +184,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             cores = local_rank_share(sorted(os.sched_getaffinity(0)))
             worker_cores = split_cores(knobs.pt_reserved_cores_perc, cores)[1]
         weights = [m.param for m in self._host_params]
+        self._group_of = {m.host_index: m.group for m in self._host_params}   # (_step_sizes)
         self._pipeline = HostPipeline(
             weights, self._partition, self.device, knobs.overlap_step, worker_cores, self._timer,
             self._NAME, device_sum_budget=knobs.device_sum_budget, lock=self._lock,
@@ -208,9 +209,8 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                                          self.device, self._NAME, self._built)
 
     def _step_sizes(self) -> dict[int, tuple[float, float]] | None:
-        """Each host matrix's (learning rate, AdamW's step bound) for the credit rule's interim
-        steps and corrections, as its group holds them now (None: the rule takes none)."""
-        return self._pipeline.credit.step_sizes({m.host_index: m.group for m in self._host_params})
+        """Each matrix's (lr, AdamW step bound) now, for the rule's moves (None: it takes none)."""
+        return self._pipeline.credit.step_sizes(self._group_of)
 
     # ------------------------------------------------------------------ the step
     def step(self, closure=None):
@@ -269,10 +269,10 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         staged = grads.staged()
         credit = self._pipeline.credit   # its interim step writes the matrices it moves
         if not credit.prints_moves:   # (else its compiled step fingerprints them itself)
-            self._outside_writes.watch_moves([i for i in staged if credit.moves(i)], moved=False)
+            self._outside_writes.watch_moves(credit.moving_among(staged), moved=False)
         self._pipeline.stage(staged, scale.coef, self._step_sizes())
         # (asked again: a state loaded before the first step is placed by stage())
-        self._outside_writes.watch_moves([i for i in staged if credit.moves(i)], moved=True,
+        self._outside_writes.watch_moves(credit.moving_among(staged), moved=True,
                                          printed=credit.take_prints())
         if not reads_now:
             self._skips.defer(count.step, scale)

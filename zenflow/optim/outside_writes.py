@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -91,55 +93,65 @@ class _HostColumnBitSums:
     time on a GPU). The flat indices are built once per list of matrices and selection (a few
     lists recur: all matrices, each layer's installs)."""
 
-    def __init__(self, weights: WeightViews):
-        self._weights = weights
-        self._indices: dict[tuple, tuple[torch.Tensor, torch.Tensor, list, list]] = {}
+    def __init__(self, weights: WeightViews, host_params: list[HostParam]):
+        self._weights, self._host_params = weights, host_params
+        self._plans: dict[tuple, _BitSumPlan] = {}
 
-    def __call__(self, matrices: list[HostParam], chosen: bool) -> torch.Tensor:
+    def __call__(self, indices: Sequence[int], chosen: bool) -> torch.Tensor:
+        """The fingerprints of host matrices `indices` (`chosen`: their device-owned columns
+        are left out), as int32 [len(indices)]."""
+        plan = self._plan(indices, chosen)
+        bits = self._weights.all_bits()
+        flat = torch.cat([column_sums_of_bits(torch.stack(pick(bits))).view(-1)
+                          for pick in plan.run_picks]
+                         + [column_sums_of_bits(b) for b in plan.single_pick(bits)])
+        if plan.device_owned.numel():
+            flat.index_fill_(0, plan.device_owned, 0)
+        return flat.new_zeros(len(indices)).index_add_(0, plan.segments, flat)
+
+    def _plan(self, indices: Sequence[int], chosen: bool) -> _BitSumPlan:
+        """Kept per list of matrices, while each one's selected columns are unchanged (a
+        reselection writes them in place, which bumps their versions)."""
+        key = (chosen, tuple(indices))
+        plan = self._plans.get(key)
+        if plan is None or list(map(_version, plan.owned)) != plan.versions:
+            plan = _kept(self._plans, key, self._planned(key[1], chosen))
+        return plan
+
+    def _planned(self, indices: tuple[int, ...], chosen: bool) -> _BitSumPlan:
+        """The runs, and the flat indices: where the device-owned columns are in the flat
+        per-column sums, and the position in `indices` of each of those sums (the sums come run
+        by run, then the singles). A few launches for all the matrices, not one or two each."""
+        matrices = [self._host_params[i] for i in indices]
         runs = runs_of([m.selected for m in matrices])
-        bits_of = self._weights.bits
-        flat = torch.cat(
-            [column_sums_of_bits(torch.stack([bits_of(matrices[j].host_index) for j in run]))
-             .view(-1) for run in runs.stacked]
-            + [column_sums_of_bits(bits_of(matrices[j].host_index)) for j in runs.single])
-        device_owned, segments = self._flat_indices(
-            matrices, runs, chosen, flat.device,
-            lambda j: bits_of(matrices[j].host_index).shape[1])   # (a shard's: its own)
-        if device_owned.numel():
-            flat.index_fill_(0, device_owned, 0)
-        return flat.new_zeros(len(matrices)).index_add_(0, segments, flat)
+        bits = self._weights.all_bits()
+        order = [j for run in runs.stacked for j in run] + runs.single
+        widths = [bits[indices[j]].shape[1] for j in order]   # (a shard's: its own)
+        starts = list(accumulate(widths, initial=0))
+        device = bits[indices[0]].device
+        segments = torch.tensor(order, dtype=torch.long, device=device).repeat_interleave(
+            torch.tensor(widths, device=device))
+        picked = [(matrices[j].selected.column_indices, start) for j, start in zip(order, starts)
+                  if chosen and matrices[j].k > 0]
+        device_owned = torch.zeros(0, dtype=torch.long, device=device)
+        if picked:
+            device_owned = torch.cat([i for i, _ in picked]) + torch.tensor(
+                [start for _, start in picked], device=device).repeat_interleave(
+                torch.tensor([i.numel() for i, _ in picked], device=device))
+        owned = [i for i, _ in picked]
+        return _BitSumPlan([picker([indices[j] for j in run]) for run in runs.stacked],
+                           picker([indices[j] for j in runs.single]), owned,
+                           list(map(_version, owned)), device_owned, segments)
 
-    def _flat_indices(self, matrices: list[HostParam], runs, chosen: bool,
-                      device: torch.device, width_of) -> tuple[torch.Tensor, torch.Tensor]:
-        """(where the device-owned columns are in the flat per-column sums, and the position in
-        `matrices` of each of those sums): the sums come run by run (`runs`), then the singles,
-        width_of(j) columns for matrices[j]."""
-        owned = [m.selected.column_indices if chosen and m.k > 0 else None for m in matrices]
-        # Kept per list of matrices, while each one's selected columns are the same tensors,
-        # unchanged (a reselection writes or replaces them). The entry holds those tensors, so
-        # their ids stay theirs (a freed tensor's address, or id, may come back for the next).
-        key = (chosen, tuple(m.host_index for m in matrices))
-        versions = [None if i is None else i._version for i in owned]
-        entry = self._indices.get(key)
-        if (entry is None or entry[3] != versions
-                or any(a is not b for a, b in zip(entry[2], owned))):
-            order = [j for run in runs.stacked for j in run] + runs.single
-            widths, starts, at = [], [], 0
-            for j in order:
-                widths.append(width_of(j))
-                starts.append(at)
-                at += widths[-1]
-            # a few launches for all the matrices, not one or two each (built at a selection)
-            segments = torch.tensor(order, dtype=torch.long, device=device).repeat_interleave(
-                torch.tensor(widths, device=device))
-            picked = [(owned[j], start) for j, start in zip(order, starts) if owned[j] is not None]
-            device_owned = torch.zeros(0, dtype=torch.long, device=device)
-            if picked:
-                device_owned = torch.cat([i for i, _ in picked]) + torch.tensor(
-                    [start for _, start in picked], device=device).repeat_interleave(
-                    torch.tensor([i.numel() for i, _ in picked], device=device))
-            entry = _kept(self._indices, key, (device_owned, segments, owned, versions))
-        return entry[:2]
+
+class _BitSumPlan(NamedTuple):
+    """How _HostColumnBitSums fingerprints a list of matrices."""
+    run_picks: list[Callable[[Sequence], Sequence]]   # each whole ColumnBlock's members' bits
+    single_pick: Callable[[Sequence], Sequence]       # the other matrices' (by host index)
+    owned: list[torch.Tensor]    # the device-owned columns the flat indices were built from
+    versions: list[int]          # ... and their versions then
+    device_owned: torch.Tensor
+    segments: torch.Tensor
 
 
 class OutsideWrites:
@@ -171,7 +183,7 @@ class OutsideWrites:
         self.pipeline, self.selector, self.owner = pipeline, selector, owner
         self._warned = False
         self._saved_bits: dict = {}   # {param: weight_bits of a state just loaded}
-        self._bit_sums = _HostColumnBitSums(pipeline.weight_views)
+        self._bit_sums = _HostColumnBitSums(pipeline.weight_views, host_params)
         # what the fingerprints were when the optimizer last wrote each host matrix (int32, in
         # host index order), and the index lists into them
         self._sums: torch.Tensor | None = None
@@ -234,7 +246,7 @@ class OutsideWrites:
         hosts = self.host_params
         if not hosts:
             return set()
-        changed = self._bit_sums(hosts, chosen) != self._sums
+        changed = self._bit_sums(range(len(hosts)), chosen) != self._sums
         if self._moved is not None:
             moved, found = self._moved   # host indices are positions in host_params
             changed = changed.int().index_add_(0, self._positions(moved), found.int()) > 0
@@ -260,7 +272,7 @@ class OutsideWrites:
             moving = [i for i in moving if i not in taken]
         if not moving:
             return
-        now = self._bit_sums([self.host_params[i] for i in moving], self.selector.has_chosen)
+        now = self._bit_sums(moving, self.selector.has_chosen)
         if moved:
             self._note_moved(moving, now)
         else:
@@ -324,8 +336,7 @@ class OutsideWrites:
         """Remember the host-owned columns as the optimizer last wrote them (after installs,
         selections and adoptions), of the host matrices `matrices` (default: all)."""
         chosen = self.selector.has_chosen
-        watched = (self.host_params if matrices is None
-                   else [self.host_params[i] for i in matrices])
+        watched = range(len(self.host_params)) if matrices is None else matrices
         if not watched:
             return
         # int32 sums: as fast as a float sum (int64: 25x slower on a CPU, where it would cost

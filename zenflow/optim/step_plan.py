@@ -16,6 +16,7 @@ import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain, compress, repeat
 
 import torch
 
@@ -24,6 +25,7 @@ from zenflow.optim.device_adam import MatrixSteps, picker
 from zenflow.optim.params import HostParam, VectorParam, present_gradients
 from zenflow.optim.step_scale import NormRun, alike_runs
 
+_params_of = operator.itemgetter("params")
 _grad = operator.attrgetter("grad")
 _requires_grad = operator.attrgetter("requires_grad")
 _dtype = operator.attrgetter("dtype")
@@ -186,7 +188,7 @@ class GradientReader:
     def _fast(self) -> list | None:
         """The gradients in the trainable parameters' order, or None when any check (or a
         parameter replaced in param_groups) needs present_gradients' look, one by one."""
-        params = [p for group in self._groups for p in group["params"]]
+        params = list(chain.from_iterable(map(_params_of, self._groups)))
         if len(params) != len(self._params) or not all(map(operator.is_, params, self._params)):
             return None
         if self._frozen and _some(map(_grad, self._frozen)):
@@ -196,7 +198,8 @@ class GradientReader:
                 or not all(map(_is_contiguous, trainable))):
             return None
         grads = list(map(_grad, trainable))
-        given = [g for g in grads if g is not None] if _any_none(grads) else grads
+        given = list(compress(grads, map(operator.is_not, grads, repeat(None)))) \
+            if _any_none(grads) else grads
         if any(map(_is_sparse, given)) or set(map(_device, given)) - {self._device}:
             return None
         if self._sharded:
@@ -218,7 +221,7 @@ def _missing(grads: Sequence) -> tuple[int, ...] | None:
     """The positions of `grads` without one, or None when none is missing (one C-level scan)."""
     if not _any_none(grads):
         return None
-    return tuple(j for j, g in enumerate(grads) if g is None)
+    return tuple(compress(range(len(grads)), map(operator.is_, grads, repeat(None))))
 
 
 def importance_split(grads, norms: torch.Tensor, scale, partition=None
