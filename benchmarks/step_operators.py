@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # zenflow, from a
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from zenflow.host import credit_factored, layout  # noqa: E402
+from zenflow.host import factored_kernels, layout  # noqa: E402
 from zenflow.optim import device_adam  # noqa: E402
 from zenflow.optim.optimizer import ZenFlowAdamW  # noqa: E402
 from zenflow.tools.bench.harness import machine_info, machine_tag, write_json  # noqa: E402
@@ -61,7 +61,7 @@ def count(matrices: int, placement: str, interval: int = 4, steps: int = 20,
     """{"step": operators of a steady step inside a window, "window": a window's extras}."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(matrices)]
-    eager = mock.patch.object(credit_factored, "compiled_for", lambda fn, device, batch=False: (
+    eager = mock.patch.object(factored_kernels, "compiled_for", lambda fn, device, batch=False: (
         (lambda *a, signature: fn(*a)) if batch else fn))
     limit = device_adam.STACK_ELEMENTS if stacked else 0
     with eager, mock.patch.object(device_adam, "STACK_ELEMENTS", limit), \

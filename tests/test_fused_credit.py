@@ -44,7 +44,7 @@ def _train(dtype, sum_dtype, steps=16, skip_at=None):
 @pytest.fixture
 def eager_fused(monkeypatch):
     """The fused step on the CPU, uncompiled: fused_step() calls factored_step_ itself."""
-    monkeypatch.setattr(credit_factored, "compiled_for", eager)
+    monkeypatch.setattr(factored_kernels, "compiled_for", eager)
 
 
 @pytest.mark.parametrize("batch", [None, 2, 3], ids=["per-matrix", "runs-of-2", "run-of-3+1"])
@@ -57,17 +57,17 @@ def test_the_fused_step_gives_the_op_by_op_steps_bits(dtype, sum_dtype, batch, m
     op_by_op, reference, plain = _train(dtype, sum_dtype)
     assert plain["fused_steps"] == 0
     assert plain["op_by_op_moves"] > 0 and plain["op_by_op_corrections"] > 0
-    monkeypatch.setattr(credit_factored, "compiled_for", eager)
+    monkeypatch.setattr(factored_kernels, "compiled_for", eager)
     batches, kernels = [], []
     if batch:   # 4 matrices: runs of 2, or one of 3 and one matrix alone
         monkeypatch.setattr(credit_factored, "BATCH", batch)
         run_batch = credit_factored.FactoredCredit._run_batch
         monkeypatch.setattr(credit_factored.FactoredCredit, "_run_batch", lambda self, moving,
                             *a: batches.append(len(moving)) or run_batch(self, moving, *a))
-        run = credit_factored._Kernels.run
-        monkeypatch.setattr(credit_factored._Kernels, "run", lambda self, name, *a, **k:
+        run = factored_kernels.Kernels.run
+        monkeypatch.setattr(factored_kernels.Kernels, "run", lambda self, name, *a, **k:
                             kernels.append(name) or run(self, name, *a, **k))
-    with mock.patch.object(credit_factored.log, "warning") as warned:
+    with mock.patch.object(factored_kernels.log, "warning") as warned:
         fused, _, stats = _train(dtype, sum_dtype)
     assert not warned.called, warned.call_args   # no run fell back to its matrices' kernels
     assert bool(batches) == bool(batch) and all(n == batch for n in batches)
@@ -103,7 +103,7 @@ def test_a_compile_that_fails_falls_back_to_the_op_by_op_step(monkeypatch, caplo
     def broken(*args):
         raise RuntimeError("no compiler here")
     op_by_op, _, _ = _train(torch.bfloat16, "bfloat16", steps=8)
-    monkeypatch.setattr(credit_factored, "compiled_for", lambda fn, device, batch=False: broken)
+    monkeypatch.setattr(factored_kernels, "compiled_for", lambda fn, device, batch=False: broken)
     with caplog.at_level(logging.WARNING, logger="zenflow"):
         fell_back, _, stats = _train(torch.bfloat16, "bfloat16", steps=8)
     assert stats["fused_steps"] == 0
@@ -126,7 +126,7 @@ def test_the_compiled_step_on_the_cpu_backend_equals_the_reference(dtype, batch,
     if batch:
         monkeypatch.setattr(credit_factored, "BATCH", 2)
     monkeypatch.setattr(compiled._Kernel, "_compiled", {})
-    with mock.patch.object(credit_factored.log, "warning") as warned:
+    with mock.patch.object(factored_kernels.log, "warning") as warned:
         fused, reference, stats = _train(dtype, "float32")
     assert not warned.called, warned.call_args
     assert any(key[0] is factored_kernels.factored_steps_
@@ -244,12 +244,12 @@ def test_a_batch_whose_compile_fails_leaves_its_matrices_to_their_own_kernels(mo
                                                                              caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler for lists here")
-    monkeypatch.setattr(credit_factored, "compiled_for",
+    monkeypatch.setattr(factored_kernels, "compiled_for",
                         lambda fn, device, batch=False: broken if batch else fn)
     monkeypatch.setattr(credit_factored, "BATCH", 2)
     with caplog.at_level(logging.WARNING, logger="zenflow"):
         fell_back, _, stats = _train(torch.bfloat16, "bfloat16", steps=8)
-    monkeypatch.setattr(credit_factored, "compiled_for", eager)
+    monkeypatch.setattr(factored_kernels, "compiled_for", eager)
     monkeypatch.setattr(credit_factored, "BATCH", 10 ** 6)
     per_matrix, _, want = _train(torch.bfloat16, "bfloat16", steps=8)
     warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]

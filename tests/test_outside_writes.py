@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.host import credit_factored
+from zenflow.host import factored_kernels
 
 
 def _model():
@@ -92,7 +92,7 @@ def _as_placed(placement):
     """The placement's code path: "factored-fused" takes the fused step."""
     if placement != "factored-fused":
         return contextlib.nullcontext()
-    return mock.patch.object(credit_factored, "compiled_for", lambda fn, device, batch=False: (
+    return mock.patch.object(factored_kernels, "compiled_for", lambda fn, device, batch=False: (
         (lambda *args, signature: fn(*args)) if batch else fn))
 
 

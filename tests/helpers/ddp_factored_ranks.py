@@ -72,15 +72,15 @@ def _step_kernels(batch: int | None):
     if batch is None:
         yield
         return
-    from zenflow.host import credit_factored
-    saved = credit_factored.compiled_for, credit_factored.BATCH
-    credit_factored.compiled_for = (
+    from zenflow.host import credit_factored, factored_kernels
+    saved = factored_kernels.compiled_for, credit_factored.BATCH
+    factored_kernels.compiled_for = (
         lambda fn, device, batch=False: (lambda *args, signature: fn(*args)) if batch else fn)
     credit_factored.BATCH = batch
     try:
         yield
     finally:
-        credit_factored.compiled_for, credit_factored.BATCH = saved
+        factored_kernels.compiled_for, credit_factored.BATCH = saved
 
 
 def _ddp(rank, world, steps, options, result, taint=None):

@@ -3,7 +3,7 @@ of the window sums and a rule's device state, the fused steps the moving rules t
 `Credit`, the base class, which is the "mean" rule."""
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 
 import torch
 
@@ -133,12 +133,12 @@ class Credit:
         return None
 
     def fused_step(self, rows: dict[int, torch.Tensor], whole: dict[int, torch.Tensor],
-                   sums: dict[int, torch.Tensor], weights: Callable[[int], torch.Tensor],
+                   sums: dict[int, torch.Tensor], weights: Sequence[torch.Tensor],
                    fresh: list[int], coef: torch.Tensor,
                    sizes: dict[int, tuple[float, float]] | None) -> set[int]:
         """Before the sums' add: the matrices of `rows` (this rank's rows of each gradient;
         `whole`: every row the device holds, which interim() moves) whose window sum (`sums`),
-        add() and interim() (`weights(i)`: the [rows, cols] view the interim step writes) the
+        add() and interim() (`weights[i]`: the [rows, cols] view the interim step writes) the
         rule took in one fused kernel each (none here), which the step then leaves out of the
         three."""
         return set()

@@ -17,22 +17,13 @@ Weights are rounded to nearest (the reference does the same, bit for bit).
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from zenflow.host.compiled import compiled_for, scalar
 from zenflow.host.credit_base import MovingCredit, choose_device_summed, chunks_of
 from zenflow.host.device_sums import picker
-from zenflow.host.factored_kernels import (
-    factored_correct_,
-    factored_corrects_,
-    factored_step_,
-    factored_steps_,
-)
-
-log = logging.getLogger("zenflow")
+from zenflow.host.factored_kernels import Kernels, factored_step_, factored_steps_
 
 # Matrices a compiled call of factored_steps_ steps: a step's moving matrices go in runs of
 # BATCH, in order, and the rest (fewer than BATCH) one call each. A run's compile serves every
@@ -45,63 +36,6 @@ def factor_bytes(rows: int, cols: int) -> int:
     """Device bytes of a matrix's factored state beside its sum: row sums and alpha (fp32 [R]),
     column sums, beta and the host-owned mask (fp32 [C])."""
     return 8 * rows + 12 * cols
-
-
-class _Kernels:
-    """factored_kernels' functions compiled for the device (zenflow/host/compiled.py): "step"
-    and "correct" a matrix, "steps" and "corrects" a run of BATCH; and the scalars their calls
-    take. A failed kernel is logged once and dropped: a run's alone (its matrices' own kernels
-    take them), a matrix's with every other (the op-by-op path runs from then on)."""
-
-    def __init__(self):
-        self._compiled: dict[str, Callable] = {}
-        self._scalars: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def compile(self, moving: int, device: torch.device, step: Callable = factored_step_,
-                steps: Callable = factored_steps_) -> None:
-        """The kernels for `moving` matrices on `device` (none outside compiled.COMPILE_ON);
-        `step`, `steps`: a matrix's step and a run's (DDP's replicas take their own)."""
-        self._compiled = {}
-        for name, fn in (("step", step), ("correct", factored_correct_)):
-            kernel = compiled_for(fn, device)
-            if kernel is not None:
-                self._compiled[name] = kernel
-        if moving >= BATCH and "step" in self._compiled:
-            self._compiled["steps"] = compiled_for(steps, device, batch=True)
-            self._compiled["corrects"] = compiled_for(factored_corrects_, device, batch=True)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._compiled
-
-    def run(self, name: str, *args, **kwargs) -> bool:
-        """Kernel `name` on `args` if it is compiled; False where it is not, or it failed."""
-        kernel = self._compiled.get(name)
-        if kernel is None:
-            return False
-        try:
-            kernel(*args, **kwargs)
-        except Exception as exc:   # noqa: BLE001 - any compiler failure: fall back, loudly
-            batch = isinstance(args[0], list)   # a run's kernel: its first argument a list
-            first = args[0][0] if batch else args[0]
-            log.warning("deferred_credit='factored': the compiled %s failed on %s (%s: %s); %s "
-                        "runs instead from now on", name, first.device, type(exc).__name__, exc,
-                        "a kernel a matrix" if batch else "the op-by-op path")
-            if batch:
-                del self._compiled[name]
-            else:
-                self._compiled = {}
-            return False
-        return True
-
-    def scalars_of(self, lr: float, bound: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(-lr, bound) as device scalars, made again only when they change (a scheduler's lr,
-        a correction's bound for its count)."""
-        found = self._scalars.get((lr, bound))
-        if found is None:
-            if len(self._scalars) > 32:
-                self._scalars.clear()
-            found = self._scalars[lr, bound] = (scalar(-lr, device), scalar(bound, device))
-        return found
 
 
 class FactoredCredit(MovingCredit):
@@ -126,7 +60,7 @@ class FactoredCredit(MovingCredit):
         self._restored: dict[int, tuple] = {}         # loaded before placed
         self._from_sum: dict[int, tuple] = {}        # a window summed without the statistics
         self._placed = False
-        self._kernels = _Kernels()   # compiled for the device by allocate()
+        self._kernels = Kernels()   # compiled for the device by allocate()
         self.fused_steps = 0        # matrix steps the compiled kernel took (stats())
         self._prints: tuple[list[int], torch.Tensor] | None = None   # the last fused_step's
 
@@ -155,9 +89,9 @@ class FactoredCredit(MovingCredit):
             self._alpha_column[i] = self.alpha[i].unsqueeze(1)   # [R, 1]: broadcast per row
             self.deferred[i] = torch.ones(cols, dtype=torch.float32, device=device)
         self._placed = True
-        self._kernels = _Kernels()
+        self._kernels = Kernels()
         if moving and self.fuses:
-            self._kernels.compile(len(moving), device, *self.step_kernels)
+            self._kernels.compile(len(moving), device, *self.step_kernels, batch=BATCH)
         for i, values in self._restored.items():
             if i in self.alpha:
                 for dst, src in zip(self._device(i), values):
@@ -246,33 +180,29 @@ class FactoredCredit(MovingCredit):
         taken.update(moving[:start])
         for j in range(start, len(moving)):
             i = moving[j]
-            if not self._kernels.run("step", *self.step_tensors(i, rows, whole, sums, weights),
-                                     coef, *self._kernels.scalars_of(*sizes[i], coef.device),
-                                     prints[j]):
+            tensors = (c[0] for c in self.step_columns(picker([i]), rows, whole, sums, weights))
+            if not self._kernels.run("step", *tensors, coef,
+                                     *self._kernels.scalars_of(*sizes[i], coef.device), prints[j]):
                 break
             taken.add(i)
         self.fused_steps += len(taken)
         self._prints = (moving[:len(taken)], prints[:len(taken)])
         return taken
 
-    def step_tensors(self, i, rows, whole, sums, weights) -> tuple[torch.Tensor, ...]:
-        """The step kernel's tensors of matrix i (factored_step_'s, before its scalars): its
-        weight, this rank's rows of its gradient (every row the device holds: `whole`), its
-        sum, statistics, factors and host-column mask."""
-        return (weights(i), rows[i], sums[i], self.row_sq[i], self.col_sq[i], self.alpha[i],
-                self.beta[i], self.deferred[i])
+    def step_columns(self, pick, rows, whole, sums, weights) -> tuple[Sequence, ...]:
+        """The step kernels' tensors, by kind, of the matrices `pick` takes (a picker of host
+        indices, which picks from `weights`, a list by host index, and each dict): the
+        weights, this rank's rows of each gradient (every row the device holds: `whole`), the
+        sums, statistics, factors and host-column masks."""
+        return (pick(weights), pick(rows), pick(sums), pick(self.row_sq), pick(self.col_sq),
+                pick(self.alpha), pick(self.beta), pick(self.deferred))
 
     def _run_batch(self, moving, rows, whole, sums, weights, coef, sizes, prints) -> bool:
-        """The run kernel of the run `moving` (its shapes compiled in: `signature`, where the
-        weight's give the others'); False where its compile failed (then logged once and the
-        per-matrix kernels take every matrix, now and from then on)."""
-        scalars = [self._kernels.scalars_of(*sizes[i], coef.device) for i in moving]
-        tensors = [self.step_tensors(i, rows, whole, sums, weights) for i in moving]
-        signature = tuple((tuple(t[0].shape), *(u.dtype for u in t[:4]), tuple(t[1].stride()))
-                          for t in tensors)
-        return self._kernels.run("steps", *(list(column) for column in zip(*tensors)), coef,
-                                 [lr for lr, _ in scalars], [bound for _, bound in scalars],
-                                 prints, signature=signature)
+        """The run kernel of the run `moving`; False where its compile failed (then logged once
+        and the per-matrix kernels take every matrix, now and from then on)."""
+        pick = picker(moving)
+        return self._kernels.run_steps(moving, self.step_columns(pick, rows, whole, sums, weights),
+                                       pick(sizes), coef, prints)
 
     @property
     def prints_moves(self) -> bool:

@@ -89,10 +89,11 @@ class ReplicaFactoredCredit(FactoredCredit):
         return self.alpha[i][self._own_rows(i)], self.beta[i][self.partition.rank]
 
     # -- each step ------------------------------------------------------------------------------
-    def step_tensors(self, i, rows, whole, sums, weights):
-        """replica_step_'s tensors of matrix i: every row's gradient and this rank's."""
-        return (weights(i), whole[i], rows[i], sums[i], self.row_sq[i], self.col_sq[i],
-                self.alpha[i], self.beta[i], self._block_of_row[i], self.deferred[i])
+    def step_columns(self, pick, rows, whole, sums, weights):
+        """replica_step_'s tensors: every row's gradient and this rank's."""
+        return (pick(weights), pick(whole), pick(rows), pick(sums), pick(self.row_sq),
+                pick(self.col_sq), pick(self.alpha), pick(self.beta), pick(self._block_of_row),
+                pick(self.deferred))
 
     def rated(self, values, chunk):
         """(values alpha_i) beta_j of whole replicas, with each rank's block at its own beta: a

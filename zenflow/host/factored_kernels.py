@@ -6,9 +6,15 @@ device where host/compiled.py can (one fused kernel a matrix, or a call for a ru
 eagerly."""
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
+
 import torch
 
+from zenflow.host.compiled import compiled_for, scalar
 from zenflow.host.fingerprints import masked_bit_sum
+
+log = logging.getLogger("zenflow")
 
 
 def factored_step_(weight: torch.Tensor, grad: torch.Tensor, grad_sum: torch.Tensor,
@@ -112,3 +118,86 @@ def factored_corrects_(weights: list[torch.Tensor], grad_sums: list[torch.Tensor
     runs of BATCH, as factored_steps_ takes a step's)."""
     for j, weight in enumerate(weights):
         factored_correct_(weight, grad_sums[j], alphas[j], betas[j], neg_lrs[j], mosts[j])
+
+
+class Kernels:
+    """The functions above compiled for the device (zenflow/host/compiled.py): "step" and
+    "correct" a matrix, "steps" and "corrects" a run of credit_factored.BATCH; and the scalars
+    their calls take. A failed kernel is logged once and dropped: a run's alone (its matrices' own kernels
+    take them), a matrix's with every other (the op-by-op path runs from then on)."""
+
+    def __init__(self):
+        self._compiled: dict[str, Callable] = {}
+        self._scalars: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._signatures: dict[tuple, tuple] = {}   # run_steps', by run and strides
+
+    def compile(self, moving: int, device: torch.device, step: Callable = factored_step_,
+                steps: Callable = factored_steps_, batch: int = 16) -> None:
+        """The kernels for `moving` matrices on `device` (none outside compiled.COMPILE_ON);
+        `step`, `steps`: a matrix's step and a run's (DDP's replicas take their own), the
+        run's where `moving` holds a run of `batch`."""
+        self._compiled = {}
+        for name, fn in (("step", step), ("correct", factored_correct_)):
+            kernel = compiled_for(fn, device)
+            if kernel is not None:
+                self._compiled[name] = kernel
+        if moving >= batch and "step" in self._compiled:
+            self._compiled["steps"] = compiled_for(steps, device, batch=True)
+            self._compiled["corrects"] = compiled_for(factored_corrects_, device, batch=True)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._compiled
+
+    def run(self, name: str, *args, **kwargs) -> bool:
+        """Kernel `name` on `args` if it is compiled; False where it is not, or it failed."""
+        kernel = self._compiled.get(name)
+        if kernel is None:
+            return False
+        try:
+            kernel(*args, **kwargs)
+        except Exception as exc:   # noqa: BLE001 - any compiler failure: fall back, loudly
+            batch = isinstance(args[0], list)   # a run's kernel: its first argument a list
+            first = args[0][0] if batch else args[0]
+            log.warning("deferred_credit='factored': the compiled %s failed on %s (%s: %s); %s "
+                        "runs instead from now on", name, first.device, type(exc).__name__, exc,
+                        "a kernel a matrix" if batch else "the op-by-op path")
+            if batch:
+                del self._compiled[name]
+            else:
+                self._compiled = {}
+            return False
+        return True
+
+    def run_steps(self, moving: list[int], columns: tuple[Sequence, ...],
+                  steps: Sequence[tuple[float, float]], coef: torch.Tensor,
+                  prints: torch.Tensor) -> bool:
+        """The run kernel ("steps") on the run `moving`: its tensors by kind (`columns`, the
+        gradients second), each matrix's (lr, bound) (`steps`). Its shapes are compiled in
+        (`signature`, where the weight's give the others'), kept while the gradients' strides
+        stay; the scalars are one pair for the run where its matrices share them."""
+        key = (tuple(moving), tuple(map(torch.Tensor.stride, columns[1])))
+        signature = self._signatures.get(key)
+        if signature is None:
+            if len(self._signatures) > 4096:
+                self._signatures.clear()
+            signature = self._signatures[key] = tuple(
+                (tuple(t[0].shape), *(u.dtype for u in t[:4]), tuple(t[1].stride()))
+                for t in zip(*columns))
+        device = coef.device
+        if len(set(steps)) == 1:
+            lrs, bounds = ([s] * len(moving) for s in self.scalars_of(*steps[0], device))
+        else:
+            scalars = [self.scalars_of(*s, device) for s in steps]
+            lrs, bounds = [lr for lr, _ in scalars], [bound for _, bound in scalars]
+        return self.run("steps", *map(list, columns), coef, lrs, bounds, prints,
+                        signature=signature)
+
+    def scalars_of(self, lr: float, bound: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(-lr, bound) as device scalars, made again only when they change (a scheduler's lr,
+        a correction's bound for its count)."""
+        found = self._scalars.get((lr, bound))
+        if found is None:
+            if len(self._scalars) > 32:
+                self._scalars.clear()
+            found = self._scalars[lr, bound] = (scalar(-lr, device), scalar(bound, device))
+        return found

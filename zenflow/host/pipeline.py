@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import filterfalse
 from typing import NamedTuple
 
 import torch
@@ -183,13 +184,14 @@ class HostPipeline:
                      else on_device)
             self.device_sums.fence()
             # the rule's matrices whose sum, statistics and interim step one kernel each took
-            fused = self.credit.fused_step(on_device, whole, self.device_sums.sums, self.weights,
-                                           fresh, coef, sizes)
+            fused = self.credit.fused_step(on_device, whole, self.device_sums.sums,
+                                           self.weight_views.all(), fresh, coef, sizes)
             self.num_grads[:] = map(operator.add, self.num_grads, split.counted)
-            if fused:
-                on_device = {i: g for i, g in on_device.items() if i not in fused}
-                whole = {i: g for i, g in whole.items() if i not in fused}
-                fresh = [i for i in fresh if i not in fused]
+            if fused:   # (C-level passes: filterfalse, pickers)
+                rest = list(filterfalse(fused.__contains__, on_device))
+                on_device = dict(zip(rest, picker(rest)(on_device)))
+                whole = dict(zip(rest, picker(rest)(whole)))
+                fresh = list(filterfalse(fused.__contains__, fresh))
             self.device_sums.add(on_device, fresh, coef)
             self.credit.add(on_device, fresh, coef)
             if moving := self.credit.moving_among(on_device):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from itertools import accumulate
+from itertools import accumulate, filterfalse
 from typing import NamedTuple
 
 import torch
@@ -268,8 +268,7 @@ class OutsideWrites:
             indices, prints = printed
             self._found(tuple(indices), prints[:, 0])
             self._note_moved(indices, prints[:, 1])
-            taken = set(indices)
-            moving = [i for i in moving if i not in taken]
+            moving = list(filterfalse(set(indices).__contains__, moving))
         if not moving:
             return
         now = self._bit_sums(moving, self.selector.has_chosen)
