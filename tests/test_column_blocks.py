@@ -114,6 +114,12 @@ def test_whole_blocks_in_slot_order_are_stacked_and_the_rest_single():
     assert runs.stacked == [[1, 2, 3]] and runs.blocks == [block] and runs.single == [0, 4]
     runs = runs_of([members[1], members[0], members[2]])   # out of slot order
     assert runs.stacked == [] and runs.single == [0, 1, 2]
+    # a step's blocks some of whose members have no gradient: two or more in slot order
+    runs = runs_of([alone, members[0], members[2], loose[1]], partial=True)
+    assert runs.stacked == [[1, 2]] and runs.blocks == [block] and runs.single == [0, 3]
+    assert runs.slots[0].tolist() == [0, 2]
+    runs = runs_of([*members, members[0]], partial=True)   # (a slot twice: not a block's)
+    assert runs.stacked == [] and runs.single == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,6 +140,21 @@ def test_take_and_put_are_each_members_gather_and_scatter(dtype):
     block.put(matrices)
     for got, want in zip(matrices, expected):
         assert torch.equal(got, want)
+    # some of the members (their slots): the others' columns are left as they were
+    slots = torch.tensor([0, 2])
+    grads = torch.zeros(3, 4, 2)
+    block.take([matrices[0], matrices[2]], out=grads, slots=slots)
+    assert torch.equal(grads[1], torch.zeros(4, 2))
+    for j in (0, 2):
+        assert torch.equal(grads[j], matrices[j].index_select(1, members[j].column_indices).float())
+    for cols in members:
+        cols.master.add_(1.0)
+    before = matrices[1].clone()
+    block.put([matrices[0], matrices[2]], slots)
+    assert torch.equal(matrices[1], before)
+    for j in (0, 2):
+        assert torch.equal(matrices[j].index_select(1, members[j].column_indices),
+                           members[j].master.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

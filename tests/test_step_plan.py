@@ -5,10 +5,9 @@ Counted with sys.settrace: the Python lines a step() executes, at 32 and at 128 
 matrices (an MoE's experts). Inside a window every list a step needs is kept from its first
 step (a StepPlan, the staging copies' runs, the device sums' launch runs, the fingerprints'
 runs), so the count is the same whatever the number of matrices; a per-matrix comprehension
-or loop that comes back adds 96 lines or more and fails here. Not counted: a window's end,
-which works matrix by matrix where an install does, and a ColumnBlock some of whose members
-have no gradient (an MoE's expert no token reached), whose members are then stepped one by
-one.
+or loop that comes back adds 96 lines or more and fails here; so does a ColumnBlock some of
+whose members have no gradient (an MoE's experts no token reached), stepped as a block all the
+same. Not counted: a window's end, which works matrix by matrix where an install does.
 """
 from __future__ import annotations
 
@@ -37,10 +36,10 @@ def _lines_inside_a_window(matrices: int, settings: dict, frozen: int = 0,
     steps); `frozen` more matrices that do not train, `unused` trainable ones without gradients
     (the plan for a set with gaps)."""
     gen = torch.Generator().manual_seed(0)
+    # (the unused ones last, in the same ColumnBlock as the others: an MoE's experts no token
+    # reached)
     params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen))
-              for _ in range(matrices + frozen)]
-    # (another shape: a ColumnBlock with a member missing is stepped member by member)
-    params += [torch.nn.Parameter(torch.randn(6, 6, generator=gen)) for _ in range(unused)]
+              for _ in range(matrices + frozen + unused)]
     biases = [torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(3)]
     for p in params[matrices:matrices + frozen]:
         p.requires_grad_(False)

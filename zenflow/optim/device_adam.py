@@ -120,20 +120,29 @@ class ColumnBlock:
                                  block, j) for j in range(size)]
         return block, members
 
-    def take(self, matrices: Sequence[torch.Tensor], out: torch.Tensor | None = None
-             ) -> torch.Tensor:
+    def take(self, matrices: Sequence[torch.Tensor], out: torch.Tensor | None = None,
+             slots: torch.Tensor | None = None) -> torch.Tensor:
         """The selected columns of `matrices` (its members', [rows, cols] each or the parameters'
         own shapes, contiguous, in slot order) as [size, rows, k]: into `out` (converted), else
-        in the matrices' dtype."""
-        stack = torch.stack(matrices).view(self.spread.shape[0], self.spread.shape[1], -1)
-        if out is None or out.dtype == stack.dtype:
-            return torch.gather(stack, 2, self.spread, out=out)
-        return out.copy_(torch.gather(stack, 2, self.spread))
-
-    def put(self, matrices: list[torch.Tensor]) -> None:
-        """The selected columns of `matrices` (its members', in slot order) := the masters."""
+        in the matrices' dtype. `slots`: the members `matrices` are, where not all of them (then
+        written into those slots of `out`)."""
+        spread = self.spread if slots is None else self.spread.index_select(0, slots)
         stack = torch.stack(matrices)
-        stack.scatter_(2, self.spread, self.master.to(stack.dtype))
+        if stack.dim() != 3:   # (parameters of more dimensions; a view is an operator a step)
+            stack = stack.view(spread.shape[0], spread.shape[1], -1)
+        if slots is not None and out is not None:
+            return out.index_copy_(0, slots, torch.gather(stack, 2, spread).to(out.dtype))
+        if out is None or out.dtype == stack.dtype:
+            return torch.gather(stack, 2, spread, out=out)
+        return out.copy_(torch.gather(stack, 2, spread))
+
+    def put(self, matrices: list[torch.Tensor], slots: torch.Tensor | None = None) -> None:
+        """The selected columns of `matrices` (its members', in slot order; `slots`: which,
+        where not all) := the masters."""
+        spread = self.spread if slots is None else self.spread.index_select(0, slots)
+        master = self.master if slots is None else self.master.index_select(0, slots)
+        stack = torch.stack(matrices)
+        stack.scatter_(2, spread, master.to(stack.dtype))
         spread_rows(stack, matrices)
 
 
@@ -168,15 +177,19 @@ def column_blocks(shapes: list[tuple[int, int, torch.dtype, int]], device: torch
 
 
 class Runs(NamedTuple):
-    """Positions in a list of matrices: `stacked`, the members of whole ColumnBlocks in slot
-    order (with `blocks`, theirs), and `single`, the rest (one launch each)."""
+    """Positions in a list of matrices: `stacked`, members of ColumnBlocks in slot order (with
+    `blocks`, theirs, and `slots`, None for a whole block, else the members' slots), and
+    `single`, the rest (one launch each)."""
     stacked: list[list[int]]
     blocks: list[ColumnBlock]
     single: list[int]
+    slots: list[torch.Tensor | None]
 
 
-def runs_of(selected: list[DeviceColumns]) -> Runs:
-    """The positions of `selected` that are whole blocks, in slot order, and the rest."""
+def runs_of(selected: list[DeviceColumns], partial: bool = False) -> Runs:
+    """The positions of `selected` that are whole blocks, in slot order, and the rest; with
+    `partial`, also two or more members of a block in slot order (an MoE's experts that some
+    step leaves without a gradient)."""
     by_block: dict[int, list[int]] = {}
     single = []
     for j, cols in enumerate(selected):
@@ -184,15 +197,21 @@ def runs_of(selected: list[DeviceColumns]) -> Runs:
             single.append(j)
         else:
             by_block.setdefault(id(cols.block), []).append(j)
-    stacked, blocks = [], []
+    stacked, blocks, slots = [], [], []
     for run in by_block.values():
         block = selected[run[0]].block
-        if len(run) == block.size and all(selected[j].slot == s for s, j in enumerate(run)):
+        order = [selected[j].slot for j in run]
+        if len(run) == block.size and order == list(range(block.size)):
             stacked.append(run)
             blocks.append(block)
+            slots.append(None)
+        elif partial and len(run) > 1 and order == sorted(set(order)):
+            stacked.append(run)
+            blocks.append(block)
+            slots.append(torch.tensor(order, device=block.master.device))
         else:
             single.extend(run)
-    return Runs(stacked, blocks, sorted(single))
+    return Runs(stacked, blocks, sorted(single), slots)
 
 
 def write_selected(weights: list[torch.Tensor], selected: list[DeviceColumns],
@@ -200,9 +219,9 @@ def write_selected(weights: list[torch.Tensor], selected: list[DeviceColumns],
     """Each weight's selected columns := its master values (converted to its dtype): the members
     of a whole ColumnBlock at once (`runs`, runs_of(selected) unless given), the rest one scatter
     each."""
-    runs = runs or runs_of(selected)
-    for run, block in zip(runs.stacked, runs.blocks):
-        block.put([weights[j] for j in run])
+    runs = runs or runs_of(selected, partial=True)
+    for run, block, slots in zip(runs.stacked, runs.blocks, runs.slots):
+        block.put([weights[j] for j in run], slots)
     columns.scatter_columns_of([weights[j] for j in runs.single],
                                [selected[j].column_indices for j in runs.single],
                                [selected[j].master for j in runs.single])
@@ -269,7 +288,7 @@ class MatrixSteps:
 
     def __init__(self, columns: list[DeviceColumns], groups: list[dict]):
         self.columns = columns
-        self.runs = runs = runs_of(columns)
+        self.runs = runs = runs_of(columns, partial=True)
         # (the same positions pick each matrix's gradient and its weights)
         self.run_picks = [picker(run) for run in runs.stacked]
         self.single_pick = picker(runs.single)
@@ -278,7 +297,12 @@ class MatrixSteps:
         self.single_bufs = [cols.grad for cols in single]
         self.single_masters = [cols.master for cols in single]
         self.gathered = [block.grad for block in runs.blocks] + self.single_bufs
-        self.counts = [block.counts for block in runs.blocks] + [cols.count for cols in single]
+        # (a whole block's counts in one tensor; a block some of whose members have no
+        # gradient counts theirs alone)
+        self.counts = [block.counts for block, slots in zip(runs.blocks, runs.slots)
+                       if slots is None] + [columns[j].count for run, slots in zip(
+                           runs.stacked, runs.slots) if slots is not None for j in run] + [
+                           cols.count for cols in single]
         by_group: dict[int, tuple[dict, _Batch]] = {}
         for cols, group in zip(columns, groups):
             by_group.setdefault(id(group), (group, _Batch()))[1].add(
@@ -287,8 +311,8 @@ class MatrixSteps:
 
     def write(self, weights: Sequence[torch.Tensor]) -> None:
         """write_selected() of the columns into `weights` (in the columns' order)."""
-        for block, pick in zip(self.runs.blocks, self.run_picks):
-            block.put(list(pick(weights)))
+        for block, pick, slots in zip(self.runs.blocks, self.run_picks, self.runs.slots):
+            block.put(list(pick(weights)), slots)
         columns.scatter_columns_of(self.single_pick(weights), self.single_indices,
                                    self.single_masters)
 
@@ -322,8 +346,9 @@ def device_step(matrices: MatrixSteps | None, grads: Sequence[torch.Tensor],
 
     counts = []
     if matrices is not None and matrices.columns:
-        for block, pick in zip(matrices.runs.blocks, matrices.run_picks):
-            block.take(pick(grads), out=block.grad)
+        for block, pick, slots in zip(matrices.runs.blocks, matrices.run_picks,
+                                      matrices.runs.slots):
+            block.take(pick(grads), out=block.grad, slots=slots)
         columns.gather_columns_of([columns.as_matrix(g) for g in matrices.single_pick(grads)],
                                   matrices.single_indices, matrices.single_bufs)
         for group, lists in matrices.by_group:
