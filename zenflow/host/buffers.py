@@ -178,6 +178,7 @@ class HostState:
         self.lanes = None
         # made once: steps reuse them (a step stages every matrix: two operators each)
         self._typed_views: dict[str, list[torch.Tensor | None]] = {}
+        self._fp32_views: dict[tuple, torch.Tensor | tuple] = {}   # fp32(), factors(), landing()
         self._staging_names = [f"staging{slot}" for slot in range(layout.staging_slots)]
 
     @classmethod
@@ -195,9 +196,21 @@ class HostState:
 
     # -- views --------------------------------------------------------------------------------
     def fp32(self, kind: str, i: int) -> torch.Tensor:
-        """[rows, cols] view of matrix i in an fp32 buffer ("master", "grad_sum0", ...)."""
-        m = self.layout.matrices[i]
-        return self.arena.views[kind][m.offset:m.offset + m.numel].view(m.rows, m.cols)
+        """[rows, cols] view of matrix i in an fp32 buffer ("master", "grad_sum0", ...), made
+        once (a window end asks for every matrix's: two operators each)."""
+        view = self._fp32_views.get((kind, i))
+        if view is None:
+            m = self.layout.matrices[i]
+            view = self._fp32_views[kind, i] = \
+                self.arena.views[kind][m.offset:m.offset + m.numel].view(m.rows, m.cols)
+        return view
+
+    def landing(self, kind: str, i: int, dtype: torch.dtype) -> torch.Tensor:
+        """landing_of(fp32(kind, i), dtype): where a device sum of `dtype` lands, made once."""
+        view = self._fp32_views.get((kind, i, dtype))
+        if view is None:
+            view = self._fp32_views[kind, i, dtype] = landing_of(self.fp32(kind, i), dtype)
+        return view
 
     def state(self, kind: str, i: int) -> torch.Tensor:
         """[rows, cols] view of matrix i's AdamW state `kind` ("master", "exp_avg",
@@ -234,10 +247,14 @@ class HostState:
         """Matrix i's views of the factors buffer (deferred_credit="factored"): the window's row
         sums of squares [rows], column sums [cols], host-owned mask [cols], alpha [rows], beta
         [cols]."""
-        m = self.layout.matrices[i]
-        flat = self.arena.views["factors"][m.factor_offset:m.factor_offset + 2 * m.rows
-                                           + 3 * m.cols]
-        return tuple(flat.split([m.rows, m.cols, m.cols, m.rows, m.cols]))
+        views = self._fp32_views.get(("factors", i))
+        if views is None:
+            m = self.layout.matrices[i]
+            flat = self.arena.views["factors"][m.factor_offset:m.factor_offset + 2 * m.rows
+                                               + 3 * m.cols]
+            views = self._fp32_views["factors", i] = tuple(
+                flat.split([m.rows, m.cols, m.cols, m.rows, m.cols]))
+        return views
 
     def square_sum(self, sum_slot: int, i: int) -> torch.Tensor:
         """Where the squares of device-summed matrix i's window go when its sum goes to slot

@@ -43,7 +43,7 @@ import torch
 
 from zenflow.distributed import Partition, local
 from zenflow.host import numa, pipeline_state
-from zenflow.host.buffers import HostState, landing_of
+from zenflow.host.buffers import HostState
 from zenflow.host.commands import Update
 from zenflow.host.credit import Credit, on_replicas
 from zenflow.host.device_sums import DeviceSums, picker
@@ -267,7 +267,7 @@ class HostPipeline:
                                     self.host, self._sum_slot)
         sums, nbytes = self.device_sums.copy_out(
             on_device,
-            lambda i: landing_of(self.host.fp32(slot, i), self.device_sums.sums[i].dtype),
+            lambda i: self.host.landing(slot, i, self.device_sums.sums[i].dtype),
             lambda first, last: self.host.span(slot, [first, last])[0], also)
         self.timer.moved(d2h=nbytes)
         # The update reads the sums once they have landed, and overwrites the install buffer

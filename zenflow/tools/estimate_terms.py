@@ -322,14 +322,15 @@ def per_layer_install_wait_s(mats: list[tuple[int, int, int]], moving: set[int],
 # the host its staging copy; "factored" none more since its weights' view is made once); and per
 # window (its end and the steps after it that finish installs), a fixed part and a part per
 # matrix by where its sum is (one fewer since a window end writes an installed matrix's columns
-# once: 5, 8, 18 before). A model's matrices, each too large to stack: alike small ones (an
+# once: 5, 8, 18 before; two and six fewer since the host's views a window end copies into are
+# made once: 7 and 17 before). A model's matrices, each too large to stack: alike small ones (an
 # MoE's experts, up to 64K values each) share launches (optim/device_adam.py ColumnBlock), which
 # the counts here leave out.
 STEP_OPERATORS = 29
 STEP_OPERATORS_PER_MATRIX = {"host": 4, "device": 3}
 STEP_OPERATORS_PER_FACTORED = 0
 WINDOW_OPERATORS = 25
-WINDOW_OPERATORS_PER_MATRIX = {"host": 4, "device": 7, "factored": 17}
+WINDOW_OPERATORS_PER_MATRIX = {"host": 4, "device": 5, "factored": 11}
 
 
 def python_step_s(c: Counts, s: Speeds, batch: int) -> float:
