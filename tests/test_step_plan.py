@@ -110,7 +110,7 @@ def test_the_gradients_read_are_present_gradients_own_in_its_order(without):
         reader = GradientReader(opt.param_groups, opt._host_params, opt._vector_params,
                                 opt.device, "ZenFlowAdamW", opt._built)
         expected = present_gradients(opt.param_groups, opt.device, "ZenFlowAdamW", opt._built)
-        got = reader.read(chosen=True)
+        got = reader.read(opt.param_groups, chosen=True)
         # (the norms' order: a global norm summed in another order rounds differently)
         assert [id(g) for g in got.present()] == [id(g) for g in expected.values()]
         assert {id(p): id(g) for p, g in got.by_param.items()} == \
@@ -130,13 +130,14 @@ def test_none_present_is_no_step():
     try:
         reader = GradientReader(opt.param_groups, opt._host_params, opt._vector_params,
                                 opt.device, "ZenFlowAdamW", opt._built)
-        assert reader.read(chosen=False) is None
+        assert reader.read(opt.param_groups, chosen=False) is None
     finally:
         opt.close()
 
 
 @pytest.mark.parametrize("fault", ["frozen now has a gradient", "dtype changed",
-                                   "not contiguous", "sparse gradient", "param replaced"])
+                                   "not contiguous", "sparse gradient", "param replaced",
+                                   "param_groups replaced"])
 def test_a_fault_the_fast_checks_see_gets_present_gradients_error(fault):
     groups, params = _groups()
     opt = zenflow.ZenFlowAdamW(groups, worker=False)
@@ -156,9 +157,13 @@ def test_a_fault_the_fast_checks_see_gets_present_gradients_error(fault):
             params[2].grad = torch.randn(params[2].shape)
         elif fault == "sparse gradient":
             params[6].grad = torch.randn_like(params[6]).to_sparse()
-        else:
+        elif fault == "param replaced":
             opt.param_groups[1]["params"][0] = torch.nn.Parameter(torch.randn(3))
             opt.param_groups[1]["params"][0].grad = torch.randn(3)
+        else:   # new groups, as a wrapper that swaps the list for its own might
+            opt.param_groups = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+            opt.param_groups[0]["params"][0] = torch.nn.Parameter(torch.randn(4, 3))
+            opt.param_groups[0]["params"][0].grad = torch.randn(4, 3)
         with pytest.raises(ValueError) as caught:
             present_gradients(opt.param_groups, opt.device, "ZenFlowAdamW", opt._built)
         with pytest.raises(ValueError) as again:

@@ -244,7 +244,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             self, "found_inf", None) is not None and getattr(self, "grad_scale", None) is None)
         self._outside_writes.adopt()
         self._outside_writes.adopt_device_writes()
-        grads = self._gradients.read(self._selector.has_chosen)
+        grads = self._gradients.read(self.param_groups, self._selector.has_chosen)
         if grads is None:
             return
         self._timer.begin()

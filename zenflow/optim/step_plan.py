@@ -135,12 +135,13 @@ class StepGradients:
 
 
 class GradientReader:
-    """Reads each step's gradients (`read`), keeping a StepPlan per set of parameters with one."""
+    """Reads each step's gradients (`read`), keeping a StepPlan per set of parameters with one;
+    built for the parameters of `param_groups` as the optimizer was built on them."""
 
     def __init__(self, param_groups: list[dict], host_params: list[HostParam],
                  vector_params: list[VectorParam], device: torch.device, owner: str,
                  built: dict):
-        self._groups, self._device, self._owner, self._built = param_groups, device, owner, built
+        self._device, self._owner, self._built = device, owner, built
         self.host_params, self.vector_params = host_params, vector_params
         self._params = [p for group in param_groups for p in group["params"]]
         self._frozen = [p for p in self._params if built[p] is None]
@@ -154,12 +155,13 @@ class GradientReader:
         self._sharded = any(map(is_sharded, self._params))
         self._plans: dict[tuple, StepPlan] = {}
 
-    def read(self, chosen: bool) -> StepGradients | None:
-        """This step's gradients (present_gradients' checks), or None when there are none;
-        `chosen`: the columns are chosen (the plan's device steps need them)."""
-        grads = self._fast()
+    def read(self, param_groups: list[dict], chosen: bool) -> StepGradients | None:
+        """This step's gradients (present_gradients' checks of `param_groups`, the optimizer's
+        as they are now), or None when there are none; `chosen`: the columns are chosen (the
+        plan's device steps need them)."""
+        grads = self._fast(param_groups)
         if grads is None:
-            found = present_gradients(self._groups, self._device, self._owner, self._built)
+            found = present_gradients(param_groups, self._device, self._owner, self._built)
             grads = [found.get(p) for p in self._trainable]
         missing = _missing(grads)
         if missing is not None and len(missing) == len(grads):
@@ -185,10 +187,10 @@ class GradientReader:
                                                      self._held, missing, chosen)
         return plan
 
-    def _fast(self) -> list | None:
+    def _fast(self, param_groups: list[dict]) -> list | None:
         """The gradients in the trainable parameters' order, or None when any check (or a
         parameter replaced in param_groups) needs present_gradients' look, one by one."""
-        params = list(chain.from_iterable(map(_params_of, self._groups)))
+        params = list(chain.from_iterable(map(_params_of, param_groups)))
         if len(params) != len(self._params) or not all(map(operator.is_, params, self._params)):
             return None
         if self._frozen and _some(map(_grad, self._frozen)):
