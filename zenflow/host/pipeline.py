@@ -50,7 +50,7 @@ from zenflow.host.device_sums import DeviceSums, picker
 from zenflow.host.early_copies import EarlyCopies
 from zenflow.host.layout import HostJobs, HostLayout
 from zenflow.host.placement import SumPlacement
-from zenflow.host.staging import Staging, first_gradients
+from zenflow.host.staging import Staging, counted_once, first_gradients
 from zenflow.host.telemetry import StepTimer
 from zenflow.host.transfers import DONE, Ticket, Transfers, all_of
 from zenflow.host.weight_views import WeightViews, host_view
@@ -220,7 +220,7 @@ class HostPipeline:
                 on_device, picker([j for j, _ in at]), [i for _, i in rest],
                 picker([j for j, _ in rest]),
                 all(self.staging.own_rows(i, grads[i]) is grads[i] for i in on_device),
-                [1 if i in set(on_device) else 0 for i in range(len(self.params))])
+                counted_once(on_device, len(self.params)))
         return split
 
     def accumulate(self) -> None:

@@ -109,7 +109,7 @@ class Staging:
                 runs, [picker([position[i] for i in run]) for run in runs],
                 all(rows[i] is grad for i, grad in grads.items()),
                 sum(r.numel() * r.element_size() for r in rows.values()),
-                [1 if i in position else 0 for i in range(len(self.rows))])
+                counted_once(key, len(self.rows)))
         return plan
 
     def put(self, grads: dict[int, torch.Tensor], coef: torch.Tensor, early: set[int],
@@ -153,6 +153,15 @@ class Staging:
         self._readers[slot] = self.link.submit(
             ticket, Accumulate(slot, sum_slot, tuple(added), tuple(fresh)))
         self.slot = (slot + 1) % len(self._readers)
+
+
+def counted_once(matrices: Sequence[int], size: int) -> list[int]:
+    """1 for each of `matrices`, 0 for the others of `size`: what a step adds to the window's
+    counts (num_grads[:] = map(operator.add, num_grads, this), in one C-level pass)."""
+    counts = [0] * size
+    for i in matrices:
+        counts[i] = 1
+    return counts
 
 
 def first_gradients(matrices: list[int], num_grads: list[int]) -> list[int]:

@@ -52,7 +52,7 @@ def adopt_written(weights: Sequence[torch.Tensor], selected: list[DeviceColumns]
     launches per run of matrices. `runs`: runs_of(selected), kept by the caller."""
     written = []   # (fp32 masters, the weights' values there, narrower)
     for run, block in zip(runs.stacked, runs.blocks):
-        members = operator.itemgetter(*run)(weights)
+        members = picker(run)(weights)
         if members[0].dtype == block.master.dtype:
             block.take(members, out=block.master)
         else:
