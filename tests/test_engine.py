@@ -408,3 +408,22 @@ def test_every_collective_of_the_engine_names_its_device(make_engine, monkeypatc
     assert len(asked) >= 3 and all(d == engine.device for d in asked), asked
     with pytest.raises(TypeError):
         Partition.from_group(None)
+
+
+def test_a_forked_child_exiting_does_not_mark_its_rank_as_exited(tmp_path):
+    """A data-loader worker forked from a rank runs the rank's atexit hooks when it exits: the
+    other ranks must not read that as the rank's own exit."""
+    import os
+
+    from torch.distributed import FileStore
+
+    from zenflow.engine.rank_agreement import StepAgreement
+    agreement = StepAgreement(FileStore(str(tmp_path / "store"), 2), rank=1, world_size=2)
+    child = os.fork()
+    if child == 0:
+        agreement._mark_exited()
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert not agreement._store.check(["exited/1"])
+    agreement._mark_exited()
+    assert agreement._store.check(["exited/1"])

@@ -2,6 +2,7 @@
 sys.exit (atexit hooks and collection run) and must not close the parent's worker. Prints OK."""
 import os
 import sys
+import threading
 
 import torch
 
@@ -27,6 +28,35 @@ for _ in range(4):
     if child == 0:
         sys.exit(0)
     os.waitpid(child, 0)
+
+# A child forked while the dispatch thread holds the link's lock (it does while it sends a
+# command) has a copy of that lock nothing will release: its exit must not take it.
+held, done = threading.Event(), threading.Event()
+
+
+def hold_lock():
+    with opt._pipeline.link._outbox.lock:
+        held.set()
+        done.wait()
+
+
+holder = threading.Thread(target=hold_lock)
+holder.start()
+held.wait()
+child = os.fork()
+if child == 0:
+    sys.exit(0)
+for _ in range(600):   # 60 s, then the child is reported as hung
+    if os.waitpid(child, os.WNOHANG) != (0, 0):
+        break
+    threading.Event().wait(0.1)
+else:
+    os.kill(child, 9)
+    os.waitpid(child, 0)
+    done.set()
+    raise SystemExit("a child forked while the link's lock was held hung at exit")
+done.set()
+holder.join()
 train(4)
 opt.synchronize()
 assert opt._runner.pid == pid, "the worker was replaced"

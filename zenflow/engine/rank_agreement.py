@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import os
 import time
 from datetime import timedelta
 
@@ -59,10 +60,14 @@ class StepAgreement:
         self.period = 0
         self._left: set[int] = set()      # periods this rank has marked as left
         self._events: dict[int, dict[str, int]] = {}  # period -> kind -> points reached
+        self._pid = os.getpid()
         atexit.register(self._mark_exited)
 
     def _mark_exited(self) -> None:
-        """At this process's exit: it will reach no meeting point again."""
+        """At this process's exit: it will reach no meeting point again. (Not at the exit of a
+        child forked from it, a data-loader worker say: the rank itself is still training.)"""
+        if os.getpid() != self._pid:
+            return
         try:
             self._store.set(f"exited/{self.rank}", "1")
         except Exception:  # the store's host is gone too: nobody is left to wait

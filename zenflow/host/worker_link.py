@@ -87,6 +87,14 @@ class _Outbox:
             self.wake.notify_all()
 
 
+def _stop_outbox(outbox: _Outbox, creator_pid: int) -> None:
+    """Stop the dispatch thread, in the process that started it only: a child forked while that
+    thread held the lock has a copy of the lock that nothing will ever release (its exit, through
+    atexit or collection, would hang), and no thread to stop."""
+    if os.getpid() == creator_pid:
+        outbox.stop()
+
+
 def _dispatch(outbox: _Outbox) -> None:
     """The dispatch thread: send each queued command as soon as its copies have landed."""
     while True:
@@ -118,7 +126,7 @@ class WorkerLink:
                                             name="zenflow-dispatch")
             self._thread.start()
         # Dropped without close(): the thread still ends (the runner then closes its worker).
-        self._stop = weakref.finalize(self, self._outbox.stop)
+        self._stop = weakref.finalize(self, _stop_outbox, self._outbox, self._creator_pid)
 
     @property
     def runner(self):
@@ -263,7 +271,7 @@ class WorkerLink:
         self.send_landed()
 
     def close(self) -> None:
-        self._outbox.stop()
+        _stop_outbox(self._outbox, self._creator_pid)
         if self._thread is not None and os.getpid() == self._creator_pid:
             self._thread.join()
         self.runner.close()
