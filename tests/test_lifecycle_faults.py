@@ -236,6 +236,27 @@ def test_dropped_optimizer_leaks_nothing():
     assert settled(before) == before
 
 
+def test_a_dropped_links_finalizer_run_under_its_own_lock_returns():
+    """The collector may finalize a dropped optimizer's worker link on its dispatch thread while
+    that thread holds the link's lock (an allocation while it sends a command): the finalizer,
+    which stops that thread, must not wait for the lock its own thread holds."""
+    model = _model()
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2)
+    _train(model, opt, 3)
+    link = opt._pipeline.link
+
+    def finalize_under_the_lock():
+        with link._outbox.lock:
+            link._stop()   # the weakref.finalize the collector would call
+    result = _in_thread(finalize_under_the_lock, timeout=20)
+    if result == "hung":   # the lock stays held: close() and the exit would hang on it too
+        link._stop.detach()
+        link.runner.close()
+        pytest.fail("the finalizer waited for the lock its own thread holds")
+    assert result is None
+    opt.close()
+
+
 def test_deepcopy_of_a_live_optimizer_is_refused_clearly():
     model = _model()
     with zenflow.ZenFlowAdamW(model.parameters(), topk_ratio=0.25) as opt:

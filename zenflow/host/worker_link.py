@@ -66,7 +66,9 @@ class _Outbox:
         self.runner = runner
         self.generation = 0
         self.queue: deque[Command] = deque()
-        self.lock = threading.Lock()
+        # Reentrant: the link's finalizer stops the thread, and the collector may run it on the
+        # dispatch thread itself while that thread holds the lock (an allocation in post())
+        self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
         self.stopping = False
         self.error: BaseException | None = None   # raised on the dispatch thread, not reported yet
