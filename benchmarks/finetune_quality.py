@@ -140,6 +140,12 @@ SYSTEMS = {
     # longest "auto" window (the install's bus time asks for 18)
     "factored, 2.5 B/param, host 16 steps slow": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16"), 16, 2.5),
+    # ... and with a PCIe Gen5 link (an H100's; zenflow estimate --gpu-type h100): 10 steps,
+    # and 5 with the model attached (per-layer installs: the forward hides part of the copy)
+    "factored, 2.5 B/param, host 10 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), 10, 2.5),
+    "factored, 2.5 B/param, host 5 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), 5, 2.5),
     # ... with Adam's moments in bf16 on the host (host_moments_dtype, issue 37): 4 bytes less
     # host memory a parameter
     "factored, bf16 host moments, U=4": System("zenflow", dict(
