@@ -140,8 +140,8 @@ SYSTEMS = {
     # longest "auto" window (the install's bus time asks for 18)
     "factored, 2.5 B/param, host 16 steps slow": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16"), 16, 2.5),
-    # ... and with a PCIe Gen5 link (an H100's; zenflow estimate --gpu-type h100): 10 steps,
-    # and 5 with the model attached (per-layer installs: the forward hides part of the copy)
+    # ... and with an H100's PCIe Gen5 link (benchmarks/estimate_llama2_7b.py's "1xH100"): 10
+    # steps, and 5 with the model attached (per-layer installs: the forward hides part of the copy)
     "factored, 2.5 B/param, host 10 steps slow": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16"), 10, 2.5),
     "factored, 2.5 B/param, host 5 steps slow": System("zenflow", dict(
