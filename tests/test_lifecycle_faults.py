@@ -17,7 +17,7 @@ import torch
 import zenflow
 from zenflow.host import forkserver, worker
 
-from helpers.children import program
+from helpers.children import program, run_child
 
 
 def _model():
@@ -34,8 +34,7 @@ def _train(model, opt, steps):
 
 def _run_script(name: str, *args: str, executable=sys.executable, timeout=240, **kw):
     """tests/programs/NAME run as a script (`python PATH ARGS`)."""
-    return subprocess.run([executable, str(program(name)), *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return run_child([executable, str(program(name)), *args], timeout=timeout, **kw)
 
 
 def _in_thread(fn, timeout: float):

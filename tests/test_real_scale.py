@@ -16,7 +16,7 @@ import torch
 import zenflow
 from zenflow.host import arena
 
-from helpers.children import program, with_root_on_path
+from helpers.children import program, run_child, with_root_on_path
 from helpers.llama import LLAMA, batch, llama
 
 
@@ -96,8 +96,8 @@ def test_bf16_gradients_cross_in_bf16():
 
 @pytest.mark.slow   # a child process training the Llama-shaped model
 def test_works_under_ulimit_256():
-    result = subprocess.run([sys.executable, str(program("open_files_limit.py"))],
-                            capture_output=True, text=True, timeout=120, env=with_root_on_path())
+    result = run_child([sys.executable, str(program("open_files_limit.py"))], timeout=120,
+                       env=with_root_on_path())
     assert result.returncode == 0, result.stderr
     assert "trained" in result.stdout
 
@@ -117,14 +117,11 @@ def test_a_script_without_a_main_guard_trains_and_leaves_nothing(tmp_path, how):
     script = program("quick_start_no_main_guard.py")
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     if how == "file":
-        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                             timeout=120, cwd=tmp_path)
+        run = run_child([sys.executable, str(script)], timeout=120, cwd=tmp_path)
     elif how == "stdin":
-        run = subprocess.run([sys.executable, "-"], input=script.read_text(), capture_output=True,
-                             text=True, timeout=120, cwd=tmp_path)
+        run = run_child([sys.executable, "-"], input=script.read_text(), timeout=120, cwd=tmp_path)
     else:
-        run = subprocess.run([sys.executable, "-c", script.read_text()], capture_output=True,
-                             text=True, timeout=120, cwd=tmp_path)
+        run = run_child([sys.executable, "-c", script.read_text()], timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "Traceback" not in run.stderr, run.stderr
     worker, server = (int(x) for x in run.stdout.split("pids")[1].split())
