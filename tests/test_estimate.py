@@ -19,6 +19,9 @@ FIGURES = {"host_adamw_params_per_s": 4e9, "host_accumulate_params_per_s": 8e9,
            "device_adamw_params_per_s": 5e10, "device_norm_bytes_per_s": 1e12,
            "device_copy_bytes_per_s": 1e12,
            "d2h_bytes_per_s": 25e9, "h2d_bytes_per_s": 25e9}
+# A device pass moves its reads plus writes at twice the bytes a copy copies a second (the
+# figure above, as `zenflow selftest` measures it; benchmarks/pass_bytes.py)
+PASS = 2 * FIGURES["device_copy_bytes_per_s"]
 
 
 def test_llama2_7b_worked_example_by_hand():
@@ -160,12 +163,12 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     # zeroed on a skipped step (2 + 2), times the rate (2 + 2 + 2), scaled and clamped twice in
     # place (3 x 4), added to the weight (2 + 2 + 2): 54 bytes; and two fingerprints of a
     # "moments" matrix, before and after its interim step (2 x 2 bytes read)
-    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + 54 * moments) / 1e12
+    assert t["sum_add_s"] == pytest.approx(P_mat * (10 + 54 * moments) / PASS
                                            + moments * 2 * 2 * P_mat / 1e12)
     assert t["sums_d2h_s"] == pytest.approx((8 if moments else 4) * P_mat / 25e9)
     # the install's bounded correction: sum x rate into an fp32 temporary (4 + 2 + 4), clamped
     # twice in place (2 x 8), added to the weight (4 + 2 + 2)
-    assert t["install_gather_s"] == pytest.approx(moments * P_mat * (10 + 16 + 8) / 1e12)
+    assert t["install_gather_s"] == pytest.approx(moments * P_mat * (10 + 16 + 8) / PASS)
     # auto window: cover the host AdamW, and keep the install within 5% of the window's time
     T_dev = r["time"]["zenflow_T_dev_s"]
     adam, h2d = P_mat / 4e9, (4 if moments else 2) * P_mat / 25e9
@@ -217,8 +220,8 @@ def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_widen_inside_the_
     # (host/buffers.py _gradients; estimate_terms.host_adamw_s says what it measured)
     assert bf16["seconds"]["adamw_s"] == fp32["seconds"]["adamw_s"] == summed / 4e9
     # the device's add reads the bf16 gradient and reads and writes a 2-byte sum, not a 4-byte one
-    assert bf16["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 4) / 1e12)
-    assert fp32["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 8) / 1e12)
+    assert bf16["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 4) / PASS)
+    assert fp32["seconds"]["sum_add_s"] == pytest.approx(summed * (2 + 8) / PASS)
     # a budget that held half the fp32 sums holds all of them in bf16
     half = estimate(shapes, torch.bfloat16, device_sum_dtype="float32",
                     **{**settings, "device_sum_budget": 2 * summed})
@@ -524,8 +527,8 @@ def test_the_compiled_factored_step_by_hand_and_within_1_10x_of_the_floor():
         "factored", 226, "bfloat16")
     P_mat = sum(a * b for _, s in shapes if len(s) == 2 for a, b in [s])
     fingerprints = 2 * 2 * P_mat / 1e12   # before and after each step's move (outside_writes)
-    assert t["sum_add_s"] == pytest.approx(14 * P_mat / 1e12 + fingerprints)
-    assert t["install_gather_s"] == pytest.approx(6 * P_mat / 1e12)
+    assert t["sum_add_s"] == pytest.approx(14 * P_mat / PASS + fingerprints)
+    assert t["install_gather_s"] == pytest.approx(6 * P_mat / PASS)
     # at the estimate's own device figures (an H100's HBM, PCIe Gen4) and a host that keeps up
     # (4e9 params/s for either update; a 2-socket server streams ~7e9 at 34 bytes a parameter,
     # where the assumed "few server cores" compute 0.5e9 "factored": the host's issue, 37)
@@ -536,7 +539,8 @@ def test_the_compiled_factored_step_by_hand_and_within_1_10x_of_the_floor():
     cpu = estimate(shapes, torch.bfloat16, device_sum_budget=g["device_sum_bytes"],
                    target="cpu", **common)
     assert cpu["per_gpu"]["credit_rule"] == "factored"
-    assert cpu["seconds"]["sum_add_s"] > 5 * t["sum_add_s"]
+    # (100 against 14 bytes a parameter; the fingerprints read the same either way)
+    assert cpu["seconds"]["sum_add_s"] - fingerprints > 5 * (t["sum_add_s"] - fingerprints)
 
 
 def test_the_host_figures_follow_the_server_and_the_placement():
@@ -593,16 +597,16 @@ def test_bf16_host_moments_take_4_bytes_a_parameter_and_their_own_host_figures()
 def test_on_the_stated_server_the_host_hides_in_two_steps_and_the_install_sets_the_window():
     """Issue 37's model, Llama-2-7B in bf16 on one H100 with 20 GiB of activations and the
     defaults, on two sockets of 32 cores at 125 GB/s: the host's "factored" update of a window
-    (0.92 s, its bf16 sums widened inside it) hides behind 2 steps of 0.65 s; update_interval
+    (0.92 s, its bf16 sums widened inside it) hides behind 2 steps of 0.64 s; update_interval
     "auto" still settles at its longest, 16, since the install's 12.6 GiB over PCIe (0.54 s,
-    most of it exposed without attach) needs 18 steps to stay within INSTALL_BUDGET of the
+    most of it exposed without attach) needs 19 steps to stay within INSTALL_BUDGET of the
     window: the bus, not the host, sets the window."""
     shapes = llama_shapes(**LLAMA2_7B)
     r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, fwd_bwd_s=0.5,
                  activation_bytes=20 * GIB)
     tm = r["time"]
     assert tm["min_update_interval_hiding_host"] <= 2
-    # the install asks for 18 steps; "auto" goes no further than its bound, 16
-    assert tm["update_interval_for_install_budget"] == 18
+    # the install asks for 19 steps; "auto" goes no further than its bound, 16
+    assert tm["update_interval_for_install_budget"] == 19
     assert r["settings"]["update_interval"] == 16
     assert tm["zenflow_vs_floor"] <= 1.10

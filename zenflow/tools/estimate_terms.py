@@ -4,8 +4,9 @@ the code as written pays it (the module that pays it is named). Every function r
 (how many parameters of which kind, for rank 0, the largest share) and, for times, `Speeds`.
 
 Byte counts of a device pass are what the kernel reads plus what it writes; a pass takes its
-bytes over `Speeds.copy` (HBM). Nothing here knows about windows or step times: that is
-estimate_time.py.
+bytes over `Speeds.copy`, the device's reads plus writes a second: twice the bytes a copy copies
+a second, which is what `zenflow selftest` measures (benchmarks/pass_bytes.py checks it). Nothing
+here knows about windows or step times: that is estimate_time.py.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ class Speeds:
     host_factored: float     # parameters/s of this rank's worker, "factored" matrices' update
     device_adamw: float      # parameters/s
     norm: float              # gradient bytes/s read by the norm kernel
-    copy: float              # bytes/s of a device pass (read + write)
+    copy: float              # bytes/s a device pass reads plus writes (2 x a copy's bytes/s)
     fingerprint: float       # weight bytes/s read by a fingerprint
     d2h: float               # bytes/s device -> host (a CPU device: memcpy)
     h2d: float               # bytes/s host -> device (a CPU device: memcpy)
@@ -158,10 +159,10 @@ def offload_host_s(c: Counts, s: Speeds) -> float:
 def device_update_s(c: Counts, s: Speeds) -> float:
     """Per step: AdamW on the selected columns and the vectors; one read of every gradient for
     the global norm (clipping); the selected columns' gather, and the scatter back (a read and
-    a write) of every cache line they lie in: 3 passes = 1.5 copies (optim/device_adam.py)."""
+    a write) of every cache line they lie in: 3 passes (optim/device_adam.py)."""
     return ((c.selected_params + c.vector_params) / s.device_adamw
             + c.item * c.params / s.norm
-            + 1.5 * c.touched_bytes / s.copy)
+            + 3 * c.touched_bytes / s.copy)
 
 
 def sum_add_bytes(c: Counts) -> int:
@@ -278,7 +279,8 @@ def adamw_device_s(c: Counts, s: Speeds) -> float:
 def install_device_s(c: Counts, s: Speeds) -> float:
     """Per window, on the device: the all-gather of the other ranks' rows and the "moments"
     correction, both waited for by the next forward."""
-    return (install_allgather_bytes(c) + correction_bytes(c)) / s.copy
+    # (the gathered bytes at a copy's rate: the all-gather's own is not modelled)
+    return (2 * install_allgather_bytes(c) + correction_bytes(c)) / s.copy
 
 
 def exposed_install_s(copy_s: list[float], forward_s: list[float]) -> float:
