@@ -29,6 +29,7 @@ def test_selftest_passes_on_cpu_and_its_json_has_every_section(tmp_path, capsys)
     for key in ("host_adamw_params_per_s", "host_accumulate_params_per_s",
                 "host_adamw_params_per_s_per_core", "host_adamw_moments_params_per_s_per_core",
                 "device_adamw_params_per_s", "device_fingerprint_bytes_per_s",
+                "device_pass_bytes_per_s",
                 "memcpy_bytes_per_s", "available_host_bytes"):
         assert measured[key] > 0, key
     worker = {c["name"]: c for c in report["sections"]["worker"]["checks"]}

@@ -13,7 +13,8 @@ FIGURE_NAMES = {"host_adamw_params_per_s": "host AdamW",
                 "host_accumulate_params_per_s": "host accumulate",
                 "device_adamw_params_per_s": "device AdamW",
                 "device_norm_bytes_per_s": "gradient norm", "device_copy_bytes_per_s":
-                "device copies", "device_fingerprint_bytes_per_s": "fingerprints",
+                "device copies", "device_pass_bytes_per_s": "device passes",
+                "device_fingerprint_bytes_per_s": "fingerprints",
                 "d2h_bytes_per_s": "device->host", "h2d_bytes_per_s": "host->device",
                 "memcpy_bytes_per_s": "memcpy"}
 

@@ -4,9 +4,10 @@ the code as written pays it (the module that pays it is named). Every function r
 (how many parameters of which kind, for rank 0, the largest share) and, for times, `Speeds`.
 
 Byte counts of a device pass are what the kernel reads plus what it writes; a pass takes its
-bytes over `Speeds.copy`, the device's reads plus writes a second: twice the bytes a copy copies
-a second, which is what `zenflow selftest` measures (benchmarks/pass_bytes.py checks it). Nothing
-here knows about windows or step times: that is estimate_time.py.
+bytes over `Speeds.copy`, the device's reads plus writes a second (`zenflow selftest`'s
+device_pass_bytes_per_s; unmeasured, twice the bytes a copy copies a second:
+benchmarks/pass_bytes.py checks the relation). Nothing here knows about windows or step times:
+that is estimate_time.py.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class Speeds:
     host_factored: float     # parameters/s of this rank's worker, "factored" matrices' update
     device_adamw: float      # parameters/s
     norm: float              # gradient bytes/s read by the norm kernel
-    copy: float              # bytes/s a device pass reads plus writes (2 x a copy's bytes/s)
+    copy: float              # bytes/s a device pass reads plus writes (about 2 x a copy's)
     fingerprint: float       # weight bytes/s read by a fingerprint
     d2h: float               # bytes/s device -> host (a CPU device: memcpy)
     h2d: float               # bytes/s host -> device (a CPU device: memcpy)

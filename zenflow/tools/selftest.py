@@ -79,7 +79,8 @@ def _throughput(ctx) -> list[Check]:
                   "\"factored\"", measured=host),
             Check("AdamW on the device", "pass",
                   f"{dev['device_adamw_params_per_s'] / 1e9:.2f} G params/s (fused, fp32); copies "
-                  f"{dev['device_copy_bytes_per_s'] / 1e9:.1f} GB/s, gradient norm reads "
+                  f"{dev['device_copy_bytes_per_s'] / 1e9:.1f} GB/s, a pointwise pass reads and "
+                  f"writes {dev['device_pass_bytes_per_s'] / 1e9:.1f} GB/s, gradient norm reads "
                   f"{dev['device_norm_bytes_per_s'] / 1e9:.1f} GB/s, fingerprints "
                   f"{dev['device_fingerprint_bytes_per_s'] / 1e9:.1f} GB/s",
                   measured=dev)]
@@ -173,7 +174,7 @@ def measured_figures(report: dict) -> dict:
             "host_adamw_params_per_s_per_core", "host_adamw_moments_params_per_s_per_core",
             "host_factored_params_per_s_per_core",
             "device_adamw_params_per_s", "device_copy_bytes_per_s", "device_norm_bytes_per_s",
-            "device_fingerprint_bytes_per_s",
+            "device_fingerprint_bytes_per_s", "device_pass_bytes_per_s",
             "d2h_bytes_per_s", "h2d_bytes_per_s",
             "memcpy_bytes_per_s", "pinned", "available_host_bytes", "total_host_bytes",
             "dev_shm_free_bytes", "gpu_memory_bytes", "gpu", "cpus")

@@ -151,10 +151,15 @@ def device_throughput(device: torch.device, numel: int, repeats: int = 3,
     adamw = _timed(device, lambda i: adamw_(*t, i + 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                                             weight_decay=0.01), repeats)
     copy = _timed(device, lambda i: [b.copy_(a) for a, b in zip(t[0], t[1])], repeats)
+    # a pointwise pass (a sum's add: reads three values, writes one), the rate the estimate
+    # divides a pass's reads plus writes by
+    update = _timed(device, lambda i: [c.addcmul_(a, b) for a, b, c in zip(t[0], t[1], t[2])],
+                    repeats)
     norm = _timed(device, lambda i: gradient_norms(t[0]), repeats)
     fingerprint = _timed(device, lambda i: [column_bit_sums(x.view(-1, cols)) for x in t[0]],
                          repeats)
     return {"device_adamw_params_per_s": numel / adamw, "device_copy_bytes_per_s": 4 * numel / copy,
+            "device_pass_bytes_per_s": 16 * numel / update,
             "device_norm_bytes_per_s": 4 * numel / norm,
             "device_fingerprint_bytes_per_s": 4 * numel / fingerprint}
 
