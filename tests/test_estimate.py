@@ -614,3 +614,18 @@ def test_on_the_stated_server_the_host_hides_in_two_steps_and_the_install_sets_t
     assert tm["update_interval_for_install_budget"] == 19
     assert r["settings"]["update_interval"] == 16
     assert tm["zenflow_vs_floor"] <= 1.10
+
+
+def test_several_ranks_end_the_auto_window_a_step_after_the_vote():
+    """Under data parallel an auto window ends one step after every rank's rule said so (the
+    step that learns the vote does not wait for it), as finetune_quality.py --ranks 2 measured
+    (11.1 and 6.0 steps where one process ran 10.0 and 5.0); one process ends it at once."""
+    from zenflow.tools.estimate_time import window_needs
+    shapes = llama_shapes(**LLAMA2_7B)
+    for gpus in (1, 4):
+        gen5 = {**FIGURES, "d2h_bytes_per_s": 5e10, "h2d_bytes_per_s": 5e10}
+        r = estimate(shapes, torch.bfloat16, gpus=gpus, gpu_memory_bytes=80 * GIB,
+                     fwd_bwd_s=0.5, measured=gen5, activation_bytes=20 * GIB)
+        needs = max(window_needs(r["seconds"], 0.5, False))
+        assert needs < 16   # below the longest window, where the vote's step shows
+        assert r["settings"]["update_interval"] == needs + (gpus > 1)

@@ -259,8 +259,8 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
         """The costs in seconds, the window and the step times at forward+backward `fwd`."""
         t = work_seconds(counts, spd, mats, set(moving) if moments else set(), fwd,
                          per_layer_installs=attached and world == 1 and not cpu)
-        U = (timing.expected_window(t, fwd, cpu, overlap) if update_interval == "auto"
-             else update_interval)
+        U = (timing.expected_window(t, fwd, cpu, overlap, ranks=world)
+             if update_interval == "auto" else update_interval)
         return t, U, timing.step_times(t, U, overlap, cpu, fwd)
     t, U, times = model_at(fwd_bwd_s)
     # The auto window follows the step time: without one, the window (and every per-step

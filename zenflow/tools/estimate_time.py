@@ -92,16 +92,18 @@ def window_needs(t: dict, fwd_bwd_s: float, cpu: bool) -> tuple[int, int] | None
 
 
 def expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
-                    bounds: tuple[int, int] = WINDOW_BOUNDS) -> int:
+                    bounds: tuple[int, int] = WINDOW_BOUNDS, ranks: int = 1) -> int:
     """The window update_interval="auto" settles at (zenflow/optim/windows.py): long enough for
     the host to finish a window's update behind the device's steps, and for the install to take
-    at most INSTALL_BUDGET of the window's time."""
+    at most INSTALL_BUDGET of the window's time. On several ranks a window ends one step after
+    every rank's rule said so (the step that learns the vote does not wait for it:
+    engine/rank_agreement.py), unless it reached its longest."""
     if fwd_bwd_s is None or not overlap:
         return bounds[0]
     needs = window_needs(t, fwd_bwd_s, cpu)
     if needs is None:
         return bounds[1]
-    return max(bounds[0], min(bounds[1], max(needs)))
+    return max(bounds[0], min(bounds[1], max(needs) + (ranks > 1)))
 
 
 # step()'s Python time over forward+backward's beyond which the estimate warns of a CPU-bound
