@@ -41,11 +41,22 @@ def kernels(t: list[list]) -> dict[str, tuple[int, object]]:
     }
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--mib", type=int, default=512, help="MiB of each of the 4 tensors' pieces")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mib", type=_positive, default=512,
+                        help="MiB of each of the 4 tensors' pieces")
+    parser.add_argument("--rounds", type=_positive, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
