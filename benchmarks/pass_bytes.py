@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # zenflow, from a checkout too
 
+from zenflow.tools.estimate_cli import at_least  # noqa: E402 (torch-free: the path first)
+
 PIECE = 1 << 21   # fp32 values a tensor, as zenflow.tools.selftest_measure.device_throughput
 
 
@@ -41,22 +43,12 @@ def kernels(t: list[list]) -> dict[str, tuple[int, object]]:
     }
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
-    return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--mib", type=_positive, default=512,
+    parser.add_argument("--mib", type=at_least(1, int), default=512,
                         help="MiB of each of the 4 tensors' pieces")
-    parser.add_argument("--rounds", type=_positive, default=5)
+    parser.add_argument("--rounds", type=at_least(1, int), default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 

@@ -18,9 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", default=None, help="a `zenflow bench` preset name (e.g. cpu-llama)")
     src.add_argument("--shapes", default=None,
                      help='parameter shapes, e.g. "4096x4096*128,11008x4096*64,4096*65"')
-    p.add_argument("--gpus", type=_at_least(1, int), default=None,
+    p.add_argument("--gpus", type=at_least(1, int), default=None,
                    help="GPUs (data-parallel ranks) on the host (default 1, or --fsdp's N)")
-    p.add_argument("--fsdp", type=_at_least(1, int), default=None, metavar="N",
+    p.add_argument("--fsdp", type=at_least(1, int), default=None, metavar="N",
                    help="also print the bytes per rank with the model sharded N ways by FSDP2, "
                         "beside DDP's on N GPUs")
     p.add_argument("--gpu-memory", type=_above_zero, default=None,
@@ -33,13 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-sum-budget", type=_budget, default="auto",
                    help='GiB of device memory for window sums, or "auto" as the optimizer '
                         "decides it (what is left less a tenth of the GPU)")
-    p.add_argument("--activation-gib", type=_at_least(0, float), default=None,
+    p.add_argument("--activation-gib", type=at_least(0, float), default=None,
                    help="GiB of activations at the peak of forward and backward, which the "
                         "auto device-sum budget leaves room for (default: estimated from the "
                         "shapes, --seq-len and --micro-batch)")
-    p.add_argument("--seq-len", type=_at_least(1, int), default=4096,
+    p.add_argument("--seq-len", type=at_least(1, int), default=4096,
                    help="tokens per sequence, for the activations' estimate (default 4096)")
-    p.add_argument("--micro-batch", type=_at_least(1, int), default=1,
+    p.add_argument("--micro-batch", type=at_least(1, int), default=1,
                    help="sequences per GPU per forward, for the activations' estimate "
                         "(default 1)")
     p.add_argument("--deferred-credit", choices=("moments", "factored", "mean", "window"),
@@ -66,10 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "JSON's device type, else cuda)")
     p.add_argument("--selftest-json", metavar="FILE", default=None,
                    help="measured figures from `zenflow selftest --json FILE`")
-    p.add_argument("--host-sockets", type=_at_least(1, int), default=2,
+    p.add_argument("--host-sockets", type=at_least(1, int), default=2,
                    help="the server's CPU sockets, for the host's figures the selftest did not "
                         "measure (estimate_host.py)")
-    p.add_argument("--host-cores-per-socket", type=_at_least(1, int), default=32,
+    p.add_argument("--host-cores-per-socket", type=at_least(1, int), default=32,
                    help="physical cores per socket")
     p.add_argument("--host-gbps-per-socket", type=_above_zero, default=125.0,
                    help="memory bandwidth per socket, GB/s")
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # Argument types: each refuses a bad value with what it must be and what it got; argparse
 # names the argument ("argument --gpus: must be an integer >= 1, got '0'").
-def _at_least(least: float, kind: type = float):
+def at_least(least: float, kind: type = float):
     what = "an integer" if kind is int else "a number"
 
     def parse(text: str):
