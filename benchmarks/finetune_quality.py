@@ -146,6 +146,14 @@ SYSTEMS = {
         deferred_credit="factored", device_sum_dtype="bfloat16"), 10, 2.5),
     "factored, 2.5 B/param, host 5 steps slow": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16"), 5, 2.5),
+    # ... and with "auto"'s install budget at 8% of the window (zenflow/optim/windows.py): 7
+    # steps, 3 attached; 5 on 4xA100 (4 and the step after the ranks' vote)
+    "factored, 2.5 B/param, host 7 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), 7, 2.5),
+    "factored, 2.5 B/param, host 3 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), 3, 2.5),
+    "factored, 2.5 B/param, host 4 steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), 4, 2.5),
     # ... with Adam's moments in bf16 on the host (host_moments_dtype, issue 37): 4 bytes less
     # host memory a parameter
     "factored, bf16 host moments, U=4": System("zenflow", dict(
