@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import textwrap
 
+from zenflow.optim.windows import INSTALL_BUDGET
+
 GIB = 1 << 30
 WINDOW_BOUNDS = (1, 16)   # update_interval="auto"'s (estimate_time.WINDOW_BOUNDS: no torch here)
 # what each assumed figure is called in the answer
@@ -111,7 +113,7 @@ def window_line(r: dict) -> list[str]:
             line += (f": the host's update of a window ({host}, {rate}) needs "
                      f"{cover} step(s) of {secs(tm['zenflow_T_dev_s'])} to hide, and the "
                      f"install ({secs(t['install_wait_s'])} the device waits) {install} to "
-                     "stay within 5% of the time")
+                     f"stay within {INSTALL_BUDGET:.0%} of the time")
             if U < max(cover, install):
                 line += (f"; at {U} the step waits {secs(tm['zenflow_stall_s'])} for them"
                          if s["update_interval_asked"] != "auto" else
