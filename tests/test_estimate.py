@@ -91,9 +91,9 @@ def test_llama2_7b_worked_example_by_hand():
     assert d2h < 1.0
     T_dev = 1.5 + dev + max(0.0, d2h - 1.0 - dev)                # 1.547 s
     assert t["zenflow_exposed_d2h_s"] == 0 and T_dev == pytest.approx(1.5 + dev)
-    # a window end's fingerprints: two bf16 passes over every matrix; OffloadAdamW's over every
-    # parameter each step
-    fingerprints = 2 * 2 * P_mat / 1e12
+    # a window's fingerprints: three bf16 passes over every matrix (its start's check, its end's
+    # and its install's); OffloadAdamW's two over every parameter each step
+    fingerprints = 3 * 2 * P_mat / 1e12
     zen = max(T_dev, acc + adam / 4) + (h2d + fingerprints) / 4
     assert t["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
     assert t["zenflow_stall_s"] == pytest.approx(zen - T_dev - fingerprints / 4, rel=1e-12)
@@ -181,7 +181,9 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     assert b["d2h_bytes_per_step"] == pytest.approx((8 if moments else 4) * P_mat / U)
     assert b["h2d_bytes_per_step"] == pytest.approx((4 if moments else 2) * P_mat / U)
     sums_wait = max(0.0, (8 if moments else 4) * P_mat / 25e9 - 1.5)
-    fingerprints = 0 if moments else 2 * 2 * P_mat / 1e12   # none of a "moments" matrix
+    # a window's start and its install (every matrix), and its end (not a "moments" matrix,
+    # which is looked at around every step's move instead)
+    fingerprints = (2 if moments else 3) * 2 * P_mat / 1e12
     zen = max(T_dev, adam / U) + (install + sums_wait + fingerprints) / U
     assert r["time"]["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
 

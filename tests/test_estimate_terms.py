@@ -68,7 +68,8 @@ def test_the_factored_bytes_per_step_by_hand():
     speeds = cost.Speeds(host_adamw=1, host_accumulate=1, host_factored=1, device_adamw=1, norm=1, copy=100.0,
                          fingerprint=50.0, d2h=1, h2d=1)
     assert cost.sum_add_s(c, speeds) == pytest.approx(12 * (6 + 92) / 100 + 2 * 2 * 12 / 50)
-    assert cost.fingerprint_s(c, speeds) == 0   # its matrices are looked at every step instead
+    # per window: its start and its install; not its end (looked at around every step's move)
+    assert cost.fingerprint_s(c, speeds) == pytest.approx(2 * 2 * 12 / 50)
     # On rank 0 of 2 DDP replicas of a [6, 4] matrix (its 3 rows are the 12 above): the interim
     # step moves the other rank's 12 values too, and the device holds (and each install gathers)
     # the other rank's alpha of 3 rows and beta of 4 columns.

@@ -12,6 +12,7 @@ import torch
 
 import zenflow
 from zenflow.host import factored_kernels
+from zenflow.optim import outside_writes
 
 
 def _model():
@@ -101,12 +102,15 @@ def _clamp_through_data(model):
         p.data.clamp_(-0.05, 0.05)
 
 
+@pytest.mark.parametrize("at", [3, 4], ids=["window-boundary", "mid-window"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("placement", list(_PLACEMENTS))
 def test_a_write_through_data_mid_window_sticks_wherever_the_columns_are_updated(placement,
-                                                                                 dtype):
+                                                                                 dtype, at):
     """torch.optim.AdamW at lr 0 keeps the write bit for bit; so must every placement (issue 39
-    item 5: the device's columns, topk_ratio=1 and "moments" matrices reverted it)."""
+    item 5: the device's columns, topk_ratio=1 and "moments" matrices reverted it), whether the
+    window's start finds it (written after a window's last step) or its end does (after its
+    first: the step that ends it moves the matrices first)."""
     model = _model().to(dtype)
     written = []
     with _as_placed(placement):
@@ -115,7 +119,7 @@ def test_a_write_through_data_mid_window_sticks_wherever_the_columns_are_updated
             model(torch.randn(4, 8, dtype=dtype)).square().mean().backward()
             opt.step()
             opt.zero_grad()
-            if t == 4:   # windows of 2 steps: mid-window
+            if t == at:   # windows of 2 steps: 3 ends one, 4 starts one
                 _clamp_through_data(model)
                 written = [p.detach().clone() for p in model.parameters()]
         opt.synchronize()
@@ -124,6 +128,37 @@ def test_a_write_through_data_mid_window_sticks_wherever_the_columns_are_updated
         assert opt.stats()["fused_steps"] > 0
     for p, w in zip(model.parameters(), written):
         assert torch.equal(p.detach(), w)
+
+
+def test_a_window_reads_each_moving_matrix_no_more_often_than_its_checks_need():
+    """The fingerprints of the matrices a credit rule moves every step ("factored", op by op),
+    in passes over all their values: a window's first step looks for writes through .data (one
+    pass; the interim move's own check before it would read the same bits) and fingerprints the
+    moved values (one); its last checks before the move and fingerprints after it (two; the
+    window's end reads none again, no code having run since) and fingerprints the installed
+    values (one). 3 and 4 passes before the window's end and start stopped reading them again."""
+    model = _model()
+    opt = _zenflow(model, lr=1e-3, overlap_step=True, select_strategy="step",
+                   select_interval=1000, **_PLACEMENTS["factored"])
+    total = sum(p.numel() for p in model.parameters() if p.ndim == 2)
+    summed = []
+    real = outside_writes.column_sums_of_bits
+
+    def counted(matrix_bits):
+        summed.append(matrix_bits.numel())
+        return real(matrix_bits)
+    passes = []
+    with mock.patch.object(outside_writes, "column_sums_of_bits", counted):
+        for _ in range(8):
+            model(torch.randn(4, 8)).square().mean().backward()
+            summed.clear()
+            opt.step()
+            opt.zero_grad()
+            passes.append(sum(summed) / total)
+    opt.close()
+    assert opt.stats()["windows"] == 4
+    # step 0 selects (one more fingerprint) and ends a window with nothing to install (one less)
+    assert passes[2:] == [2.0, 3.0] * 3
 
 
 @pytest.mark.parametrize("placement", list(_PLACEMENTS))

@@ -261,34 +261,34 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         if reads_now and not self._skips.read_now(count.step, scale):
             self._timer.end(skipped=True)
             return
-        if not warming_up and count.window_steps == 0:
+        if window_starts := not warming_up and count.window_steps == 0:
             self._outside_writes.adopt_data_writes()
             self._pipeline.place()
             self._select_columns(grads.by_param)
             grads = self._gradients.replan(grads, self._selector.has_chosen)
         staged = grads.staged()
         credit = self._pipeline.credit   # its interim step writes the matrices it moves
-        if not credit.prints_moves:   # (else its compiled step fingerprints them itself)
+        if not credit.prints_moves and not window_starts:   # (else fingerprinted: by its
+            # compiled step, or by the window's start, which looked for writes through .data)
             self._outside_writes.watch_moves(credit.moving_among(staged), moved=False)
         self._pipeline.stage(staged, scale.coef, self._step_sizes())
-        # (asked again: a state loaded before the first step is placed by stage())
-        self._outside_writes.watch_moves(credit.moving_among(staged), moved=True,
-                                         printed=credit.take_prints())
+        moved = credit.moving_among(staged)   # (again: stage() places a state loaded before)
+        self._outside_writes.watch_moves(moved, moved=True, printed=credit.take_prints())
         if not reads_now:
             self._skips.defer(count.step, scale)
         device_update(grads, self._vector_params, scale, self._vector_weights)
         self._installs.columns_stepped(grads.plan)
         try:
-            self._after_device_update(grads, norms, scale, warming_up)
+            self._after_device_update(grads, norms, scale, warming_up, moved)
         finally:   # (written by an install in this step, or now)
             self._installs.write_stepped_columns()
         self._pipeline.fence()
         count.step += 1
         self._timer.end()
 
-    def _after_device_update(self, grads: dict, norms: torch.Tensor, scale, warming_up: bool) -> None:
+    def _after_device_update(self, grads, norms, scale, warming_up: bool, moved: list) -> None:
         """The rest of a step: the importance the window rule watches, the host's accumulate,
-        and the window's end if it ends here."""
+        and the window's end if it ends here (`moved`: what this step's interim move wrote)."""
         count = self.counters
         if not warming_up and self._window.watches_importance and (split := importance_split(
                 grads, norms, scale, self._partition)) is not None:
@@ -305,7 +305,7 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                 count.window_spoiled = False
             # a one-step window's writes through .data were looked for at this step's start
             self._end_window(synchronous=warming_up or not self.settings.overlap_step,
-                             looked=not warming_up and count.window_steps == 1)
+                             looked=not warming_up and count.window_steps == 1, fresh=moved)
 
     def _settle_skips(self) -> None:
         """Read the kept flags of this window's steps so far (optim/step_scale.py); a skipped
@@ -341,12 +341,12 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
         del self.decisions[:-10_000]
 
     # ------------------------------------------------------------------ windows and selection
-    def _end_window(self, synchronous: bool, looked: bool = False) -> None:
+    def _end_window(self, synchronous: bool, looked: bool = False, fresh: list = ()) -> None:
         """Install the previous window's host update, hand this window's sums to the host, and
         with `synchronous` install that too. `looked`: writes through .data were looked for
-        since the optimizer last wrote the host-owned columns."""
+        since the optimizer last wrote the host-owned columns (`fresh`: of those matrices)."""
         if not looked:
-            self._outside_writes.adopt_data_writes()
+            self._outside_writes.adopt_data_writes(fresh)
         installed = self._installs.queue_update(self._step_sizes())
         self._pipeline.end_window([group_hyperparameters(m.group) for m in self._host_params],
                                   delayed=not synchronous,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from itertools import accumulate, filterfalse
 from typing import NamedTuple
 
@@ -238,15 +238,24 @@ class OutsideWrites:
         else:
             adopt_written((), [], runs_of([]), vectors)
 
-    def _written_through_data(self) -> set:
+    def _written_through_data(self, fresh: Collection[int] = ()) -> set:
         """The parameters whose fingerprint changed since the optimizer last wrote them (one read
         of the device for all). The matrices the credit rule moved in this window add what
-        watch_moves() found before each move."""
+        watch_moves() found before each move. `fresh` (host indices): matrices fingerprinted
+        since the optimizer last wrote them, with no other code run since: not read again (a
+        window end right after the interim move: every moving matrix, a full pass of them)."""
         chosen = self.selector.has_chosen
         hosts = self.host_params
         if not hosts:
             return set()
-        changed = self._bit_sums(range(len(hosts)), chosen) != self._sums
+        if fresh:
+            watched = list(filterfalse(set(fresh).__contains__, range(len(hosts))))
+            changed = torch.zeros_like(self._sums, dtype=torch.bool)
+            if watched:
+                at = self._positions(watched)
+                changed[at] = self._bit_sums(watched, chosen) != self._sums.index_select(0, at)
+        else:
+            changed = self._bit_sums(range(len(hosts)), chosen) != self._sums
         if self._moved is not None:
             moved, found = self._moved   # host indices are positions in host_params
             changed = changed.int().index_add_(0, self._positions(moved), found.int()) > 0
@@ -291,9 +300,10 @@ class OutsideWrites:
             moving, found = (*self._moved[0], *moving), torch.cat([self._moved[1], found])
         self._moved = (moving, found)
 
-    def adopt_data_writes(self) -> None:
-        """At window ends: adopt writes through .data, found by the fingerprints."""
-        changed = self._written_through_data()
+    def adopt_data_writes(self, fresh: Collection[int] = ()) -> None:
+        """At window ends: adopt writes through .data, found by the fingerprints (`fresh`: see
+        _written_through_data)."""
+        changed = self._written_through_data(fresh)
         if changed and not self._warned:
             self._warned = True
             log.warning("%s: parameter(s) were written through .data (found at a window end) "

@@ -255,10 +255,12 @@ def correction_bytes(c: Counts) -> int:
 
 
 def fingerprint_s(c: Counts, s: Speeds) -> float:
-    """Per window: two passes over every matrix a credit rule does not move (those are checked
-    every step, sum_add_s) check that nothing outside the optimizer wrote its weights
-    (optim/outside_writes.py)."""
-    return 2 * c.item * (c.rank_matrix_params - c.moving) / s.fingerprint
+    """Per window: that nothing outside the optimizer wrote the weights (optim/outside_writes.py):
+    a pass over every matrix at the window's start (writes through .data taken before it moves
+    or selects) and one after its install (what the optimizer wrote); one more at its end over
+    the matrices a credit rule does not move (those are checked around every step's move,
+    sum_add_s; a one-step window's start is its end)."""
+    return c.item * (2 * c.rank_matrix_params + (c.rank_matrix_params - c.moving)) / s.fingerprint
 
 
 def offload_fingerprint_s(c: Counts, s: Speeds) -> float:
