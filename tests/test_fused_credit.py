@@ -219,6 +219,27 @@ def test_the_fused_step_fingerprints_the_hosts_columns_before_and_after_its_move
     assert want_before != printed(weight)   # it moved
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_correction_fingerprints_the_hosts_columns_it_corrected(dtype):
+    """The print factored_correct_ takes in its pass is what zenflow/optim/outside_writes.py
+    would read after the install: the corrected host-owned columns' bit sums (the device's
+    columns left out), modulo 2**32."""
+    from zenflow.host.fingerprints import column_bit_sums
+    gen = torch.Generator().manual_seed(4)
+    rows, cols = 29, 17
+    weight = (torch.randn(rows, cols, generator=gen) * 0.05).to(dtype)
+    host_cols = torch.ones(cols)
+    host_cols[[1, 16]] = 0.0   # the device's columns
+    before = int(column_bit_sums(weight)[host_cols != 0].sum(dtype=torch.int32))
+    printed = torch.empty((), dtype=torch.int32)
+    factored_kernels.factored_correct_(
+        weight, torch.randn(rows, cols, generator=gen), torch.rand(rows, generator=gen) + 0.5,
+        torch.rand(cols, generator=gen) * host_cols,
+        *(compiled.scalar(v, torch.device("cpu")) for v in (-1e-2, 6.0)), host_cols, printed)
+    after = int(column_bit_sums(weight)[host_cols != 0].sum(dtype=torch.int32))
+    assert int(printed) == after != before   # it corrected, and printed what it wrote
+
+
 def test_a_batch_traced_by_dynamo_gives_the_op_by_op_bits(monkeypatch, caplog):
     """factored_steps_ as torch.compile traces it (Dynamo, fullgraph, static shapes; its
     "eager" backend runs the traced graph): every matrix of a step in one compiled call, the

@@ -130,16 +130,23 @@ def test_a_write_through_data_mid_window_sticks_wherever_the_columns_are_updated
         assert torch.equal(p.detach(), w)
 
 
-def test_a_window_reads_each_moving_matrix_no_more_often_than_its_checks_need():
-    """The fingerprints of the matrices a credit rule moves every step ("factored", op by op),
-    in passes over all their values: a window's first step looks for writes through .data (one
-    pass; the interim move's own check before it would read the same bits) and fingerprints the
-    moved values (one); its last checks before the move and fingerprints after it (two; the
-    window's end reads none again, no code having run since) and fingerprints the installed
-    values (one). 3 and 4 passes before the window's end and start stopped reading them again."""
+@pytest.mark.parametrize("placement, first, last", [("factored", 2.0, 3.0),
+                                                     ("factored-fused", 1.0, 0.0)])
+def test_a_window_reads_each_moving_matrix_no_more_often_than_its_checks_need(placement, first,
+                                                                             last):
+    """The fingerprints of the matrices a credit rule moves every step ("factored"), in passes
+    over all their values outside the rule's own kernels: a window's first step looks for
+    writes through .data (one pass; the interim move's own check before it would read the same
+    bits) and fingerprints the moved values (one); its last checks before the move and
+    fingerprints after it (two; the window's end reads none again, no code having run since)
+    and fingerprints the installed values (one). 3 and 4 passes before the window's end and
+    start stopped reading them again. The fused kernels (a GPU's) take the fingerprints around
+    the move and after the install's correction in their own passes: one pass a window is
+    left, the start's look."""
     model = _model()
-    opt = _zenflow(model, lr=1e-3, overlap_step=True, select_strategy="step",
-                   select_interval=1000, **_PLACEMENTS["factored"])
+    with _as_placed(placement):
+        opt = _zenflow(model, lr=1e-3, overlap_step=True, select_strategy="step",
+                       select_interval=1000, **_PLACEMENTS[placement])
     total = sum(p.numel() for p in model.parameters() if p.ndim == 2)
     summed = []
     real = outside_writes.column_sums_of_bits
@@ -148,7 +155,7 @@ def test_a_window_reads_each_moving_matrix_no_more_often_than_its_checks_need():
         summed.append(matrix_bits.numel())
         return real(matrix_bits)
     passes = []
-    with mock.patch.object(outside_writes, "column_sums_of_bits", counted):
+    with _as_placed(placement), mock.patch.object(outside_writes, "column_sums_of_bits", counted):
         for _ in range(8):
             model(torch.randn(4, 8)).square().mean().backward()
             summed.clear()
@@ -158,7 +165,7 @@ def test_a_window_reads_each_moving_matrix_no_more_often_than_its_checks_need():
     opt.close()
     assert opt.stats()["windows"] == 4
     # step 0 selects (one more fingerprint) and ends a window with nothing to install (one less)
-    assert passes[2:] == [2.0, 3.0] * 3
+    assert passes[2:] == [first, last] * 3
 
 
 @pytest.mark.parametrize("placement", list(_PLACEMENTS))

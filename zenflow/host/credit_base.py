@@ -154,6 +154,11 @@ class Credit:
         after the move), or None."""
         return None
 
+    def take_correct_prints(self) -> tuple[list[int], torch.Tensor] | None:
+        """The last correct()'s fingerprints of the matrices it corrected in fused kernels,
+        once: (indices, [n] int32, after the correction), or None."""
+        return None
+
     def add(self, rows: dict[int, torch.Tensor], fresh: list[int], coef: torch.Tensor) -> None:
         """After the window's sums took this step's `rows` (times `coef`): the rule's own sums
         (`fresh`: the window's first gradient)."""

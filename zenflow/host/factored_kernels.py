@@ -102,22 +102,28 @@ def replica_steps_(weights: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 def factored_correct_(weight: torch.Tensor, grad_sum: torch.Tensor, alpha: torch.Tensor,
-                      beta: torch.Tensor, neg_lr: torch.Tensor, most: torch.Tensor) -> None:
+                      beta: torch.Tensor, neg_lr: torch.Tensor, most: torch.Tensor,
+                      host_cols: torch.Tensor, prints: torch.Tensor) -> None:
     """An install's correction of one matrix (MovingCredit.correct at rated()'s rates: the
     window sum's (S alpha_i) beta_j, each at most `most`), with the op-by-op path's operators.
     Compiled: the sum read and the weights read and written once (6 bytes a bf16 value, where the
-    op-by-op path moves about 46)."""
+    op-by-op path moves about 46). `prints` (0-dim int32): the host's columns' fingerprint
+    (fingerprints.masked_bit_sum) of the corrected values, taken in the same pass, where
+    zenflow/optim/outside_writes.py would read the matrix again."""
     move = (grad_sum.float() * alpha.unsqueeze(1)) * beta
     weight.addcmul_(move.clamp(-most, most), neg_lr)
+    prints.copy_(masked_bit_sum(weight, host_cols))
 
 
 def factored_corrects_(weights: list[torch.Tensor], grad_sums: list[torch.Tensor],
                         alphas: list[torch.Tensor], betas: list[torch.Tensor],
-                        neg_lrs: list[torch.Tensor], mosts: list[torch.Tensor]) -> None:
-    """factored_correct_ of every matrix of the lists, in one call (an install's corrections in
-    runs of BATCH, as factored_steps_ takes a step's)."""
+                        neg_lrs: list[torch.Tensor], mosts: list[torch.Tensor],
+                        host_cols: list[torch.Tensor], prints: torch.Tensor) -> None:
+    """factored_correct_ of every matrix of the lists (prints: [n]), in one call (an install's
+    corrections in runs of BATCH, as factored_steps_ takes a step's)."""
     for j, weight in enumerate(weights):
-        factored_correct_(weight, grad_sums[j], alphas[j], betas[j], neg_lrs[j], mosts[j])
+        factored_correct_(weight, grad_sums[j], alphas[j], betas[j], neg_lrs[j], mosts[j],
+                          host_cols[j], prints[j])
 
 
 class Kernels:

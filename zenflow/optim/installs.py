@@ -184,11 +184,13 @@ class Installs:
                 corrections: dict[int, Correction]) -> None:
         pipeline = self._pipeline
         pipeline.transfers.order_after(tickets)
+        printed = None   # the corrections' own fingerprints, taken in their kernels
         if corrections:
             self._credit.correct({i: pipeline.weights(i) for i in corrections},
                                  pipeline.device_sums.sums,
                                  {i: sizes for i, (sizes, _) in corrections.items()},
                                  {i: count for i, (_, count) in corrections.items()})
+            printed = self._credit.take_correct_prints()
         if self._selector.has_chosen:   # the device's own columns are newer than the host's
             owning = [m for i in matrices if (m := self._host_params[i]).k > 0]
             params_from_selected(owning, pipeline.weight_views)
@@ -198,7 +200,7 @@ class Installs:
                     stepped.pop(m.host_index, None)
             for m in owning:
                 self._credit.device_owns(m.host_index, m.selected.column_indices)
-        self._outside_writes.fingerprint(matrices)
+        self._outside_writes.fingerprint(matrices, printed)
 
     def check_forward_reads(self, read: list[int]) -> None:
         """At step(), before finishing what is still pending: a pending install of a matrix the

@@ -341,11 +341,18 @@ class OutsideWrites:
                                if v.state.master.data_ptr() != v.local.data_ptr()]
         self.fingerprint()
 
-    def fingerprint(self, matrices: list[int] | None = None) -> None:
+    def fingerprint(self, matrices: list[int] | None = None,
+                    printed: tuple[list[int], torch.Tensor] | None = None) -> None:
         """Remember the host-owned columns as the optimizer last wrote them (after installs,
-        selections and adoptions), of the host matrices `matrices` (default: all)."""
+        selections and adoptions), of the host matrices `matrices` (default: all). `printed`:
+        (indices, int32 [n]) of those, fingerprinted already (by the install's correction, in
+        its own pass over them: host/factored_kernels.py factored_correct_)."""
         chosen = self.selector.has_chosen
         watched = range(len(self.host_params)) if matrices is None else matrices
+        if printed is not None and printed[0] and matrices is not None:
+            indices, prints = printed
+            self._note_moved(indices, prints)
+            watched = list(filterfalse(set(indices).__contains__, watched))
         if not watched:
             return
         # int32 sums: as fast as a float sum (int64: 25x slower on a CPU, where it would cost

@@ -257,10 +257,14 @@ def correction_bytes(c: Counts) -> int:
 def fingerprint_s(c: Counts, s: Speeds) -> float:
     """Per window: that nothing outside the optimizer wrote the weights (optim/outside_writes.py):
     a pass over every matrix at the window's start (writes through .data taken before it moves
-    or selects) and one after its install (what the optimizer wrote); one more at its end over
-    the matrices a credit rule does not move (those are checked around every step's move,
-    sum_add_s; a one-step window's start is its end)."""
-    return c.item * (2 * c.rank_matrix_params + (c.rank_matrix_params - c.moving)) / s.fingerprint
+    or selects) and one after its install (what the optimizer wrote), which the compiled
+    "factored" correction takes in its own pass (not on DDP's replicas, which correct each
+    rank's rows before gathering them); one more at its end over the matrices a credit rule
+    does not move (those are checked around every step's move, sum_add_s; a one-step window's
+    start is its end)."""
+    printed = c.device_factored if c.fused_factored and not c.factored_other_params else 0
+    passes = 3 * c.rank_matrix_params - c.moving - printed
+    return c.item * passes / s.fingerprint
 
 
 def offload_fingerprint_s(c: Counts, s: Speeds) -> float:
@@ -328,14 +332,15 @@ def per_layer_install_wait_s(mats: list[tuple[int, int, int]], moving: set[int],
 # window (its end and the steps after it that finish installs), a fixed part and a part per
 # matrix by where its sum is (one fewer since a window end writes an installed matrix's columns
 # once: 5, 8, 18 before; two and six fewer since the host's views a window end copies into are
-# made once: 7 and 17 before). A model's matrices, each too large to stack: alike small ones (an
-# MoE's experts, up to 64K values each) share launches (optim/device_adam.py ColumnBlock), which
-# the counts here leave out.
+# made once: 7 and 17 before; "factored" 11 before its matrices' fingerprints were read once
+# fewer at a window's end and at its first step). A model's matrices, each too large to stack:
+# alike small ones (an MoE's experts, up to 64K values each) share launches
+# (optim/device_adam.py ColumnBlock), which the counts here leave out.
 STEP_OPERATORS = 29
 STEP_OPERATORS_PER_MATRIX = {"host": 4, "device": 3}
 STEP_OPERATORS_PER_FACTORED = 0
 WINDOW_OPERATORS = 25
-WINDOW_OPERATORS_PER_MATRIX = {"host": 4, "device": 5, "factored": 11}
+WINDOW_OPERATORS_PER_MATRIX = {"host": 4, "device": 5, "factored": 9}
 
 
 def python_step_s(c: Counts, s: Speeds, batch: int) -> float:

@@ -86,7 +86,7 @@ def _batch_against_eager(device: torch.device) -> Check:
     factored_step_ and factored_correct_ run eagerly on each: after the step and the correction
     the weights within a bf16 ulp, the sums within one of theirs, the statistics within fp32
     rounding; and each matrix's fingerprints exactly its own weights' before and after the
-    step."""
+    step, and after the correction."""
     from zenflow.host.compiled import compiled_for, scalar
     from zenflow.host.credit_factored import BATCH
     from zenflow.host.factored_kernels import (
@@ -121,10 +121,16 @@ def _batch_against_eager(device: torch.device) -> Check:
     wants = [torch.stack([torch.stack([b, masked_bit_sum(m["weight"], m["host_cols"])])
                           for b, m in zip(before, run)]) for run in runs]
     most = scalar(6.0, device)
-    for m in runs[0]:
-        factored_correct_(m["weight"], m["grad_sum"], m["alpha"], m["beta"], neg_lr, most)
+    corrected = [torch.zeros(len(shapes), dtype=torch.int32, device=device) for _ in runs]
+    for j, m in enumerate(runs[0]):
+        factored_correct_(m["weight"], m["grad_sum"], m["alpha"], m["beta"], neg_lr, most,
+                          m["host_cols"], corrected[0][j])
     corrects(*[[m[k] for m in runs[1]] for k in ("weight", "grad_sum", "alpha", "beta")],
-             [neg_lr] * len(shapes), [most] * len(shapes), signature=("selftest", tuple(shapes)))
+             [neg_lr] * len(shapes), [most] * len(shapes), [m["host_cols"] for m in runs[1]],
+             corrected[1], signature=("selftest", tuple(shapes)))
+    wants.append(torch.stack([masked_bit_sum(m["weight"], m["host_cols"]) for m in runs[0]]))
+    wants.append(torch.stack([masked_bit_sum(m["weight"], m["host_cols"]) for m in runs[1]]))
+    prints += corrected
     worst, ok = {}, True
     for key, rtol in (("weight", 2.0 ** -7), ("grad_sum", 2.0 ** -7), ("row_sq", 1e-5),
                       ("col_sq", 1e-5)):
@@ -182,9 +188,13 @@ def _compiled_against_eager(device: torch.device, rows: int, cols: int,
     # each run's fingerprints are its own weights' (a weight may round apart: so its print)
     wants = [torch.stack([before, fingerprints(run["weight"], run["host_cols"])])
              for run in (eager, fused)]
+    corrected = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(2)]
     factored_correct_(eager["weight"], eager["grad_sum"], eager["alpha"], eager["beta"],
-                      sizes[0], most)
-    correct(fused["weight"], fused["grad_sum"], fused["alpha"], fused["beta"], sizes[0], most)
+                      sizes[0], most, eager["host_cols"], corrected[0])
+    correct(fused["weight"], fused["grad_sum"], fused["alpha"], fused["beta"], sizes[0], most,
+            fused["host_cols"], corrected[1])
+    prints += corrected   # and the correction's, the weights' after it
+    wants += [fingerprints(run["weight"], run["host_cols"]) for run in (eager, fused)]
     # a skipped step: its gradient may hold inf; it moves nothing (its window is dropped)
     eager["grad"][0, 0] = fused["grad"][0, 0] = float("inf")
     factored_step_(*eager.values(), scalar(0.0, device), *sizes)
