@@ -214,52 +214,27 @@ class FactoredCredit(MovingCredit):
         return prints
 
     def correct(self, weights, sums, sizes, counts):
-        """MovingCredit.correct in the compiled kernels where allocate() compiled them: runs of
-        BATCH matrices a call and the rest as one run, a matrix alone a call of its own
-        (fused_step's fallbacks); the kernels fingerprint what they corrected
-        (take_correct_prints())."""
+        """MovingCredit.correct in the compiled kernels where allocate() compiled them
+        (Kernels.run_corrections), the rest op by op; the kernels fingerprint what they
+        corrected (take_correct_prints())."""
         self._correct_prints = None
-        items = [(i, weight, *self._kernels.scalars_of(sizes[i][0], counts[i] * sizes[i][1],
-                                                       weight.device))
-                 for i, weight in weights.items()]
-        if not items:
+        indices = list(weights)
+        if not indices:
             return
-        prints = torch.empty(len(items), dtype=torch.int32, device=items[0][1].device)
-        start = 0   # items[:start] taken by runs: of BATCH, and the rest (an install of one
-        # layer's matrices: the same run at every layer of a model that repeats them) as one
-        while "corrects" in self._kernels and len(items) - start >= 2:
-            run = items[start:start + BATCH]
-            if not self._kernels.run("corrects", *self._correct_lists(run, sums),
-                                     prints[start:start + len(run)],
-                                     signature=tuple((tuple(w.shape), w.dtype, sums[i].dtype)
-                                                     for i, w, _, _ in run)):
-                break
-            start += len(run)
-        rest, printed = {}, list(range(start))
-        for j in range(start, len(items)):
-            i, weight, neg_lr, most = items[j]
-            if self._kernels.run("correct", weight, sums[i], *self.own_factors(i), neg_lr, most,
-                                 self.deferred[i], prints[j]):
-                printed.append(j)
-            else:
-                rest[i] = weight
-        if printed:
-            self._correct_prints = ([items[j][0] for j in printed],
-                                    prints if len(printed) == len(items) else prints[printed])
+        done, prints = self._kernels.run_corrections([
+            (weights[i], sums[i], *self.own_factors(i), *self._kernels.scalars_of(
+                sizes[i][0], counts[i] * sizes[i][1], weights[i].device), self.deferred[i])
+            for i in indices], BATCH)
+        if done:
+            self._correct_prints = ([indices[j] for j in done],
+                                    prints if len(done) == len(indices) else prints[done])
+        rest = {i: weights[i] for i in indices[len(done):]}   # (the kernels take a prefix)
         if rest:
             super().correct(rest, sums, sizes, counts)
 
     def take_correct_prints(self):
         prints, self._correct_prints = self._correct_prints, None
         return prints
-
-    def _correct_lists(self, items, sums) -> tuple[list, ...]:
-        """factored_corrects_'s arguments for `items` ((i, weight, -lr, most) each)."""
-        factors = [self.own_factors(i) for i, _, _, _ in items]
-        return ([w for _, w, _, _ in items], [sums[i] for i, _, _, _ in items],
-                [a for a, _ in factors], [b for _, b in factors],
-                [lr for _, _, lr, _ in items], [most for _, _, _, most in items],
-                [self.deferred[i] for i, _, _, _ in items])
 
     def rated(self, values, chunk):
         """(values alpha_i) beta_j, new fp32 tensors."""
