@@ -260,8 +260,8 @@ def fingerprint_s(c: Counts, s: Speeds) -> float:
     or selects) and one after its install (what the optimizer wrote), which the compiled
     "factored" correction takes in its own pass (not on DDP's replicas, which correct each
     rank's rows before gathering them); one more at its end over the matrices a credit rule
-    does not move (those are checked around every step's move, sum_add_s; a one-step window's
-    start is its end)."""
+    does not move (those are checked around every step's move, sum_add_s). A one-step window
+    takes its start's check for its end's: one pass fewer there than counted here."""
     printed = c.device_factored if c.fused_factored and not c.factored_other_params else 0
     passes = 3 * c.rank_matrix_params - c.moving - printed
     return c.item * passes / s.fingerprint
