@@ -132,28 +132,17 @@ SYSTEMS = {
         deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=4), 0, 2.5),
     "factored, 2.5 B/param, U=8": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16", update_interval=8), 0, 2.5),
-    # The auto window `zenflow estimate` predicts with its defaults for Llama-2-7B bf16 on one
-    # H100 (forward+backward 0.5 s, 20 GiB of activations): 14 steps (benchmarks/README.md, bf16)
-    "factored, 2.5 B/param, host 14 steps slow": System("zenflow", dict(
-        deferred_credit="factored", device_sum_dtype="bfloat16"), 14, 2.5),
-    # ... and since the estimate models the host as placed and the fused device step: 16, the
-    # longest "auto" window (the install's bus time asks for 18)
-    "factored, 2.5 B/param, host 16 steps slow": System("zenflow", dict(
-        deferred_credit="factored", device_sum_dtype="bfloat16"), 16, 2.5),
-    # ... and with an H100's PCIe Gen5 link (benchmarks/estimate_llama2_7b.py's "1xH100"): 10
-    # steps, and 5 with the model attached (per-layer installs: the forward hides part of the copy)
-    "factored, 2.5 B/param, host 10 steps slow": System("zenflow", dict(
-        deferred_credit="factored", device_sum_dtype="bfloat16"), 10, 2.5),
-    "factored, 2.5 B/param, host 5 steps slow": System("zenflow", dict(
-        deferred_credit="factored", device_sum_dtype="bfloat16"), 5, 2.5),
-    # ... and with "auto"'s install budget at 8% of the window (zenflow/optim/windows.py): 7
-    # steps, 3 attached; 5 on 4xA100 (4 and the step after the ranks' vote)
-    "factored, 2.5 B/param, host 7 steps slow": System("zenflow", dict(
-        deferred_credit="factored", device_sum_dtype="bfloat16"), 7, 2.5),
-    "factored, 2.5 B/param, host 3 steps slow": System("zenflow", dict(
-        deferred_credit="factored", device_sum_dtype="bfloat16"), 3, 2.5),
-    "factored, 2.5 B/param, host 4 steps slow": System("zenflow", dict(
-        deferred_credit="factored", device_sum_dtype="bfloat16"), 4, 2.5),
+    # The auto windows `zenflow estimate` predicts with its defaults for Llama-2-7B bf16 on one
+    # H100 (forward+backward 0.5 s, 20 GiB of activations; benchmarks/README.md, bf16), the
+    # defaults with the host emulated that many steps slow: 14 steps; 16, the longest "auto"
+    # window, since the estimate models the host as placed and the fused device step (the
+    # install's bus time asks for 18); with an H100's PCIe Gen5 link (estimate_llama2_7b.py's
+    # "1xH100") 10, and 5 with the model attached (per-layer installs: the forward hides part of
+    # the copy); with "auto"'s install budget at 8% of the window (zenflow/optim/windows.py) 7,
+    # 3 attached, and 5 on 4xA100 (4 and the step after the ranks' vote)
+    **{f"factored, 2.5 B/param, host {steps} steps slow": System("zenflow", dict(
+        deferred_credit="factored", device_sum_dtype="bfloat16"), steps, 2.5)
+       for steps in (14, 16, 10, 5, 7, 3, 4)},
     # ... with Adam's moments in bf16 on the host (host_moments_dtype, issue 37): 4 bytes less
     # host memory a parameter
     "factored, bf16 host moments, U=4": System("zenflow", dict(
