@@ -226,9 +226,8 @@ class FactoredCredit(MovingCredit):
                 sizes[i][0], counts[i] * sizes[i][1], weights[i].device), self.deferred[i])
             for i in indices], BATCH)
         if done:
-            self._correct_prints = ([indices[j] for j in done],
-                                    prints if len(done) == len(indices) else prints[done])
-        rest = {i: weights[i] for i in indices[len(done):]}   # (the kernels take a prefix)
+            self._correct_prints = (indices[:done], prints[:done])
+        rest = {i: weights[i] for i in indices[done:]}
         if rest:
             super().correct(rest, sums, sizes, counts)
 

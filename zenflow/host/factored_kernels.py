@@ -198,13 +198,13 @@ class Kernels:
         return self.run("steps", *map(list, columns), coef, lrs, bounds, prints,
                         signature=signature)
 
-    def run_corrections(self, items: list[tuple], batch: int) -> tuple[list[int], torch.Tensor]:
+    def run_corrections(self, items: list[tuple], batch: int) -> tuple[int, torch.Tensor]:
         """The corrections of `items` (factored_correct_'s arguments but its print, a matrix
         each) in the compiled kernels: runs of `batch` matrices a call and the rest as one run
         (an install of one layer's matrices: the same run at every layer of a model that repeats
-        them), a matrix alone a call of its own (a failed run's fallback). Returns the positions
-        corrected, a prefix of `items` (once a kernel fails none is left for the rest), and the
-        prints (int32 [len(items)], set at those positions)."""
+        them), a matrix alone a call of its own (a failed run's fallback). Returns how many were
+        corrected, the first of `items` (once a kernel fails none is left for the rest), and the
+        prints (int32 [len(items)], set for those)."""
         prints = torch.empty(len(items), dtype=torch.int32, device=items[0][0].device)
         start = 0
         while "corrects" in self and len(items) - start >= 2:
@@ -216,7 +216,7 @@ class Kernels:
             start += len(run)
         while start < len(items) and self.run("correct", *items[start], prints[start]):
             start += 1
-        return list(range(start)), prints
+        return start, prints
 
     def scalars_of(self, lr: float, bound: float, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(-lr, bound) as device scalars, made again only when they change (a scheduler's lr,
