@@ -10,6 +10,7 @@ from the reference.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -24,12 +25,17 @@ class LateTicket(Ticket):
         super().__init__()
         self.pairs, self.log = pairs, log
         self.landed = False
+        # A copy lands once, as a CUDA copy does: the dispatch thread's wait() and the training
+        # thread's fence() may both land it, and without the lock the one that lost the race
+        # could still be writing this step's bytes into a staging slot reused steps later.
+        self._landing = threading.Lock()
 
     def land(self):
-        if not self.landed:
-            for dst, src in self.pairs:
-                dst.copy_(src)
-            self.landed = True
+        with self._landing:
+            if not self.landed:
+                for dst, src in self.pairs:
+                    dst.copy_(src)
+                self.landed = True
 
     def done(self) -> bool:
         return self.landed
