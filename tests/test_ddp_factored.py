@@ -38,6 +38,7 @@ def ranks(tmp_path_factory):
     """Each case's result on each rank (helpers/ddp_factored_ranks.py's modes)."""
     runs = {"factored": ("ddp", {"worker": True, "settings": FACTORED}),
             "fused": ("ddp", {"worker": True, "settings": FACTORED, "fused": 2}),
+            "host_gather": ("ddp", {"worker": True, "settings": FACTORED, "host_gather": True}),
             "adamw": ("ddp", {"overlap": False, "settings": ADAMW_LIKE}),
             "resume": ("resume", {"worker": True, "settings": FACTORED})}
     out = run_ddp_factored(tmp_path_factory.mktemp("ddp_factored"), runs, world=WORLD)
@@ -63,6 +64,21 @@ def test_the_replicas_equal_the_reference_fitted_per_ddp_row_block(ranks):
     one_block, _ = per_block_reference(STEPS, 1)
     assert not all(torch.allclose(v, one_block[k], rtol=1e-5, atol=1e-6)
                    for k, v in runs[0]["weights"].items())
+
+
+@pytest.mark.slow
+def test_each_installs_correction_and_all_gather_follow_its_copy_in_its_ticket(ranks):
+    """On the device's path (NCCL; gloo on a CPU) each matrix's rows are corrected and gathered
+    after its copy, in the copy's ticket (on a GPU: on the copy stream, so that an attached
+    layer waits only for its own); gloo with a GPU gathers in host memory first. Both give the
+    same bits."""
+    for r in ranks:
+        device, host = r["factored"], r["host_gather"]
+        rows = "installing host-updated rows"
+        assert device["sent_after_copies"][rows] == device["collective_bytes_sent"][rows] > 0
+        assert host["sent_after_copies"] == {} and host["collective_bytes_sent"][rows] > 0
+        assert host["selections"] == device["selections"]
+        assert_same(host["weights"], device["weights"], exact=True)
 
 
 @pytest.mark.slow

@@ -188,6 +188,19 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     assert r["time"]["zenflow_step_s"] == pytest.approx(zen, rel=1e-12)
 
 
+LLAMA2_7B_MATRIX_PARAMS = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
+
+
+def _llama_installs_whole_and_per_layer(gpus: int) -> tuple[dict, dict]:
+    """The estimate's seconds for Llama-2-7B, "mean", sums on the device, forward+backward 1.5 s:
+    the step waiting for the whole install, and the model attached."""
+    settings = dict(gpus=gpus, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,
+                    measured=FIGURES, device_sum_budget=10 ** 12, deferred_credit="mean")
+    shapes = llama_shapes(**LLAMA2_7B)
+    return tuple(estimate(shapes, torch.bfloat16, attached=attached, **settings)["seconds"]
+                 for attached in (False, True))
+
+
 def test_a_forward_that_waits_per_layer_waits_for_what_it_does_not_hide():
     from zenflow.tools.estimate import _exposed_install_s
     assert _exposed_install_s([1, 1, 1], [2, 2, 2]) == 1   # the first layer's copy only
@@ -196,15 +209,24 @@ def test_a_forward_that_waits_per_layer_waits_for_what_it_does_not_hide():
     # Llama-2-7B on one GPU, "mean", sums on the device: the bf16 copy (8e-11 s a parameter)
     # outruns a third of forward+backward (0.5 s over the matrices, 7.4e-11 s a parameter), so the
     # forward waits for the whole copy less its time before the head, the last matrix.
-    shapes = llama_shapes(**LLAMA2_7B)
-    P_mat = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 11008 * 4096)
-    settings = dict(gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,
-                    measured=FIGURES, device_sum_budget=10 ** 12, deferred_credit="mean")
-    whole = estimate(shapes, torch.bfloat16, attached=False, **settings)["seconds"]
-    layered = estimate(shapes, torch.bfloat16, attached=True, **settings)["seconds"]
+    whole, layered = _llama_installs_whole_and_per_layer(gpus=1)
+    P_mat = LLAMA2_7B_MATRIX_PARAMS
     assert whole["install_wait_s"] == pytest.approx(2 * P_mat / 25e9)
     assert layered["install_wait_s"] == pytest.approx(
         2 * P_mat / 25e9 - 0.5 * (P_mat - 32000 * 4096) / P_mat)
+
+
+def test_under_ddp_a_layer_waits_only_for_its_own_rows_copy_and_all_gather():
+    """DDP's installs queue each matrix's correction and all-gather after its copy, on the copy
+    stream (optim/installs.py): attached, a layer waits for its own. Four ranks, "mean": every
+    matrix deferred, so each matrix's copy and gather are its share of the whole install, and
+    the forward (0.5 s over the matrices) hides all but the embedding's, the first."""
+    whole, layered = _llama_installs_whole_and_per_layer(gpus=4)
+    assert whole["install_gather_s"] > 0   # the all-gather of the other ranks' rows
+    assert whole["install_wait_s"] == pytest.approx(whole["h2d_s"] + whole["install_gather_s"])
+    assert whole["install_wait_s"] < 0.5
+    assert layered["install_wait_s"] == pytest.approx(
+        whole["install_wait_s"] * 32000 * 4096 / LLAMA2_7B_MATRIX_PARAMS)
 
 
 def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_widen_inside_the_hosts_update():

@@ -83,17 +83,53 @@ def _step_kernels(batch: int | None):
         factored_kernels.compiled_for, credit_factored.BATCH = saved
 
 
+@contextlib.contextmanager
+def _gather_in_host_memory(on: bool):
+    """With `on` (options "host_gather"), installs gather every rank's rows in host memory
+    before the copy, as gloo with a GPU does (optim/installs.gathers_on_device)."""
+    from zenflow.optim import installs
+    saved = installs.gathers_on_device
+    if on:
+        installs.gathers_on_device = lambda partition, device: False
+    try:
+        yield
+    finally:
+        installs.gathers_on_device = saved
+
+
+def _bytes_sent_after_copies(opt) -> dict:
+    """Counts, by purpose, the collective bytes sent by device work queued after an install's
+    copies (to_device's `then`, the copy stream's on a GPU)."""
+    transfers, sent = opt._pipeline.transfers, {}
+    to_device, bytes_sent = transfers.to_device, opt._partition.bytes_sent
+
+    def counted(pairs, then=None):
+        if then is None:
+            return to_device(pairs)
+
+        def counted_then():
+            before = dict(bytes_sent)
+            then()
+            for what, n in bytes_sent.items():
+                sent[what] = sent.get(what, 0) + n - before.get(what, 0)
+        return to_device(pairs, then=counted_then)
+    transfers.to_device = counted
+    return sent
+
+
 def _ddp(rank, world, steps, options, result, taint=None):
     """`steps` steps of the bare optimizer on a DDP-wrapped MLP."""
     model = torch.nn.parallel.DistributedDataParallel(make_mlp())
-    with _step_kernels(options.get("fused")):
+    with _step_kernels(options.get("fused")), _gather_in_host_memory(options.get("host_gather")):
         opt = _optimizer(model, options, taint)
+        after_copies = _bytes_sent_after_copies(opt)
         train_share(model, opt, 0, steps, rank, world)
     stats = opt.stats()
     result.update(weights=_weights(model), selections=_selections(opt),
                   windows=stats["windows"], reselections=stats["reselections"],
                   moments_matrices=stats["moments_matrices"], fused_steps=stats["fused_steps"],
-                  collective_bytes_sent=stats["collective_bytes_sent"])
+                  collective_bytes_sent=stats["collective_bytes_sent"],
+                  sent_after_copies=after_copies)
     opt.close()
 
 

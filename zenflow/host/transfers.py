@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -246,21 +247,34 @@ class Transfers:
         else:
             ticket.wait()
 
-    def to_device(self, pairs: list[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]]
-                  ) -> Ticket:
+    def to_device(self, pairs: list[tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]],
+                  then: Callable[[], None] | None = None) -> Ticket:
         """device_dst.copy_(host_src) for each pair (a list of alike device tensors takes a flat
         source spread over them: `copy`), queued; nothing waits for it until
         order_after(ticket). Without a copy thread on a CPU the copy runs now, and the time it
-        takes counts as waited for (the training thread is the device)."""
+        takes counts as waited for (the training thread is the device).
+
+        `then`: device work on the copied values, called now on this thread (so collectives it
+        issues keep the training thread's order on every rank) and run after the copies, as
+        part of the ticket: on CUDA queued on the copy stream (DDP's correction and all-gather
+        of an install, which a layer's forward then waits for with its copy; tensors it
+        allocates belong to that stream); on a CPU the training thread waits for the copies
+        first."""
         if self._copy_cores:
             if self._copier is None:
                 self._copier = _CopyThread(self._copy_cores)
-            return self._copier.submit(pairs)
+            ticket = self._copier.submit(pairs)
+            if then is not None:
+                self.order_after([ticket])
+                then()
+            return ticket
         if not self.cuda:
             start = time.perf_counter()
             for dst, src in pairs:
                 copy(dst, src)
             self._waits.append(time.perf_counter() - start)
+            if then is not None:
+                then()
             return DONE
         self._h2d.wait_stream(self._current())   # earlier work on the destinations is done
         with torch.cuda.stream(self._h2d):
@@ -268,6 +282,8 @@ class Transfers:
                 copy(dst, src, non_blocking=True)
                 for t in dst if isinstance(dst, list) else (dst,):
                     t.record_stream(self._h2d)
+            if then is not None:
+                then()
             installed = self._h2d.record_event()
         return Ticket(installed)
 

@@ -19,7 +19,9 @@ reads or writes the weights outside the model's forward calls first (an EMA of t
 evaluation that reads `layer.weight` without calling the layer).
 
 FSDP2-sharded parameters are read by FSDP's own all-gather before their modules' forward: their
-installs are finished in the step that queues them, as without attach.
+installs are finished in the step that queues them, as without attach. DDP's replicas install
+per layer too: each matrix's copy of this rank's rows is followed, in its ticket, by their
+correction and the all-gather of every rank's (copy_rows_to_params).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import logging
 import threading
 import time
 import weakref
+from functools import partial
 
 import torch
 
@@ -254,10 +257,11 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
     """Queue the install buffer's values of `indices` into their parameters, every rank's rows
     (FSDP2: this rank's shard, which is all it holds), in the order given (the model's, as a
     forward reads them), with the credit rule's rates for the matrices `with_rates`; returns
-    each one's Ticket (its batch's). NCCL's all-gather of the other ranks' rows runs on the
-    current stream, which waits for the copy first. Under DDP the rule's rates are gathered
-    from every rank first (one collective), and `corrections` (index -> ((lr, bound), count))
-    correct this rank's rows before the ranks gather them (Installs._queue)."""
+    each one's Ticket (its batch's). Under DDP the rule's rates are gathered from every rank
+    first (one collective on the current stream); then each matrix's rows are copied,
+    corrected by `corrections` (index -> ((lr, bound), count)) and all-gathered from every
+    rank on the copy stream, in its ticket (Installs._queue), so that with the model attached a
+    layer's forward waits only for its own matrices' copy and gather."""
     start = time.perf_counter()
     host, partition, transfers = pipe.host, pipe.partition, pipe.transfers
     corrections = corrections or {}
@@ -289,19 +293,17 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
         i = run[0]
         param = pipe.weights(i)
         values = host.install(i)
-        if partition.splits_rows and partition.on_device:
-            # NCCL: this rank's rows to the device, then all ranks gather there.
+        if partition.splits_rows and gathers_on_device(partition, param.device):
+            # NCCL (or gloo on a CPU): this rank's rows to the device, where every rank gathers
+            # them, after the copy on its stream: the ticket covers the gather, so a layer's
+            # forward waits for its own matrices (attached) while later copies and gathers
+            # run beside it. It also says when the install buffer may be overwritten.
             own = partition.own_rows_buffer(param.shape[0], param)
-            # Its ticket still says when the install buffer may be overwritten: the device
-            # waits for the copy now, the host's next update only once it has been read.
-            tickets[i] = transfers.to_device([(own[: values.shape[0]], values)])
-            transfers.order_after([tickets[i]])
-            if i in corrections:
-                _correct_own_rows(pipe, i, own[: values.shape[0]], corrections[i])
-            partition.gather_rows_into(param, own, what)
+            tickets[i] = transfers.to_device([(own[: values.shape[0]], values)], then=partial(
+                _gather_own_rows, pipe, i, param, own, values.shape[0], corrections.get(i)))
             nbytes += values.numel() * values.element_size()
             continue
-        if partition.splits_rows:  # gloo: every rank's rows, gathered in host memory
+        if partition.splits_rows:  # gloo with a GPU: every rank's rows, gathered in host memory
             if i in corrections:   # on the device, where the sums are, and back
                 own = values.to(pipe.device, copy=True)
                 _correct_own_rows(pipe, i, own, corrections[i])
@@ -320,6 +322,23 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
     pipe.timer.moved(h2d=nbytes)
     pipe.timer.offload(time.perf_counter() - start)
     return tickets
+
+
+def gathers_on_device(partition, device: torch.device) -> bool:
+    """Whether DDP's installs gather every rank's rows on the parameters' `device`, after each
+    copy on its stream: NCCL, and gloo on a CPU (which so runs the GPU's path); gloo with a GPU
+    gathers them in host memory instead, before the copy."""
+    return partition.on_device or partition.device == device
+
+
+def _gather_own_rows(pipe: HostPipeline, i: int, param: torch.Tensor, own: torch.Tensor,
+                     rows: int, correction: Correction | None) -> None:
+    """DDP, after this rank's rows of matrix i have been copied into `own` (its padded rows
+    buffer, `rows` of them real): correct them (every rank corrects its own, from its window
+    sums), then gather every rank's into `param`."""
+    if correction is not None:
+        _correct_own_rows(pipe, i, own[:rows], correction)
+    pipe.partition.gather_rows_into(param, own, "installing host-updated rows")
 
 
 def _correct_own_rows(pipe: HostPipeline, i: int, own: torch.Tensor,

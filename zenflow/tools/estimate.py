@@ -164,13 +164,16 @@ def work_seconds(c: Counts, s: Speeds, mats, moving: set[int], fwd_bwd_s: float 
     # BACKWARD_SHARE of forward+backward's worth of them.
     t["d2h_hidden_s"] = (timing.BACKWARD_SHARE * fwd_bwd_s if c.world == 1 and fwd_bwd_s is not None
                          else 0.0)
-    # What the device waits for per install: the whole copy, or with per-layer installs on one
-    # GPU the part the forward does not hide (NCCL's all-gather waits for each copy at once).
-    copy_s = t["h2d_s"]
+    # What the device waits for per install: the whole copy and its device work, or with
+    # per-layer installs the part the forward does not hide: each matrix's copy and, under DDP,
+    # its correction and all-gather (queued after the copy, on its stream); one GPU corrects a
+    # matrix when its layer reads it, on the compute stream.
+    t["install_wait_s"] = t["h2d_s"] + t["install_gather_s"]
     if per_layer_installs and fwd_bwd_s is not None:
-        copy_s = cost.per_layer_install_wait_s(mats, moving, c.item, c.rate_item, s.h2d,
-                                               fwd_bwd_s / 3)
-    t["install_wait_s"] = copy_s + t["install_gather_s"]
+        on_copy_stream = t["install_gather_s"] if c.world > 1 else 0.0
+        t["install_wait_s"] = t["install_gather_s"] - on_copy_stream + \
+            cost.per_layer_install_wait_s(mats, moving, c.item, c.rate_item, s.h2d,
+                                          fwd_bwd_s / 3, c.world, on_copy_stream)
     t["python_step_s"] = cost.python_step_s(c, s, BATCH)
     t["python_window_s"] = cost.python_window_s(c, s, BATCH)
     return t
@@ -258,7 +261,7 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     def model_at(fwd: float | None) -> tuple[dict, int, dict]:
         """The costs in seconds, the window and the step times at forward+backward `fwd`."""
         t = work_seconds(counts, spd, mats, set(moving) if moments else set(), fwd,
-                         per_layer_installs=attached and world == 1 and not cpu)
+                         per_layer_installs=attached and not cpu)
         U = (timing.expected_window(t, fwd, cpu, overlap, ranks=world)
              if update_interval == "auto" else update_interval)
         return t, U, timing.step_times(t, U, overlap, cpu, fwd)
@@ -385,7 +388,9 @@ def _assumptions(world: int, cpu: bool, attached: bool, device_sum_dtype: str,
          + ("installs are copied matrix by matrix from the end of step() and each layer's "
             "forward waits for its own (the model attached to the optimizer; a matrix's share "
             "of the forward, a third of forward+backward, is its share of the parameters)"
-            if attached and world == 1 else
+            + ("; under data parallel a matrix's correction and all-gather follow its copy on "
+               "the copy stream, and its layer waits for those too" if world > 1 else "")
+            if attached else
             "the compute stream waits for each whole install (host->device: this rank's rows, "
             "then an all-gather on the device) once per window")),
         "no compute/communication overlap of data-parallel gradient reduction is modelled",

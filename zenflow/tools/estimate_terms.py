@@ -305,18 +305,23 @@ def exposed_install_s(copy_s: list[float], forward_s: list[float]) -> float:
 
 
 def per_layer_install_wait_s(mats: list[tuple[int, int, int]], moving: set[int], item: int,
-                             rate_item: int, h2d: float, forward_s: float) -> float:
-    """Per window, one GPU with the model attached: each layer's forward waits only for its own
-    matrices' copy (optim/installs.py), so the device waits for what the forward before it does
-    not hide. `mats`: (rows, columns, k), model order; `moving`: the indices of the deferred
-    matrices (counted among those with k < columns) under "moments", whose rates come too; a
-    matrix's share of the forward (a third of forward+backward) is its share of the
-    parameters."""
+                             rate_item: int, h2d: float, forward_s: float, world: int = 1,
+                             after_copy_s: float = 0.0) -> float:
+    """Per window, the model attached: each layer's forward waits only for its own matrices'
+    copy (optim/installs.py), so the device waits for what the forward before it does not hide.
+    `mats`: (rows, columns, k), model order; `moving`: the indices of the deferred matrices
+    (counted among those with k < columns) under "moments", whose rates come too; a matrix's
+    share of the forward (a third of forward+backward) is its share of the parameters. Under
+    DDP (`world` ranks) each rank copies its share of the rows, and `after_copy_s` (the
+    correction and all-gather, on the copy stream after each copy) is spread over the deferred
+    matrices by their share of the deferred parameters."""
     total = sum(r * c for r, c, _ in mats)
+    deferred_total = sum(r * c for r, c, k in mats if k < c) or 1
     copy_s, deferred = [], 0
     for r, c, k in mats:
         if k < c:
-            copy_s.append((item + (rate_item if deferred in moving else 0)) * r * c / h2d)
+            copy_s.append((item + (rate_item if deferred in moving else 0)) * r * c / world / h2d
+                          + after_copy_s * r * c / deferred_total)
             deferred += 1
         else:
             copy_s.append(0.0)

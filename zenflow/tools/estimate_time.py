@@ -139,8 +139,9 @@ def formulas(overlap: bool, cpu: bool) -> dict:
                         "(the backward, on one GPU: copies start in its hooks) - device update "
                         "- device sums' add)"),
         "install": "what the device waits per install: h2d of this rank's rows + the all-gather "
-                   "on the device (several ranks); with per-layer installs (attach, one GPU) only "
-                   "the part of the h2d the forward does not hide",
+                   "on the device (several ranks); with per-layer installs (attach) only the "
+                   "part of the h2d (and of the all-gather, several ranks) the forward does not "
+                   "hide",
         "sums_wait": "max(0, sums_d2h - fwd_bwd): the next window's first add waits for the copy",
     }
 
