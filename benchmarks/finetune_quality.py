@@ -139,10 +139,11 @@ SYSTEMS = {
     # install's bus time asks for 18); with an H100's PCIe Gen5 link (estimate_llama2_7b.py's
     # "1xH100") 10, and 5 with the model attached (per-layer installs: the forward hides part of
     # the copy); with "auto"'s install budget at 8% of the window (zenflow/optim/windows.py) 7,
-    # 3 attached, and 5 on 4xA100 (4 and the step after the ranks' vote)
+    # 3 attached, and 5 on 4xA100 (4 and the step after the ranks' vote); 3 on 4xA100 attached
+    # since DDP's installs went per layer (2 and the vote)
     **{f"factored, 2.5 B/param, host {steps} steps slow": System("zenflow", dict(
         deferred_credit="factored", device_sum_dtype="bfloat16"), steps, 2.5)
-       for steps in (14, 16, 10, 5, 7, 3, 4)},
+       for steps in (14, 16, 10, 5, 7, 3, 4, 2)},
     # ... with Adam's moments in bf16 on the host (host_moments_dtype, issue 37): 4 bytes less
     # host memory a parameter
     "factored, bf16 host moments, U=4": System("zenflow", dict(
