@@ -87,6 +87,24 @@ def test_the_unbroken_transfer_path_passes_the_same_sections():
     assert report["passed"] is True, report["sections"]["transfers"]
 
 
+class WorkBeforeTheCopy(Transfers):
+    """Runs to_device's `then` before queueing the copy it must follow."""
+
+    def to_device(self, pairs, then=None):
+        if then is not None:
+            then()
+        return super().to_device(pairs)
+
+
+def test_work_queued_after_a_copy_is_checked_to_follow_it():
+    from zenflow.tools.selftest_checks import _Ctx
+    from zenflow.tools.selftest_transfers import work_after_a_copy
+    cpu = torch.device("cpu")
+    assert work_after_a_copy(_Ctx(cpu, torch.float32, None, False)).status == "pass"
+    broken = work_after_a_copy(_Ctx(cpu, torch.float32, WorkBeforeTheCopy, False))
+    assert broken.status == "fail" and "3 read other values" in broken.detail
+
+
 def test_unknown_section_is_refused(capsys):
     assert main(["selftest", "--sections", "nope"]) == 2
     assert "unknown" in capsys.readouterr().err

@@ -4,6 +4,7 @@ never waits for the device."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -23,9 +24,11 @@ class SyncTransfers(Transfers):
             dst.copy_(src)
         return DONE
 
-    def to_device(self, pairs):
+    def to_device(self, pairs, then=None):
         for dst, src in pairs:
             dst.copy_(src)
+        if then is not None:
+            then()
         return DONE
 
     def fence(self, ticket):
@@ -84,7 +87,47 @@ def transfers(ctx: _Ctx) -> list[Check]:
                   f"{steps} steps ({where})" + ("" if bad is None else
                                                 f"; first difference after step {bad}"),
                   measured={"sync_s": sync_s, "async_s": async_s}),
+            work_after_a_copy(ctx),
             *(no_syncs_inside_a_window(ctx, sums) for sums in ("host", "device", "bf16 device"))]
+
+
+def work_after_a_copy(ctx: _Ctx) -> Check:
+    """to_device's `then` (DDP's install: its correction and all-gather, optim/installs.py) runs
+    after the copy and inside its ticket, with the device kept busy first: work in `then` that
+    read the destination before the copy landed, or a ticket that said done before `then`'s work
+    had run, would give other values. Its temporaries are allocated on the copy's stream."""
+    n = (1 << 24) if ctx.cuda else (1 << 12)
+    name = "device work queued after an install's copy lands with it"
+    # (on a CPU the copy thread, which the training thread waits for before `then`)
+    transfers = (ctx.transfers(ctx.device) if ctx.transfers is not None else
+                 Transfers(ctx.device, copy_cores=None if ctx.cuda else
+                           sorted(os.sched_getaffinity(0))[:1]))
+    try:
+        src = torch.arange(n, dtype=torch.float32).pin_memory() if ctx.cuda else \
+            torch.arange(n, dtype=torch.float32)
+        dst = torch.zeros(n, device=ctx.device)
+        gathered = torch.zeros(n, device=ctx.device)
+
+        def then():   # a correction through a temporary, then a "gather" into another tensor
+            doubled = dst * 2.0
+            dst.copy_(doubled)
+            gathered.copy_(dst)
+        bad = 0
+        for _ in range(3):
+            dst.zero_()
+            gathered.zero_()
+            if ctx.cuda:
+                torch.cuda._sleep(2_000_000)   # the copy stream must wait for this, then copy
+            ticket = transfers.to_device([(dst, src)], then=then)
+            transfers.order_after([ticket])
+            bad += int(not torch.equal(gathered.cpu(), src * 2.0))
+        if ctx.cuda:
+            torch.cuda.synchronize(ctx.device)
+    finally:
+        transfers.close()
+    return Check(name, "pass" if bad == 0 else "fail",
+                 f"3 copies of {n} values, each doubled and copied on in its ticket"
+                 + ("" if bad == 0 else f"; {bad} read other values"))
 
 
 def no_syncs_inside_a_window(ctx: _Ctx, sums: str) -> Check:
