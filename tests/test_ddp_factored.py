@@ -39,6 +39,7 @@ def ranks(tmp_path_factory):
     runs = {"factored": ("ddp", {"worker": True, "settings": FACTORED}),
             "fused": ("ddp", {"worker": True, "settings": FACTORED, "fused": 2}),
             "host_gather": ("ddp", {"worker": True, "settings": FACTORED, "host_gather": True}),
+            "attached": ("ddp", {"worker": True, "settings": FACTORED, "attach": True}),
             "adamw": ("ddp", {"overlap": False, "settings": ADAMW_LIKE}),
             "resume": ("resume", {"worker": True, "settings": FACTORED})}
     out = run_ddp_factored(tmp_path_factory.mktemp("ddp_factored"), runs, world=WORLD)
@@ -70,8 +71,8 @@ def test_the_replicas_equal_the_reference_fitted_per_ddp_row_block(ranks):
 def test_each_installs_correction_and_all_gather_follow_its_copy_in_its_ticket(ranks):
     """On the device's path (NCCL; gloo on a CPU) each matrix's rows are corrected and gathered
     after its copy, in the copy's ticket (on a GPU: on the copy stream, so that an attached
-    layer waits only for its own); gloo with a GPU gathers in host memory first. Both give the
-    same bits."""
+    layer waits only for its own, as it does here); gloo with a GPU gathers in host memory first.
+    All give the same bits."""
     for r in ranks:
         device, host = r["factored"], r["host_gather"]
         rows = "installing host-updated rows"
@@ -79,6 +80,11 @@ def test_each_installs_correction_and_all_gather_follow_its_copy_in_its_ticket(r
         assert host["sent_after_copies"] == {} and host["collective_bytes_sent"][rows] > 0
         assert host["selections"] == device["selections"]
         assert_same(host["weights"], device["weights"], exact=True)
+        # attached: each layer's forward finishes its own matrices' installs, the same bits
+        attached = r["attached"]
+        assert attached["finished_in_forward"] > 0 and not attached["missed_reads"]
+        assert attached["selections"] == device["selections"]
+        assert_same(attached["weights"], device["weights"], exact=True)
 
 
 @pytest.mark.slow

@@ -117,15 +117,40 @@ def _bytes_sent_after_copies(opt) -> dict:
     return sent
 
 
+@contextlib.contextmanager
+def _forward_finishes(counted: dict):
+    """Counts, in counted["matrices"], the installs an attached forward's pre-hooks finish
+    (hooks attached inside the block; they hold the method weakly, so `counted` keeps it)."""
+    from zenflow.optim.installs import Installs
+    original = Installs.finish_for_forward
+
+    def counting(self, matrices):
+        if matrices is not None:
+            counted["matrices"] += sum(self.pending([i]) for i in matrices)
+        original(self, matrices)
+    counted["method"] = Installs.finish_for_forward = counting
+    try:
+        yield counted
+    finally:
+        Installs.finish_for_forward = original
+
+
 def _ddp(rank, world, steps, options, result, taint=None):
     """`steps` steps of the bare optimizer on a DDP-wrapped MLP."""
     model = torch.nn.parallel.DistributedDataParallel(make_mlp())
-    with _step_kernels(options.get("fused")), _gather_in_host_memory(options.get("host_gather")):
+    finished_in_forward = {"matrices": 0}
+    with _step_kernels(options.get("fused")), _gather_in_host_memory(options.get("host_gather")), \
+            _forward_finishes(finished_in_forward):
         opt = _optimizer(model, options, taint)
         after_copies = _bytes_sent_after_copies(opt)
+        hooks = opt.attach(model) if options.get("attach") else None
         train_share(model, opt, 0, steps, rank, world)
+        weights = _weights(model)   # (attached: its state_dict hook finishes every install)
+    if hooks is not None:
+        result.update(missed_reads=hooks.missed_reads,
+                      finished_in_forward=finished_in_forward["matrices"])
     stats = opt.stats()
-    result.update(weights=_weights(model), selections=_selections(opt),
+    result.update(weights=weights, selections=_selections(opt),
                   windows=stats["windows"], reselections=stats["reselections"],
                   moments_matrices=stats["moments_matrices"], fused_steps=stats["fused_steps"],
                   collective_bytes_sent=stats["collective_bytes_sent"],
