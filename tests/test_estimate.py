@@ -229,6 +229,22 @@ def test_under_ddp_a_layer_waits_only_for_its_own_rows_copy_and_all_gather():
         whole["install_wait_s"] * 32000 * 4096 / LLAMA2_7B_MATRIX_PARAMS)
 
 
+def test_an_unattached_estimate_says_what_attaching_the_model_would_give():
+    """Where the install sets the window (Llama-2-7B, defaults, four A100s' bus), the estimate
+    of a plain loop also gives the window and step of the same run attached, and says so."""
+    from zenflow.tools.estimate_answer import window_line
+    shapes = llama_shapes(**LLAMA2_7B)
+    settings = dict(gpus=4, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=0.45,
+                    measured=dict(FIGURES, h2d_bytes_per_s=2.4e10))
+    plain = estimate(shapes, torch.bfloat16, **settings)
+    attached = estimate(shapes, torch.bfloat16, attached=True, **settings)
+    U = attached["settings"]["update_interval"]
+    assert plain["time"]["attached_window"] == U < plain["settings"]["update_interval"]
+    assert plain["time"]["attached_vs_floor"] == attached["time"]["zenflow_vs_floor"]
+    assert "attached_window" not in attached["time"]
+    assert f"its own installs: {U} step(s)" in " ".join(window_line(plain))
+
+
 def test_bf16_device_sums_halve_their_memory_and_bus_bytes_and_widen_inside_the_hosts_update():
     shapes = llama_shapes(**LLAMA2_7B)
     settings = dict(gpus=1, gpu_memory_bytes=80 * GIB, topk_ratio=0.1, fwd_bwd_s=1.5,

@@ -29,7 +29,7 @@ from zenflow.tools import estimate_time as timing
 from zenflow.tools.estimate_counts import count, place, split_shapes
 from zenflow.tools.estimate_host import COMPACT_PASSES, HostMachine, host_figures
 from zenflow.tools.estimate_memory import GIB, RESERVE_BYTES, per_rank
-from zenflow.tools.estimate_terms import Counts, Speeds
+from zenflow.tools.estimate_terms import Speeds
 from zenflow.tools.estimate_terms import exposed_install_s as _exposed_install_s
 from zenflow.tools.estimate_time import QUALITY_BY_WINDOW, expected_quality_gap
 
@@ -142,43 +142,6 @@ def per_host(mats, vecs, dtype: torch.dtype, world: int, overlap: bool, staging:
                      "offload": off["arena_bytes"] <= avail}}
 
 
-def work_seconds(c: Counts, s: Speeds, mats, moving: set[int], fwd_bwd_s: float | None,
-                 per_layer_installs: bool) -> dict:
-    """Every cost in seconds, per step or per window, under the names the report uses."""
-    t = {"accumulate_s": cost.host_accumulate_s(c, s), "adamw_s": cost.host_adamw_s(c, s),
-         "d2h_s": cost.host_rows_d2h_bytes(c) / s.d2h,
-         "h2d_s": cost.install_h2d_bytes(c) / s.h2d,
-         "sums_d2h_s": cost.window_sums_d2h_bytes(c) / s.d2h,
-         "sum_add_s": cost.sum_add_s(c, s),
-         "install_gather_s": cost.install_device_s(c, s),
-         "device_update_s": cost.device_update_s(c, s),
-         "fingerprint_s": cost.fingerprint_s(c, s),
-         "offload_fingerprint_s": cost.offload_fingerprint_s(c, s),
-         "offload_host_s": cost.offload_host_s(c, s),
-         "offload_norm_s": cost.offload_norm_s(c, s),
-         "offload_d2h_s": cost.offload_d2h_bytes(c) / s.d2h,
-         "offload_h2d_s": cost.offload_h2d_bytes(c) / s.h2d,
-         "adamw_device_s": cost.adamw_device_s(c, s)}
-    # The host-summed rows' copies start in backward hooks in one process only (under data
-    # parallel a hook would see the gradient before it is averaged): there the backward hides
-    # BACKWARD_SHARE of forward+backward's worth of them.
-    t["d2h_hidden_s"] = (timing.BACKWARD_SHARE * fwd_bwd_s if c.world == 1 and fwd_bwd_s is not None
-                         else 0.0)
-    # What the device waits for per install: the whole copy and its device work, or with
-    # per-layer installs the part the forward does not hide: each matrix's copy and, under DDP,
-    # its correction and all-gather (queued after the copy, on its stream); one GPU corrects a
-    # matrix when its layer reads it, on the compute stream.
-    t["install_wait_s"] = t["h2d_s"] + t["install_gather_s"]
-    if per_layer_installs and fwd_bwd_s is not None:
-        on_copy_stream = t["install_gather_s"] if c.world > 1 else 0.0
-        t["install_wait_s"] = t["install_gather_s"] - on_copy_stream + \
-            cost.per_layer_install_wait_s(mats, moving, c.item, c.rate_item, s.h2d,
-                                          fwd_bwd_s / 3, c.world, on_copy_stream)
-    t["python_step_s"] = cost.python_step_s(c, s, BATCH)
-    t["python_window_s"] = cost.python_window_s(c, s, BATCH)
-    return t
-
-
 def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
              gpu_memory_bytes: int | None = None, topk_ratio: float = 0.1,
              update_interval: int | str = "auto", overlap: bool = True,
@@ -258,14 +221,19 @@ def estimate(shapes, dtype: torch.dtype = torch.bfloat16, *, gpus: int = 1,
     spd = speeds(fig, cpu, world)
     moving_share = counts.moving / max(1, counts.deferred)
 
-    def model_at(fwd: float | None) -> tuple[dict, int, dict]:
+    def model_at(fwd: float | None, per_layer: bool = attached and not cpu
+                 ) -> tuple[dict, int, dict]:
         """The costs in seconds, the window and the step times at forward+backward `fwd`."""
-        t = work_seconds(counts, spd, mats, set(moving) if moments else set(), fwd,
-                         per_layer_installs=attached and not cpu)
+        t = timing.work_seconds(counts, spd, mats, set(moving) if moments else set(), fwd,
+                                per_layer_installs=per_layer, batch=BATCH)
         U = (timing.expected_window(t, fwd, cpu, overlap, ranks=world)
              if update_interval == "auto" else update_interval)
         return t, U, timing.step_times(t, U, overlap, cpu, fwd)
     t, U, times = model_at(fwd_bwd_s)
+    if not attached and not cpu and fwd_bwd_s is not None and update_interval == "auto":
+        # what attach(model) would give: each layer waits for its own installs only
+        _, times["attached_window"], attached_times = model_at(fwd_bwd_s, per_layer=True)
+        times["attached_vs_floor"] = attached_times["zenflow_vs_floor"]
     # The auto window follows the step time: without one, the window (and every per-step
     # figure of ZenFlow's) is shown at a few forward+backward times instead of being guessed.
     window_known = update_interval != "auto" or fwd_bwd_s is not None or not overlap

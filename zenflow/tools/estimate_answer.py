@@ -119,6 +119,10 @@ def window_line(r: dict) -> list[str]:
                          if s["update_interval_asked"] != "auto" else
                          f"; {U} is the longest auto takes")
     gap = f"{q['held_out_loss_gap_pct']:+.1f}%" + (" or more" if q["beyond_measured"] else "")
+    if tm.get("attached_window", U) < U:   # (modelled where the model is not attached)
+        line += (f". With the model attached (opt.attach(model), or the callbacks' attach=True; "
+                 f"--attach) each layer waits only for its own installs: "
+                 f"{tm['attached_window']} step(s), {tm['attached_vs_floor']:.2f}x the floor")
     return [line + f". Quality cost at {U} step(s): about {gap} held-out loss against AdamW "
             "(the fine-tune benchmark; a small model's, for the trend)."]
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 
 from zenflow.optim.windows import INSTALL_BUDGET
+from zenflow.tools import estimate_terms as cost
+from zenflow.tools.estimate_terms import Counts, Speeds
 
 # The backward's share of forward+backward (about 2 of 3 flops: the weight and the input
 # gradients). Host-summed rows start their copy in post-accumulate-grad hooks as backward produces
@@ -217,3 +219,41 @@ def step_times(t: dict, U: int, overlap: bool, cpu: bool, fwd_bwd_s: float | Non
         "min_update_interval_hiding_host": min_u, "min_update_interval_note": why,
         "update_interval_for_install_budget": install_u})
     return out
+
+
+def work_seconds(c: Counts, s: Speeds, mats, moving: set[int], fwd_bwd_s: float | None,
+                 per_layer_installs: bool, batch: int) -> dict:
+    """Every cost in seconds, per step or per window, under the names the report uses
+    (`batch`: the "factored" kernels' run of matrices a call)."""
+    t = {"accumulate_s": cost.host_accumulate_s(c, s), "adamw_s": cost.host_adamw_s(c, s),
+         "d2h_s": cost.host_rows_d2h_bytes(c) / s.d2h,
+         "h2d_s": cost.install_h2d_bytes(c) / s.h2d,
+         "sums_d2h_s": cost.window_sums_d2h_bytes(c) / s.d2h,
+         "sum_add_s": cost.sum_add_s(c, s),
+         "install_gather_s": cost.install_device_s(c, s),
+         "device_update_s": cost.device_update_s(c, s),
+         "fingerprint_s": cost.fingerprint_s(c, s),
+         "offload_fingerprint_s": cost.offload_fingerprint_s(c, s),
+         "offload_host_s": cost.offload_host_s(c, s),
+         "offload_norm_s": cost.offload_norm_s(c, s),
+         "offload_d2h_s": cost.offload_d2h_bytes(c) / s.d2h,
+         "offload_h2d_s": cost.offload_h2d_bytes(c) / s.h2d,
+         "adamw_device_s": cost.adamw_device_s(c, s)}
+    # The host-summed rows' copies start in backward hooks in one process only (under data
+    # parallel a hook would see the gradient before it is averaged): there the backward hides
+    # BACKWARD_SHARE of forward+backward's worth of them.
+    t["d2h_hidden_s"] = (BACKWARD_SHARE * fwd_bwd_s if c.world == 1 and fwd_bwd_s is not None
+                         else 0.0)
+    # What the device waits for per install: the whole copy and its device work, or with
+    # per-layer installs the part the forward does not hide: each matrix's copy and, under DDP,
+    # its correction and all-gather (queued after the copy, on its stream); one GPU corrects a
+    # matrix when its layer reads it, on the compute stream.
+    t["install_wait_s"] = t["h2d_s"] + t["install_gather_s"]
+    if per_layer_installs and fwd_bwd_s is not None:
+        on_copy_stream = t["install_gather_s"] if c.world > 1 else 0.0
+        t["install_wait_s"] = t["install_gather_s"] - on_copy_stream + \
+            cost.per_layer_install_wait_s(mats, moving, c.item, c.rate_item, s.h2d,
+                                          fwd_bwd_s / 3, c.world, on_copy_stream)
+    t["python_step_s"] = cost.python_step_s(c, s, batch)
+    t["python_window_s"] = cost.python_window_s(c, s, batch)
+    return t
