@@ -174,6 +174,39 @@ def test_the_fence_waits_for_every_copy_of_the_step_not_only_one(monkeypatch):
     assert [c for c in calls if c[0] == "wait"] == [("wait", early), ("wait", late)]
 
 
+def test_work_after_an_install_copy_runs_on_the_copy_stream_inside_its_ticket(monkeypatch):
+    """to_device's `then` (DDP's correction and all-gather of an install) is queued on the copy
+    stream after the copies, and the ticket's event is recorded after it: a layer that waits for
+    the ticket waits for the gather too; nothing of it runs on the compute stream."""
+    from zenflow.host import transfers as transfers_module
+    calls: list = []
+    transfers = _cuda_transfers(monkeypatch, calls)
+    compute = FakeStream("compute", calls)
+    transfers._current = lambda: compute
+    h2d = transfers._h2d
+    h2d.wait_stream = lambda other: calls.append(("wait", "h2d", other.name))
+    h2d.record_event = lambda: calls.append(("event", "h2d")) or "installed"
+    current = ["compute"]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        current.append(stream.name)
+        yield
+        current.pop()
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(transfers_module, "copy", lambda dst, src, non_blocking=False: calls.append(
+        ("copy", current[-1], non_blocking)))
+
+    class Destination:
+        def record_stream(self, stream):
+            calls.append(("record", stream.name))
+    ticket = transfers.to_device([(Destination(), torch.zeros(4))],
+                                 then=lambda: calls.append(("then", current[-1])))
+    assert calls == [("wait", "h2d", "compute"), ("copy", "h2d", True), ("record", "h2d"),
+                     ("then", "h2d"), ("event", "h2d")]
+    assert ticket.events() == ["installed"]
+
+
 def _locked_by_region(monkeypatch, **settings) -> dict[str, int]:
     """The bytes of each host region handed to page-locking over an optimizer's first steps."""
     spans: list[torch.Tensor] = []
