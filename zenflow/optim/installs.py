@@ -44,6 +44,8 @@ log = logging.getLogger("zenflow")
 # matrix is its own batch (its layer waits for it alone), while thousands of small ones (MoE
 # experts) do not cost a queued copy and an event each.
 INSTALL_BATCH_BYTES = 8 << 20
+# What DDP's gather of every rank's installed rows is counted as (Partition.bytes_sent).
+GATHERING = "installing host-updated rows"
 
 
 # What finishing an install of a matrix corrects it by, where its credit rule moves it: its
@@ -267,7 +269,6 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
     corrections = corrections or {}
     tickets, nbytes = {}, 0
     batch, batch_pairs, batch_bytes = [], [], 0
-    what = "installing host-updated rows"
     if partition.splits_rows:
         pipe.credit.gather_rates([i for i in indices if i in with_rates], host)
 
@@ -308,7 +309,7 @@ def copy_rows_to_params(pipe: HostPipeline, indices: list[int],
                 own = values.to(pipe.device, copy=True)
                 _correct_own_rows(pipe, i, own, corrections[i])
                 values = own.to(partition.device)
-            values = partition.gather_rows(values, param.shape[0], what)
+            values = partition.gather_rows(values, param.shape[0], GATHERING)
         pairs = [(param, values)]
         if i in with_rates:
             pairs += pipe.credit.install_pairs(i, host)
@@ -338,7 +339,7 @@ def _gather_own_rows(pipe: HostPipeline, i: int, param: torch.Tensor, own: torch
     sums), then gather every rank's into `param`."""
     if correction is not None:
         _correct_own_rows(pipe, i, own[:rows], correction)
-    pipe.partition.gather_rows_into(param, own, "installing host-updated rows")
+    pipe.partition.gather_rows_into(param, own, GATHERING)
 
 
 def _correct_own_rows(pipe: HostPipeline, i: int, own: torch.Tensor,
