@@ -103,8 +103,7 @@ def work_after_a_copy(ctx: _Ctx) -> Check:
                  Transfers(ctx.device, copy_cores=None if ctx.cuda else
                            sorted(os.sched_getaffinity(0))[:1]))
     try:
-        src = torch.arange(n, dtype=torch.float32).pin_memory() if ctx.cuda else \
-            torch.arange(n, dtype=torch.float32)
+        src = torch.arange(n, dtype=torch.float32, pin_memory=ctx.cuda)
         dst = torch.zeros(n, device=ctx.device)
         gathered = torch.zeros(n, device=ctx.device)
 
