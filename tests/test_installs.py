@@ -218,8 +218,8 @@ class SlowCopies:
             ticket.landed.set()
 
     def submit(self, pairs) -> Ticket:
-        from zenflow.host.transfers import _ThreadTicket
-        ticket = _ThreadTicket()
+        from zenflow.host.tickets import ThreadTicket
+        ticket = ThreadTicket()
         self.jobs.put((pairs, ticket))
         return ticket
 
