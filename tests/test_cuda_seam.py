@@ -8,6 +8,7 @@ import gc
 import logging
 import weakref
 
+import pytest
 import torch
 
 import zenflow
@@ -292,3 +293,48 @@ def test_auto_placed_sums_warn_once_when_the_device_fills_up(monkeypatch, caplog
         assert opt.stats()["device_sum_matrices"] == 2
     warnings = [r for r in caplog.records if "peak memory has reached" in r.message]
     assert len(warnings) == 1 and "77.0 of 80.0 GiB" in warnings[0].message
+
+
+def test_a_windows_work_is_timed_on_the_device_less_its_install_waits(monkeypatch):
+    """On CUDA a window's own work is timed by two events on the current stream, read once the
+    later has completed (never synchronized), less the install waits timed inside it."""
+    events: list = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.done = None, False
+            events.append(self)
+
+        def record(self, stream):
+            assert stream.name == "compute"
+            self.at = clock[0]
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, later):   # milliseconds, as torch's
+            assert self.done and later.done
+            return (later.at - self.at) * 1000.0
+    calls: list = []
+    clock = [0.0]
+    transfers = _cuda_transfers(monkeypatch, calls)
+    compute = FakeStream("compute", calls)
+
+    def wait_event(event):   # the device waits 0.1 s for the install's copy
+        calls.append(("wait", event))
+        clock[0] += 0.1
+    compute.wait_event = wait_event
+    transfers._current = lambda: compute
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    from zenflow.host.transfers import Ticket
+    with transfers.window_work(ends=True):
+        clock[0] = 0.25
+        transfers.order_after([Ticket(FakeEvent(enable_timing=True))])
+        clock[0] = 1.0
+    assert transfers.last_window_work_seconds == 0.0     # not completed: not read, not waited
+    assert not any(c[0] == "synchronize" for c in calls)
+    for event in events:
+        event.done = True
+    assert transfers.last_window_work_seconds == pytest.approx(0.9)
+    assert transfers.last_install_wait_seconds == pytest.approx(0.1)

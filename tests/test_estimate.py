@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zenflow
-from zenflow.optim.windows import INSTALL_BUDGET
+from zenflow.optim.windows import WINDOW_BUDGET
 from zenflow.tools.bench.model import GPT, GPTConfig
 from zenflow.tools.cli import main
 from zenflow.tools.estimate import GIB, RESERVE_BYTES, estimate
@@ -170,12 +170,13 @@ def test_llama2_7b_with_window_sums_on_the_device_by_hand(credit):
     # the install's bounded correction: sum x rate into an fp32 temporary (4 + 2 + 4), clamped
     # twice in place (2 x 8), added to the weight (4 + 2 + 2)
     assert t["install_gather_s"] == pytest.approx(moments * P_mat * (10 + 16 + 8) / PASS)
-    # auto window: cover the host AdamW, and keep the install within INSTALL_BUDGET of the
-    # window's time
+    # auto window: cover the host AdamW, and keep the window's fixed costs (its install and
+    # fingerprints) within WINDOW_BUDGET of the window's time
     T_dev = r["time"]["zenflow_T_dev_s"]
     adam, h2d = P_mat / 4e9, (4 if moments else 2) * P_mat / 25e9
     install = h2d + t["install_gather_s"]
-    U = max(1, math.ceil(adam / T_dev), math.ceil(install / (INSTALL_BUDGET * T_dev)))
+    fixed = install + t["fingerprint_s"]
+    U = max(1, math.ceil(adam / T_dev), math.ceil(fixed / (WINDOW_BUDGET * T_dev)))
     assert r["settings"]["update_interval"] == U
     b = r["bus"]["zenflow"]
     assert b["d2h_bytes_per_step"] == pytest.approx((8 if moments else 4) * P_mat / U)
@@ -645,7 +646,7 @@ def test_on_the_stated_server_the_host_hides_in_two_steps_and_the_install_sets_t
     defaults, on two sockets of 32 cores at 125 GB/s: the host's "factored" update of a window
     (0.92 s, its bf16 sums widened inside it) hides behind 2 steps of 0.6 s; update_interval
     "auto" settles at 12 steps, since the install's 12.6 GiB over PCIe Gen4 (0.54 s, most of it
-    exposed without attach) needs 12 to stay within INSTALL_BUDGET (8%) of the window: the bus,
+    exposed without attach) needs 12 to stay within WINDOW_BUDGET (8%) of the window: the bus,
     not the host, sets the window."""
     shapes = llama_shapes(**LLAMA2_7B)
     r = estimate(shapes, torch.bfloat16, gpus=1, gpu_memory_bytes=80 * GIB, fwd_bwd_s=0.5,

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from zenflow.optim.windows import INSTALL_BUDGET
+from zenflow.optim.windows import WINDOW_BUDGET
 from zenflow.tools.cli import main
 from zenflow.tools.estimate import GIB, SAMPLE_FWD_BWD_S, estimate
 from zenflow.tools.estimate_answer import gib, num, secs, verdict
@@ -80,7 +80,7 @@ def test_with_a_step_time_it_recommends_and_gives_the_reasons():
     assert (f"needs {tm['min_update_interval_hiding_host']} step(s) of "
             f"{secs(tm['zenflow_T_dev_s'])} to hide" in flat)
     assert (f"{tm['update_interval_for_install_budget']} to stay within "
-            f"{round(100 * INSTALL_BUDGET)}% of the time") in flat
+            f"{round(100 * WINDOW_BUDGET)}% of the time") in flat
     assert U == max(tm["min_update_interval_hiding_host"],
                     tm["update_interval_for_install_budget"])
     assert f"Quality cost at {U} step(s): about {r['quality']['held_out_loss_gap_pct']:+.1f}%" in flat

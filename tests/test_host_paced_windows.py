@@ -130,14 +130,55 @@ def test_the_lookahead_leaves_synchronous_installs_exact():
 
 def test_a_slow_install_lengthens_the_window():
     """Installing a window's update is a copy the device waits for: windows grow until it takes
-    at most INSTALL_BUDGET of their time."""
-    from zenflow.optim.windows import INSTALL_BUDGET
+    at most WINDOW_BUDGET of their time."""
+    from zenflow.optim.windows import WINDOW_BUDGET
     w = AutoWindow(None, min_steps=1, max_steps=16, overlap=True)
-    install = 4 * INSTALL_BUDGET * 0.1      # four steps' budget
+    install = 4 * WINDOW_BUDGET * 0.1      # four steps' budget
     assert w.hide_steps(0.0, 0.1, install) == 4
     assert not w.should_end(3, True, 0.0, 0.1, install)
     assert w.should_end(4, True, 0.0, 0.1, install)
     assert w.hide_steps(0.35, 0.1, install) == 4 and w.hide_steps(0.45, 0.1, install) == 5
+
+
+def test_a_windows_own_work_counts_with_its_install_but_not_under_emulation():
+    """What a window costs whatever its length is its install and its own work (fingerprints,
+    queueing): together they stay within WINDOW_BUDGET. An emulated GPU's host counts no
+    window work (this CPU's passes are not a GPU's)."""
+    from zenflow.optim.windows import WINDOW_BUDGET
+    w = AutoWindow(None, min_steps=1, max_steps=16, overlap=True)
+    budget = WINDOW_BUDGET * 0.1      # a step's share
+    assert w.hide_steps(0.0, 0.1, 2 * budget, 3 * budget) == 5
+    assert not w.should_end(4, True, 0.0, 0.1, 2 * budget, 3 * budget)
+    assert w.should_end(5, True, 0.0, 0.1, 2 * budget, 3 * budget)
+    w.emulated_host_steps = 2
+    assert w.hide_steps(0.0, 0.1, 3 * budget, 9 * budget) == 3
+
+
+def test_slow_window_work_lengthens_the_windows_with_the_worker():
+    """A window end that takes the device 60 ms (here its fingerprints, slowed) beside steps of
+    a few milliseconds: the auto windows grow to their longest, and the rule is given that
+    time, less no install wait (`stats()["last_window_work_s"]`). Before the window's work
+    counted, these windows stayed one or two steps long."""
+    import time
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    opt = zenflow.ZenFlowAdamW(model.parameters(), lr=1e-2, auto_update_bounds=(1, 6),
+                               select_strategy="step", select_interval=10 ** 6)
+    fingerprint = opt._outside_writes.fingerprint
+    opt._outside_writes.fingerprint = lambda *a, **k: (time.sleep(0.06), fingerprint(*a, **k))[1]
+    given = []
+    should_end = opt._window.should_end
+    opt._window.should_end = lambda *args: (given.append(args[5]), should_end(*args))[1]
+    try:
+        for _ in range(20):
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        work = opt.stats()["last_window_work_s"]
+        assert work >= 0.06 and given[-1] == work
+        assert window_lengths(opt.decisions)[-2:] == [6, 6]
+    finally:
+        opt.close()
 
 
 def test_without_a_copy_thread_an_install_copy_counts_as_waited_for():
@@ -149,6 +190,32 @@ def test_without_a_copy_thread_an_install_copy_counts_as_waited_for():
     transfers.new_install()
     transfers.to_device([(dst, src)])
     assert transfers.last_install_wait_seconds > 0.0 and torch.equal(dst, src)
+    transfers.close()
+
+
+def test_a_windows_own_work_is_timed_less_the_install_waits_inside_it():
+    """On a CPU "device" the window's work is the training thread's seconds in it, less the
+    install copies it waited for (those count as the install's), and it is read only once the
+    window has ended."""
+    import time
+
+    from zenflow.host.transfers import Transfers
+    transfers = Transfers(torch.device("cpu"))
+    dst, src = torch.zeros(1 << 23), torch.ones(1 << 23)
+    began = time.perf_counter()
+    with transfers.window_work():
+        time.sleep(0.05)
+        transfers.new_install()
+        transfers.to_device([(dst, src)])
+    waited = transfers.last_install_wait_seconds
+    assert waited > 0.0 and transfers.last_window_work_seconds == 0.0   # not ended yet
+    with transfers.window_work(ends=True):   # the window's end: nothing more
+        pass
+    work = transfers.last_window_work_seconds
+    assert 0.05 <= work and work + waited <= time.perf_counter() - began
+    with transfers.window_work():   # the next window's, not read until it ends
+        time.sleep(0.01)
+    assert transfers.last_window_work_seconds == work
     transfers.close()
 
 

@@ -292,6 +292,12 @@ class HostPipeline:
         for i in indices:
             self.host.fp32("master", i).copy_(host_view(local(self.params[i]).detach())[self.rows[i]])
 
+    def pacing(self) -> tuple[float, float, float]:
+        """What paces an auto window, measured (seconds): the host's last update, the device's
+        wait for the last install and its own work in the last window (host/transfers.py)."""
+        t = self.transfers
+        return self.runner.last_update_seconds, t.last_install_wait_seconds, t.last_window_work_seconds
+
     def ready(self) -> bool:
         """Whether no host update is in flight (never blocks)."""
         if self.in_flight is None or self.in_flight.command is None:

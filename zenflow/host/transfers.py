@@ -21,6 +21,8 @@ instead of waiting:
   `last_install_wait_seconds` is how long the device waited for the last install: on CUDA
   from timing events recorded on the current stream around each wait, read once they have
   completed (never synchronized); on a CPU the seconds the training thread blocked.
+  `last_window_work_seconds`, timed the same way (`window_work`), is the device's time in the
+  last window's own work, less those waits: with them, what a window costs whatever its length.
 
 The device is always passed explicitly (never the implicit current device), so a rank that
 trains on cuda:3 never opens a context on cuda:0. On a CPU "device" (CPU-only torch, or the
@@ -32,6 +34,7 @@ later, and `fence` and `order_after` wait for it (the training thread is the CPU
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -123,6 +126,56 @@ class _CopyThread:
         self._thread.join()
 
 
+class _Periods:
+    """The device's seconds in spans of work, summed per period (an install's waits, a window's
+    own work) and read without blocking. A span is a CPU's seconds, or a pair of CUDA timing
+    events read once the later has completed (never synchronized); spans inside it that another
+    period counts are taken out of it. A period whose events had not completed when the next
+    began is read later, in order. `open_counts`: the period still open is read too (an
+    install's waits are over once it is finished; a window's work only once it has ended)."""
+
+    def __init__(self, open_counts: bool):
+        self._open_counts = open_counts
+        self._spans: list = []             # the current period's (span, spans inside it)
+        self._unread: list[list] = []      # earlier periods not yet measured
+        self._seconds = 0.0                # the last period measured
+
+    def add(self, span, inside=()) -> None:
+        self._spans.append((span, tuple(inside)))
+
+    def next(self) -> None:
+        if self._spans:
+            self._unread.append(self._spans)
+        self._spans = []
+
+    @staticmethod
+    def _measured(spans: list, cuda: bool) -> float | None:
+        def seconds(span):
+            if not cuda:
+                return span
+            start, end = span
+            return start.elapsed_time(end) / 1000.0 if end.query() else None
+        total = 0.0
+        for span, inside in spans:
+            parts = [seconds(span), *map(seconds, inside)]
+            if None in parts:
+                return None
+            total += max(0.0, parts[0] - sum(parts[1:]))
+        return total
+
+    def last_seconds(self, cuda: bool) -> float:
+        """The latest period measured (with `open_counts`, the open one once it has spans, all
+        measured)."""
+        while self._unread and (seconds := self._measured(self._unread[0], cuda)) is not None:
+            self._seconds = seconds
+            self._unread.pop(0)
+        if self._open_counts and not self._unread and self._spans:
+            seconds = self._measured(self._spans, cuda)
+            if seconds is not None:
+                self._seconds = seconds
+        return self._seconds
+
+
 class Transfers:
     """Device<->host copies for one optimizer on one device."""
 
@@ -131,11 +184,9 @@ class Transfers:
         self.cuda = uses_cuda(device)
         self._copy_cores = None if self.cuda else copy_cores
         self._copier = None       # the CPU copy thread, started at the first copy
-        # The device's waits for installs: of the install being finished now, and of earlier
-        # ones whose CUDA timing events had not completed when the next install began.
-        self._waits: list = []      # CUDA: (start, end) events on the current stream; CPU: seconds
-        self._unread_waits: list[list] = []
-        self._install_wait_seconds = 0.0
+        self._install_waits = _Periods(open_counts=True)   # the device waits for each install
+        self._window_work = _Periods(open_counts=False)    # ... and works at each window
+        self._waits_inside: list | None = None   # install waits while window work is timed
         self._locks: PageLocks | None = None
         if self.cuda:
             self._d2h = torch.cuda.Stream(device)
@@ -212,7 +263,7 @@ class Transfers:
             start = time.perf_counter()
             for dst, src in pairs:
                 copy(dst, src)
-            self._waits.append(time.perf_counter() - start)
+            self._waited(time.perf_counter() - start)
             if then is not None:
                 then()
             return DONE
@@ -243,37 +294,58 @@ class Transfers:
             for event in events:
                 current.wait_event(event)
             end.record(current)
-            self._waits.append((start, end))
+            self._waited((start, end))
         else:
-            self._waits.append(sum(t.wait() for t in tickets))
+            self._waited(sum(t.wait() for t in tickets))
+
+    def _waited(self, span) -> None:
+        self._install_waits.add(span)
+        if self._waits_inside is not None:
+            self._waits_inside.append(span)
 
     def new_install(self) -> None:
         """An install is queued: the device's waits from now on count towards it."""
-        if self._waits:
-            self._unread_waits.append(self._waits)
-        self._waits = []
-
-    def _measured(self, waits: list) -> float | None:
-        """The seconds the device spent in `waits`; None while a CUDA wait has not completed."""
-        if not self.cuda:
-            return sum(waits)
-        if not all(end.query() for _, end in waits):
-            return None
-        return sum(start.elapsed_time(end) for start, end in waits) / 1000.0
+        self._install_waits.next()
 
     @property
     def last_install_wait_seconds(self) -> float:
         """How long the device waited for the last install, all its waits counted (read it once
         the install has been finished, e.g. in the next step()). Never blocks: on CUDA waits not
         yet completed leave the previous install's figure (0 before the first)."""
-        while self._unread_waits and (seconds := self._measured(self._unread_waits[0])) is not None:
-            self._install_wait_seconds = seconds
-            self._unread_waits.pop(0)
-        if not self._unread_waits and self._waits:
-            seconds = self._measured(self._waits)
-            if seconds is not None:
-                self._install_wait_seconds = seconds
-        return self._install_wait_seconds
+        return self._install_waits.last_seconds(self.cuda)
+
+    @contextlib.contextmanager
+    def window_work(self, ends: bool = False):
+        """Time the block as the window's own work at its start or end (the outside writes'
+        fingerprints, the installs' queueing and corrections): the device's time in it, less the
+        install waits inside it (last_install_wait_seconds counts those). On CUDA two timing
+        events on the current stream, so the span also holds any time the device idles while the
+        training thread launches it or reads a result; on a CPU the training thread's seconds.
+        `ends`: the window's work is all timed with this block; what follows is the next's."""
+        outer, self._waits_inside = self._waits_inside, []
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record(self._current())
+        else:
+            began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                end.record(self._current())
+                span = (start, end)
+            else:
+                span = time.perf_counter() - began
+            self._window_work.add(span, self._waits_inside)
+            self._waits_inside = outer
+            if ends:
+                self._window_work.next()
+
+    @property
+    def last_window_work_seconds(self) -> float:
+        """The device's time in the last window's own work (window_work), as
+        last_install_wait_seconds reads its waits: never blocking, 0 before the first."""
+        return self._window_work.last_seconds(self.cuda)
 
     def spare_device_bytes(self, headroom: float = 0.1, activation_growth: float = 1.0) -> int:
         """Device memory left for the window sums (device_sum_budget="auto"), called at the first

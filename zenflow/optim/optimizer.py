@@ -262,8 +262,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
             self._timer.end(skipped=True)
             return
         if window_starts := not warming_up and count.window_steps == 0:
-            self._outside_writes.adopt_data_writes()
-            self._pipeline.place()
+            with self._pipeline.transfers.window_work():   # a window's fixed cost (a
+                self._outside_writes.adopt_data_writes()   # selection is not: its own schedule)
+                self._pipeline.place()
             self._select_columns(grads.by_param)
             grads = self._gradients.replan(grads, self._selector.has_chosen)
         staged = grads.staged()
@@ -304,8 +305,9 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
                 self._pipeline.drop_window()
                 count.window_spoiled = False
             # a one-step window's writes through .data were looked for at this step's start
-            self._end_window(synchronous=warming_up or not self.settings.overlap_step,
-                             looked=not warming_up and count.window_steps == 1, fresh=moved)
+            with self._pipeline.transfers.window_work(ends=True):
+                self._end_window(synchronous=warming_up or not self.settings.overlap_step,
+                                 looked=not warming_up and count.window_steps == 1, fresh=moved)
 
     def _settle_skips(self) -> None:
         """Read the kept flags of this window's steps so far (optim/step_scale.py); a skipped
@@ -317,17 +319,15 @@ class ZenFlowAdamW(BetweenSteps, torch.optim.Optimizer):
 
     def _window_ends(self) -> bool:
         if self._selector.reselection_due_at(self.counters.step + 1):
-            # ("step", N) reselects every N steps whatever the windows (as DeepSpeed does), and
-            # columns move only between windows: the next step reselects, so this one ends the
-            # window. Every rank counts the same steps, so no rank needs to be asked.
+            # ("step", N) reselects every N steps whatever the windows (as DeepSpeed does); columns
+            # move only between windows, so this one ends the window (every rank alike).
             self._window.reason = "a reselection is due at the next step"
             return True
-        host_s = step_s = install_s = 0.0
+        host_s = step_s = install_s = work_s = 0.0
         if self.settings.worker:   # in process nothing overlaps the step: nothing to pace
-            host_s, step_s = self._runner.last_update_seconds, self._step_period.seconds
-            install_s = self._pipeline.transfers.last_install_wait_seconds
+            (host_s, install_s, work_s), step_s = self._pipeline.pacing(), self._step_period.seconds
         ends = self._window.should_end(self.counters.window_steps, self._pipeline.ready(),
-                                       host_s, step_s, install_s)
+                                       host_s, step_s, install_s, work_s)
         if self._window.needs_rank_agreement and self._partition.active:
             # Every rank must end the window at the same step, and only once every rank's rule
             # says so (an auto window: once every rank's host is ready, so that none waits):

@@ -35,6 +35,8 @@ def optimizer_stats(opt) -> dict:
         "late_copies": opt._pipeline.early_copies.late,
         # what the device waited for the last finished install (attach() hides most of it)
         "last_install_wait_s": opt._pipeline.transfers.last_install_wait_seconds,
+        # ... and in the last window's own work at its start and end (fingerprints, queueing)
+        "last_window_work_s": opt._pipeline.transfers.last_window_work_seconds,
         "device_state_bytes": dev,
         "device_state_bytes_per_param": dev / max(1, numel),
         **opt._timer.summary(),

@@ -18,9 +18,11 @@ of the gathered selected columns), so no extra pass over the gradients is needed
 
 Bounds: windows are at least `min_steps` and at most `max_steps` long. With overlap, the window
 is also at least as long as it takes to hide the host update behind the device's steps
-(host seconds / step seconds, measured) and long enough that installing its result, a copy the
-device waits for, takes at most INSTALL_BUDGET of the window's time; and it ends early only if
-the host is ready: a longer window is chosen over a stall, up to `max_steps`.
+(host seconds / step seconds, measured) and long enough that what a window costs whatever its
+length (installing its result, a copy the device waits for, and its own work at its start and
+end: the outside writes' fingerprints, the installs' corrections) takes at most WINDOW_BUDGET of
+its time; and it ends early only if the host is ready: a longer window is chosen over a stall,
+up to `max_steps`.
 
 With `threshold=None` (ZenFlowAdamW's default) there is no importance criterion: a window ends as
 soon as those bounds allow, so windows are as short as the host keeps up with. Short windows are
@@ -33,15 +35,16 @@ import math
 import time
 from typing import Protocol
 
-# The share of the device's time that installing host updates may take (with overlap). On a GPU
-# the install is a host-to-device copy of the deferred columns that compute waits for: one
-# window of a 7B model in bf16 is ~12.6 GB, ~0.25-0.5 s over PCIe, so one-step windows would
-# spend 15-30% of a 1.7 s step copying. A longer window stalls less and learns less: each step a
-# window is shorter is worth about a tenth of a point of held-out loss in bf16 (the fine-tune,
-# benchmarks/README.md). 8% is the most that keeps the defaults' step within 1.10x of AdamW's on
-# one H100 and four A100s (zenflow estimate, Llama-2-7B): 3-step windows with the model attached,
-# 7 without; at 5% they were 5 and 10.
-INSTALL_BUDGET = 0.08
+# The share of the device's time that a window's fixed costs may take (with overlap): its
+# install and its own work at its start and end. On a GPU the install is a host-to-device copy
+# of the deferred columns that compute waits for: one window of a 7B model in bf16 is ~12.6 GB,
+# ~0.25-0.5 s over PCIe, so one-step windows would spend 15-30% of a 1.7 s step copying; on a
+# CPU "device" the window's fingerprints (passes over every matrix) cost most. A longer window
+# stalls less and learns less: each step a window is shorter is worth about a tenth of a point
+# of held-out loss in bf16 (the fine-tune, benchmarks/README.md). 8% is the most that keeps the
+# defaults' step within 1.10x of AdamW's on one H100 and four A100s (zenflow estimate,
+# Llama-2-7B): 3-step windows with the model attached, 7 without; at 5% they were 5 and 10.
+WINDOW_BUDGET = 0.08
 
 
 class WindowRule(Protocol):
@@ -60,7 +63,11 @@ class WindowRule(Protocol):
                 selected_cols: int) -> None: ...
 
     def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
-                   step_seconds: float, install_seconds: float = 0.0) -> bool: ...
+                   step_seconds: float, install_seconds: float = 0.0,
+                   work_seconds: float = 0.0) -> bool:
+        """`install_seconds`, `work_seconds`: the device's time in the last window's install
+        and in its own work (Transfers.last_install_wait_seconds, last_window_work_seconds)."""
+        ...
 
     def must_end(self, window_steps: int) -> bool:
         """Whether a window of `window_steps` steps ends whatever the timings (the same answer
@@ -90,7 +97,8 @@ class FixedWindow:
         pass
 
     def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
-                   step_seconds: float, install_seconds: float = 0.0) -> bool:
+                   step_seconds: float, install_seconds: float = 0.0,
+                   work_seconds: float = 0.0) -> bool:
         self.reason = f"fixed interval {self.steps}"
         return window_steps >= self.steps
 
@@ -141,25 +149,28 @@ class AutoWindow:
             return
         self.pending_importance += deferred / math.sqrt(selected_sq / selected_cols)
 
-    def hide_steps(self, host_seconds: float, step_seconds: float,
-                   install_seconds: float = 0.0) -> int:
+    def hide_steps(self, host_seconds: float, step_seconds: float, install_seconds: float = 0.0,
+                   work_seconds: float = 0.0) -> int:
         """Steps a window needs (overlap only) to cover one host update with the device's steps
-        and to keep installing its result within INSTALL_BUDGET of the window's time."""
+        and to keep its fixed costs (its install, and its own work) within WINDOW_BUDGET of the
+        window's time. An emulated GPU's host counts no window work: this CPU's passes over
+        every matrix are not a GPU's (a few milliseconds at Llama-2-7B: zenflow estimate)."""
         if not self.overlap:
             return 1
         if step_seconds <= 0.0:
             return max(1, self.emulated_host_steps)
         cover = max(math.ceil(host_seconds / step_seconds), self.emulated_host_steps)
-        install = math.ceil(install_seconds / (INSTALL_BUDGET * step_seconds))
-        return max(1, cover, install)
+        fixed = install_seconds + (0.0 if self.emulated_host_steps else work_seconds)
+        return max(1, cover, math.ceil(fixed / (WINDOW_BUDGET * step_seconds)))
 
     def should_end(self, window_steps: int, host_ready: bool, host_seconds: float,
-                   step_seconds: float, install_seconds: float = 0.0) -> bool:
+                   step_seconds: float, install_seconds: float = 0.0,
+                   work_seconds: float = 0.0) -> bool:
         if window_steps >= self.max_steps:
             self.reason = f"reached max_steps={self.max_steps}"
             return True
         floor = max(self.min_steps, min(self.max_steps, self.hide_steps(
-            host_seconds, step_seconds, install_seconds)))
+            host_seconds, step_seconds, install_seconds, work_seconds)))
         if window_steps < floor:
             return False
         if self.threshold is not None and self.pending_importance < self.threshold:

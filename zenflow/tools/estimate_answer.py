@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from zenflow.optim.windows import INSTALL_BUDGET
+from zenflow.optim.windows import WINDOW_BUDGET
 
 GIB = 1 << 30
 WINDOW_BOUNDS = (1, 16)   # update_interval="auto"'s (estimate_time.WINDOW_BOUNDS: no torch here)
@@ -112,8 +112,9 @@ def window_line(r: dict) -> list[str]:
         else:
             line += (f": the host's update of a window ({host}, {rate}) needs "
                      f"{cover} step(s) of {secs(tm['zenflow_T_dev_s'])} to hide, and the "
-                     f"install ({secs(t['install_wait_s'])} the device waits) {install} to "
-                     f"stay within {INSTALL_BUDGET:.0%} of the time")
+                     f"install and fingerprints ({secs(t['install_wait_s'] + t['fingerprint_s'])} the "
+                     f"device waits or works a window) {install} to stay within "
+                     f"{WINDOW_BUDGET:.0%} of the time")
             if U < max(cover, install):
                 line += (f"; at {U} the step waits {secs(tm['zenflow_stall_s'])} for them"
                          if s["update_interval_asked"] != "auto" else

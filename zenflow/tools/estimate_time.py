@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from zenflow.optim.windows import INSTALL_BUDGET
+from zenflow.optim.windows import WINDOW_BUDGET
 from zenflow.tools import estimate_terms as cost
 from zenflow.tools.estimate_terms import Counts, Speeds
 
@@ -82,23 +82,25 @@ def device_time(t: dict, cpu: bool, fwd_bwd_s: float) -> float:
 
 
 def window_needs(t: dict, fwd_bwd_s: float, cpu: bool) -> tuple[int, int] | None:
-    """(steps to hide the host, steps for the install budget): the fewest steps whose device
-    time covers the host's AdamW beside the per-step accumulate, and the fewest over which the
-    install takes at most INSTALL_BUDGET of the time. None: the per-step accumulate alone
-    outlasts the device's step, and no window hides the host."""
+    """(steps to hide the host, steps for the window budget): the fewest steps whose device
+    time covers the host's AdamW beside the per-step accumulate, and the fewest over which a
+    window's fixed costs (the install the device waits for and the window's fingerprints) take
+    at most WINDOW_BUDGET of the time. None: the per-step accumulate alone outlasts the
+    device's step, and no window hides the host."""
     T_dev = device_time(t, cpu, fwd_bwd_s)
     if t["accumulate_s"] >= T_dev:
         return None
     cover = math.ceil(t["adamw_s"] / (T_dev - t["accumulate_s"]) - 1e-9)
-    install = math.ceil(t["install_wait_s"] / (INSTALL_BUDGET * T_dev) - 1e-9)
+    fixed = t["install_wait_s"] + t["fingerprint_s"]
+    install = math.ceil(fixed / (WINDOW_BUDGET * T_dev) - 1e-9)
     return max(1, cover), max(1, install)
 
 
 def expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
                     bounds: tuple[int, int] = WINDOW_BOUNDS, ranks: int = 1) -> int:
     """The window update_interval="auto" settles at (zenflow/optim/windows.py): long enough for
-    the host to finish a window's update behind the device's steps, and for the install to take
-    at most INSTALL_BUDGET of the window's time. On several ranks a window ends one step after
+    the host to finish a window's update behind the device's steps, and for its fixed costs to
+    take at most WINDOW_BUDGET of the window's time. On several ranks a window ends one step after
     every rank's rule said so (the step that learns the vote does not wait for it:
     engine/rank_agreement.py), unless it reached its longest."""
     if fwd_bwd_s is None or not overlap:
