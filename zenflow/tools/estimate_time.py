@@ -92,8 +92,8 @@ def window_needs(t: dict, fwd_bwd_s: float, cpu: bool) -> tuple[int, int] | None
         return None
     cover = math.ceil(t["adamw_s"] / (T_dev - t["accumulate_s"]) - 1e-9)
     fixed = t["install_wait_s"] + t["fingerprint_s"]
-    install = math.ceil(fixed / (WINDOW_BUDGET * T_dev) - 1e-9)
-    return max(1, cover), max(1, install)
+    budget = math.ceil(fixed / (WINDOW_BUDGET * T_dev) - 1e-9)
+    return max(1, cover), max(1, budget)
 
 
 def expected_window(t: dict, fwd_bwd_s: float | None, cpu: bool, overlap: bool,
