@@ -28,3 +28,20 @@ def test_gather_and_scatter_of_many_equal_one_at_a_time(monkeypatch):
         columns.scatter_columns(m, i, v)
     for a, b in zip(batched, single):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_gather_on_several_threads_equals_index_select():
+    """In host memory with more than one torch thread gather_columns takes torch.gather (a
+    reselection's host columns on every core): the same values as index_select, converted."""
+    gen = torch.Generator().manual_seed(1)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for dtype in (torch.float32, torch.bfloat16):
+                m = torch.randn(37, 50, generator=gen).to(dtype)
+                i = torch.randperm(50, generator=gen)[:9].sort().values
+                out = columns.gather_columns(m, i, torch.empty(37, 9))
+                assert torch.equal(out, m.index_select(1, i).float())
+    finally:
+        torch.set_num_threads(threads)
