@@ -10,16 +10,18 @@ process. Writes JSON (machine named) under DIR (default benchmarks/results/).
 
     python benchmarks/selection.py --large [--rounds 3]
 
-Reselections of Llama-shaped matrices (two 4096x11008, two 11008x4096: 180M parameters) on 1 and
-2 torch threads, the host columns gathered by index_select (one thread, as before) and by
-columns.gather_columns (a gather on every thread), alternated in one process; random gradients,
-so most columns move (a reselection's worst case). Reports each reselection's time and the part of
-it in the host's column gathers (handoff._host_columns); on a CPU "device" the rest is mostly the
-device state's own reshuffle, which a GPU does at HBM speed.
+Reselections of Llama-shaped matrices (two 4096x11008, two 11008x4096: 180M parameters), with a
+worker, the training thread on 1 and on 2 torch threads, as before (the host's columns gathered
+by index_select, which runs on one thread, and no threads lent) and now (columns.gather_columns,
+a gather on every thread, and the drained worker's cores lent: cores.lent_threads), alternated in
+one process; random gradients, so most columns move (a reselection's worst case). Reports each
+reselection's time and the part of it in the host's column gathers (handoff._host_columns); on a
+CPU "device" the rest is mostly the device state's own reshuffle, which a GPU does at HBM speed.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -97,16 +99,24 @@ def _index_select_columns(matrix, index, out):
     return out.copy_(matrix.index_select(1, index))
 
 
-def _large_reselections(gathers: dict, threads: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each reselection of the Llama-shaped matrices, per (gather, threads)."""
+@contextlib.contextmanager
+def _no_threads_lent(cores):
+    """cores.lent_threads as it was: nothing lent."""
+    yield torch.get_num_threads()
+
+
+def _large_reselections(systems: dict, threads: tuple, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each reselection of the Llama-shaped matrices, per (system, threads); a system
+    is (the column gather, the threads lent)."""
     import zenflow
-    from zenflow.optim import columns, handoff
+    from zenflow.optim import columns, handoff, selector
     gen = torch.Generator().manual_seed(0)
     shapes = [(4096, 11008), (11008, 4096)] * 2
     params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes]
     grads = [torch.randn(s, generator=gen) for s in shapes]
     times: dict[str, list[float]] = {}
-    current, host_columns = columns.gather_columns, handoff._host_columns
+    current, host_columns, lent = columns.gather_columns, handoff._host_columns, \
+        selector.lent_threads
     gathering = [0.0]   # seconds in the host's column gathers, this reselection
 
     def timed_host_columns(*args):
@@ -115,7 +125,7 @@ def _large_reselections(gathers: dict, threads: int, rounds: int) -> dict[str, l
         gathering[0] += time.perf_counter() - start
         return out
     handoff._host_columns = timed_host_columns
-    with zenflow.ZenFlowAdamW(params, lr=1e-4, worker=False, update_interval=1, topk_ratio=0.1,
+    with zenflow.ZenFlowAdamW(params, lr=1e-4, update_interval=1, topk_ratio=0.1,
                               select_strategy="step", select_interval=2) as opt:
         select, label = opt._selector.select, [""]
 
@@ -129,17 +139,19 @@ def _large_reselections(gathers: dict, threads: int, rounds: int) -> dict[str, l
         try:
             for r in range(rounds):
                 for n in threads:
-                    for name, gather in gathers.items():
+                    for name, (gather, lending) in systems.items():
                         label[0] = f"{name}, {n} thread(s)"
                         print(f"round {r + 1}/{rounds}: {label[0]}", flush=True)
                         torch.set_num_threads(n)
                         columns.gather_columns = gather
+                        selector.lent_threads = lending
                         for _ in range(4):   # two reselections: every other step
                             for p, g in zip(params, grads):
                                 p.grad = g.roll(int(torch.randint(1, 99, (1,), generator=gen)), 1)
                             opt.step()
         finally:
             columns.gather_columns, handoff._host_columns = current, host_columns
+            selector.lent_threads = lent
     return times
 
 
@@ -176,16 +188,17 @@ def main() -> None:
 
 
 def _main_large(args) -> None:
+    from zenflow.host.cores import lent_threads
     from zenflow.optim import columns
-    gathers = {"index_select (before)": _index_select_columns,
-               "gather_columns (now)": columns.gather_columns}
-    times = _large_reselections(gathers, (1, 2), args.rounds)
+    systems = {"before": (_index_select_columns, _no_threads_lent),
+               "now": (columns.gather_columns, lent_threads)}
+    times = _large_reselections(systems, (1, 2), args.rounds)
     table = {k: {"median_s": statistics.median(v), "runs_s": v} for k, v in times.items()}
     for k, v in table.items():
         print(f"{k:55s} {v['median_s'] * 1e3:9.1f} ms a reselection")
     for n in (1, 2):
         for part in ("", ": host gathers"):
-            before, now = (table[f"{g}, {n} thread(s){part}"]["median_s"] for g in gathers)
+            before, now = (table[f"{g}, {n} thread(s){part}"]["median_s"] for g in systems)
             table[f"speed-up, {n} thread(s){part}"] = before / now
             print(f"{n} thread(s){part or ': reselection'}: now {before / now:.2f}x as fast")
     machine = machine_info("cpu")

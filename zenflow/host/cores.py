@@ -7,7 +7,8 @@ cores on every socket reach. So by default the training process keeps `TRAINING_
 cores of its rank's share and the worker takes all the others, on every socket of the share
 (zenflow/host/numa.py puts each socket's part of the host state on that socket's memory). A
 config that sets `pt_reserved_cores_perc` gets DeepSpeed's split instead: that fraction of the
-cores for the training process.
+cores for the training process. While the worker is drained (a reselection moves columns in
+host memory), the training thread borrows its cores (`lent_threads`).
 
 The functions taking `cores` (physical cores as lists of CPU ids, socket by socket) are pure; the
 others read the machine (affinity, /sys topology, torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE).
@@ -16,6 +17,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 
 # Physical cores the training process keeps by default, per rank: its Python thread and
 # autograd's device thread (the backward on a GPU). A data loader with worker processes wants
@@ -108,3 +113,23 @@ def local_rank_share(cpus: list[int]) -> list[int]:
     if local_world <= 1:
         return cpus
     return _flat(rank_share(_physical_cores(cpus), local_rank, local_world))
+
+
+@contextmanager
+def lent_threads(cores: list[int] | None) -> Iterator[int]:
+    """Run the block on this thread's torch threads plus one for each of `cores` (the worker's,
+    idle while the host is drained: a reselection's column moves in host memory), at most one per
+    CPU this process may use; then on as many as before. Yields the count. torch keeps the count
+    per thread (OpenMP), so autograd's and the copy thread's are untouched."""
+    before = torch.get_num_threads()
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    wanted = min(allowed, before + len(cores or ()))
+    if wanted <= before:
+        yield before
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield wanted
+    finally:
+        torch.set_num_threads(before)

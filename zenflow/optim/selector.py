@@ -14,6 +14,7 @@ import torch
 
 from zenflow.adamw import FP32_STATE
 from zenflow.distributed import Partition
+from zenflow.host.cores import lent_threads
 from zenflow.host.pipeline import HostPipeline
 from zenflow.optim import columns, handoff
 from zenflow.optim.device_adam import runs_of, write_selected
@@ -81,6 +82,15 @@ class ColumnSelector:
     def select(self, plan: SelectionPlan, step: int) -> None:
         """Move the columns of `plan` (the host must hold no update in flight)."""
         self.pipeline.drain()
+        with lent_threads(self.pipeline.worker_cores):   # the drained worker's cores are idle
+            self._move(plan)
+        self.has_chosen = True
+        self.schedule.selected(step)
+        if not plan.first:
+            self.num_reselections += 1
+        self.tell_owned_columns()
+
+    def _move(self, plan: SelectionPlan) -> None:
         done = self._move_blocks(plan)
         for j, (m, importance) in enumerate(zip(plan.matrices, plan.importances)):
             if j in done:
@@ -100,11 +110,6 @@ class ColumnSelector:
             if m.k:   # the device's columns now hold the host's values: the weights too (every
                 # device step first takes the weights as written, optim/device_adam.py)
                 m.param_from_selected(self.pipeline.weights(m.host_index))
-        self.has_chosen = True
-        self.schedule.selected(step)
-        if not plan.first:
-            self.num_reselections += 1
-        self.tell_owned_columns()
 
     def _move_blocks(self, plan: SelectionPlan) -> set[int]:
         """The columns of whole ColumnBlocks whose members are back to back on the host, a block
