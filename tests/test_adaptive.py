@@ -194,3 +194,39 @@ def test_retained_masses_are_each_matrixs_held_and_best_importance_summed():
     assert got.tolist() == pytest.approx([held, best], rel=1e-6)
     assert retained_masses([torch.rand(3)], [torch.zeros(0, dtype=torch.long)], [0]).tolist() == \
         [0.0, 0.0]
+
+
+def _reselecting_run(monkeypatch, caplog, move_s: float, other_s: float) -> dict:
+    """A matrix reselected every other step, each reselection's moves taking `move_s` and each
+    step's forward and backward `other_s` (sleeps); returns stats()."""
+    import time
+
+    from zenflow.optim import handoff
+    move = handoff.move_columns
+    monkeypatch.setattr(handoff, "move_columns", lambda *a: (time.sleep(move_s), move(*a))[1])
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 16, generator=gen))
+    with caplog.at_level(logging.WARNING, logger="zenflow"), \
+            zenflow.ZenFlowAdamW([param], lr=1e-3, worker=False, topk_ratio=0.25, update_interval=1,
+                                 select_strategy="step", select_interval=2) as opt:
+        for _ in range(8):
+            time.sleep(other_s)
+            param.grad = torch.randn(8, 16, generator=gen)
+            opt.step()
+        return opt.stats()
+
+
+def test_costly_reselections_are_timed_and_reported_once_with_an_interval(monkeypatch, caplog):
+    stats = _reselecting_run(monkeypatch, caplog, move_s=0.05, other_s=0.0)
+    assert stats["reselections"] == 3
+    assert stats["last_reselect_s"] >= 0.05 and stats["reselect_s_total"] >= 0.15
+    said = [r.getMessage() for r in caplog.records if "reselections took" in r.getMessage()]
+    assert len(said) == 1 and "select_interval=" in said[0]
+    interval = int(said[0].split("select_interval=")[1].split(",")[0])
+    assert interval > 2   # longer than the run's own interval: the cost needs fewer of them
+
+
+def test_cheap_reselections_are_timed_and_not_reported(monkeypatch, caplog):
+    stats = _reselecting_run(monkeypatch, caplog, move_s=0.0, other_s=0.05)
+    assert stats["reselections"] == 3 and 0 < stats["reselect_s_total"] < 0.1
+    assert not [r for r in caplog.records if "reselections took" in r.getMessage()]

@@ -8,6 +8,8 @@ says which matrices get which importance, `select()` moves the columns (`zenflow
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,12 @@ from zenflow.optim.params import HostParam
 from zenflow.optim.selection_schedule import SelectionSchedule
 
 log = logging.getLogger("zenflow")
+
+# Above this share of the time since the first selection, reselections (each moves the selected
+# columns' state between the device and the host buffers while the device waits: seconds at 7B
+# parameters) are reported once, with the interval that would keep them within RESELECT_BUDGET.
+RESELECT_WARN_SHARE = 0.10
+RESELECT_BUDGET = 0.05
 
 
 @dataclass
@@ -48,6 +56,10 @@ class ColumnSelector:
         self.schedule = schedule
         self.has_chosen = False      # columns chosen yet (not during warm-up)
         self.num_reselections = 0
+        # wall seconds of the training thread in reselections (stats()), and since when
+        self.reselect_seconds, self.last_reselect_seconds = 0.0, 0.0
+        self._first: tuple[float, int] | None = None   # (perf_counter, step) of the first
+        self._warned = False
 
     def plan(self, step: int, grads: dict) -> SelectionPlan | None:
         """At a window boundary: what to select now, or None to keep the selection."""
@@ -81,14 +93,43 @@ class ColumnSelector:
 
     def select(self, plan: SelectionPlan, step: int) -> None:
         """Move the columns of `plan` (the host must hold no update in flight)."""
+        start = time.perf_counter()
         self.pipeline.drain()
         with lent_threads(self.pipeline.worker_cores):   # the drained worker's cores are idle
             self._move(plan)
         self.has_chosen = True
         self.schedule.selected(step)
-        if not plan.first:
-            self.num_reselections += 1
         self.tell_owned_columns()
+        now = time.perf_counter()
+        if plan.first or self._first is None:   # (a resumed run: from its first reselection)
+            self._first = (now, step)
+        if plan.first:
+            return
+        self.num_reselections += 1
+        self.last_reselect_seconds = now - start
+        self.reselect_seconds += now - start
+        self._report_costly(now, step)
+
+    def _report_costly(self, now: float, step: int) -> None:
+        """Once: say so when reselections take more than RESELECT_WARN_SHARE of the time since
+        the first selection (two of them at least), and what keeps them within RESELECT_BUDGET."""
+        if self._warned or self._first is None or self.num_reselections < 2:
+            return
+        since, first_step = self._first
+        elapsed, steps = now - since, step - first_step
+        if steps <= 0 or self.reselect_seconds <= RESELECT_WARN_SHARE * elapsed:
+            return
+        self._warned = True
+        step_s = max(1e-9, (elapsed - self.reselect_seconds) / steps)
+        interval = math.ceil(self.last_reselect_seconds / (RESELECT_BUDGET * step_s))
+        log.warning("reselections took %.1f s of the %.1f s since the first selection (%d of "
+                    "them, the last %.2f s; %s): each moves the selected columns' state between "
+                    "the device and the host while the device waits. Reselecting no more "
+                    "often than every %d steps keeps them within %.0f%%: select_strategy='step' "
+                    "with select_interval=%d, or under 'drift' a lower reselect_threshold.",
+                    self.reselect_seconds, elapsed, self.num_reselections,
+                    self.last_reselect_seconds, self.schedule.description, interval,
+                    100 * RESELECT_BUDGET, interval)
 
     def _move(self, plan: SelectionPlan) -> None:
         done = self._move_blocks(plan)

@@ -14,6 +14,9 @@ def optimizer_stats(opt) -> dict:
         "skipped_steps": opt.counters.skipped_steps,
         "windows": opt.counters.num_windows,
         "reselections": opt._selector.num_reselections,
+        # the training thread's seconds in them (the device waits: columns move with their state)
+        "reselect_s_total": opt._selector.reselect_seconds,
+        "last_reselect_s": opt._selector.last_reselect_seconds,
         "update_interval": opt.settings.update_interval,
         "last_window_steps": opt._window.last_interval,
         "retained_importance": opt._selector.schedule.last_retained,
