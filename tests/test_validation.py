@@ -231,3 +231,23 @@ def test_step_after_close_raises():
     MODELS["mlp"][1](model, 0).backward()
     with pytest.raises(RuntimeError, match="after close"):
         opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_saved_state_tensor_with_one_bad_value_is_refused_by_name(dtype):
+    """One inf, -inf or NaN among finite values (and, in a second moment, one negative value) is
+    enough: the check reads every value (a min and a max in one pass)."""
+    from zenflow.saved_state import check_saved_tensors
+    like = {"master": torch.zeros(4, 5), "exp_avg_sq": torch.zeros(4, 5)}
+    good = {name: torch.rand(4, 5).to(dtype) for name in like}
+    check_saved_tensors(good, like)
+    for name, value, said in [("master", float("inf"), "non-finite"),
+                              ("master", -float("inf"), "non-finite"),
+                              ("exp_avg_sq", float("nan"), "non-finite"),
+                              ("exp_avg_sq", -1e-3, "negative")]:
+        bad = {k: v.clone() for k, v in good.items()}
+        bad[name][2, 3] = value
+        with pytest.raises(ValueError, match=f"saved {name} holds {said}"):
+            check_saved_tensors(bad, like)
+    good["master"][0, 0] = -1.0   # a negative master value is fine
+    check_saved_tensors(good, like)

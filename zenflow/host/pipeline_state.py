@@ -9,6 +9,7 @@ import math
 import torch
 
 from zenflow.adamw import FP32_STATE
+from zenflow.host.cores import lent_threads
 from zenflow.host.layout import HostJob, HostJobs, HostUpdate
 from zenflow.saved_state import check_count, check_saved_tensors
 
@@ -18,27 +19,31 @@ def save(pipe) -> dict:
     Drains first, so the snapshot is consistent (the in-flight update is done, not installed).
     The credit rule's sums of squares and device rates ride along (zeros where it keeps none)."""
     pipe.drain()
-    per_param = []
-    for i in range(len(pipe.params)):
-        grad_sum = (pipe.device_sums.sums[i].to("cpu", torch.float32, copy=True)
-                    if i in pipe.device_sums
-                    else pipe.host.fp32(f"grad_sum{pipe._sum_slot}", i))
-        squares, rate = pipe.credit.saved(i, grad_sum)
-        per_param.append({
-            **pipe.credit.saved_factors(i, pipe.host, pipe.num_grads[i]),
-            # fp32 whatever host_moments_dtype (a bf16 moment widens exactly)
-            **{kind: pipe.host.state(kind, i).to(torch.float32, copy=True)
-               for kind in FP32_STATE},
-            # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
-            "grad_sum": grad_sum.clone() if pipe.num_grads[i] else torch.zeros_like(grad_sum),
-            "grad_sq_sum": squares if pipe.num_grads[i] else torch.zeros_like(grad_sum),
-            "rate": rate,
-            "host_step": pipe.host_step[i], "num_grads": pipe.num_grads[i]})
+    with lent_threads(pipe.worker_cores):   # the drained worker's cores copy too
+        per_param = [_saved_param(pipe, i) for i in range(len(pipe.params))]
     in_flight = jobs = None
     if pipe.in_flight is not None:
         in_flight = pipe.in_flight.matrices
         jobs = [job.saved() for job in pipe.in_flight.jobs]   # done: nothing to widen
     return {"params": per_param, "in_flight": in_flight, "in_flight_jobs": jobs}
+
+
+def _saved_param(pipe, i: int) -> dict:
+    """save()'s copy of parameter i's host state."""
+    grad_sum = (pipe.device_sums.sums[i].to("cpu", torch.float32, copy=True)
+                if i in pipe.device_sums
+                else pipe.host.fp32(f"grad_sum{pipe._sum_slot}", i))
+    squares, rate = pipe.credit.saved(i, grad_sum)
+    return {
+        **pipe.credit.saved_factors(i, pipe.host, pipe.num_grads[i]),
+        # fp32 whatever host_moments_dtype (a bf16 moment widens exactly)
+        **{kind: pipe.host.state(kind, i).to(torch.float32, copy=True)
+           for kind in FP32_STATE},
+        # A sum no gradient reached yet holds stale bytes (the next one overwrites them).
+        "grad_sum": grad_sum.clone() if pipe.num_grads[i] else torch.zeros_like(grad_sum),
+        "grad_sq_sum": squares if pipe.num_grads[i] else torch.zeros_like(grad_sum),
+        "rate": rate,
+        "host_step": pipe.host_step[i], "num_grads": pipe.num_grads[i]}
 
 
 def check(pipe, state: dict, window_steps: int | None = None) -> None:
@@ -89,6 +94,12 @@ def load(pipe, state: dict) -> HostJobs | None:
     # and the last copy of the device sums.
     pipe.timer.stall(pipe._install_reader.wait() + pipe.device_sums.wait_copied())
     pipe._start_over()
+    with lent_threads(pipe.worker_cores):   # the drained worker's cores copy too
+        return _loaded(pipe, state)
+
+
+def _loaded(pipe, state: dict) -> HostJobs | None:
+    """load()'s copies into the host buffers, and the update in flight's jobs (published)."""
     for i, s in enumerate(state["params"]):
         for kind in FP32_STATE:   # (into bf16 moments: rounded to nearest)
             pipe.host.state(kind, i).copy_(s[kind])
