@@ -110,6 +110,9 @@ def test_lent_threads_adds_the_workers_cores_within_the_cpus_and_gives_them_back
         assert torch.get_num_threads() == 1           # given back on an error too
         with cores.lent_threads(None) as n:           # no worker: nothing lent
             assert n == 1
+        monkeypatch.setattr(cores, "_openmp", lambda: False)
+        with cores.lent_threads([5]) as n:            # torch's native pool keeps its size
+            assert n == torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

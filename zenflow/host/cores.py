@@ -15,6 +15,7 @@ others read the machine (affinity, /sys topology, torchrun's LOCAL_RANK and LOCA
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -115,17 +116,26 @@ def local_rank_share(cpus: list[int]) -> list[int]:
     return _flat(rank_share(_physical_cores(cpus), local_rank, local_world))
 
 
+@functools.cache
+def _openmp() -> bool:
+    """Whether torch's CPU operators run on OpenMP, whose team a thread count can resize at any
+    time (torch's native pool warns and keeps its size once parallel work has started)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 @contextmanager
 def lent_threads(cores: list[int] | None) -> Iterator[int]:
-    """Run the block on this thread's torch threads plus one for each of `cores` (the worker's,
-    idle while the host is drained: a reselection's column moves in host memory), at most one per
-    CPU this process may use; then on as many as before. Yields the count. torch keeps the count
-    per thread (OpenMP), so autograd's and the copy thread's are untouched."""
+    """Run the block on the process's torch threads plus one for each of `cores` (the worker's,
+    idle while the host is drained: a reselection's column moves, a state's copies in host
+    memory), at most one per CPU this process may use; then on as many as before. Yields the
+    count. The count is the process's: another thread's CPU operators meanwhile (the copy thread's,
+    idle while drained) may take the lent cores too. Under torch's native thread pool (not
+    OpenMP) nothing is lent."""
     before = torch.get_num_threads()
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         (os.cpu_count() or 1)
     wanted = min(allowed, before + len(cores or ()))
-    if wanted <= before:
+    if wanted <= before or not _openmp():
         yield before
         return
     torch.set_num_threads(wanted)
