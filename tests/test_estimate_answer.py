@@ -89,6 +89,8 @@ def test_with_a_step_time_it_recommends_and_gives_the_reasons():
     assert (f"ZenFlowAdamW {gib(h['zenflow']['arena_bytes'])} of RAM" in flat
             and f"{gib(h['zenflow']['pinned_bytes'])} of it page-locked" in flat)
     assert "The selftest's machine has 512.0 GiB available: it fits." in flat
+    assert (f"reselection: the device waits about {secs(r['seconds']['reselect_s'])} "
+            f"({r['seconds']['reselect_s'] / tm['zenflow_step_s']:.1f} steps) for one") in flat
     # the details say the same window
     assert f"update_interval {U} (expected auto window)" in text
 
@@ -175,3 +177,9 @@ def test_a_broken_selftest_json_is_named_with_its_argument(tmp_path, capsys):
 def test_estimate_refuses_an_argument_out_of_range_naming_it(name, value):
     with pytest.raises(ValueError, match=f"estimate\\(\\): {name} must be .*, got {value!r}"):
         estimate([("w", (64, 64))], **{name: value})
+
+
+def test_no_reselection_is_spoken_of_where_no_column_can_move():
+    for ratio in (0.0, 1.0):
+        r = estimate(LLAMA2_7B, torch.bfloat16, fwd_bwd_s=0.5, measured=H100, topk_ratio=ratio)
+        assert "reselection:" not in _answer(format_report(r))

@@ -224,3 +224,20 @@ def test_the_operator_counts_are_what_step_dispatches():
         assert step[1] == pytest.approx(per_step, abs=0.5), (placement, step)
         assert window[1] == pytest.approx(per_window, abs=1.5), (placement, window)
         assert step[0] == pytest.approx(cost.STEP_OPERATORS, abs=10), (placement, step)
+
+
+def test_a_reselection_by_hand():
+    """Every selected column moving: the rank's host state by the column-move rate, each moving
+    value's three fp32 words down and back up, and on the device the three [rows, k] states
+    (four passes each) and the weights' lines the new columns lie in, read and written; nothing
+    where the device holds no column."""
+    c = cost.Counts(item=2, rate_item=2, sum_item=2, world=1, params=100, vector_params=0,
+                    selected_params=10, touched_bytes=64, rank_matrix_params=100,
+                    deferred_params_all=100, host_summed=0, device_plain=100, device_moments=0,
+                    offload_params=100)
+    speeds = cost.Speeds(host_adamw=1, host_accumulate=1, host_factored=1, device_adamw=1,
+                         norm=1, copy=1000.0, fingerprint=1, d2h=240.0, h2d=120.0,
+                         host_reselect=50.0)
+    assert cost.reselect_s(c, speeds) == pytest.approx(
+        100 / 50 + 12 * 10 / 240 + 12 * 10 / 120 + (4 * 12 * 10 + 2 * 64) / 1000)
+    assert cost.reselect_s(cost.Counts(**{**c.__dict__, "selected_params": 0}), speeds) == 0.0

@@ -42,6 +42,8 @@ ASSUMED = {
     "host_adamw_params_per_s": (None, "host AdamW over the workers' cores"),
     "host_accumulate_params_per_s": (None, "host gradient accumulation over the workers' cores"),
     "host_factored_params_per_s": (None, "the workers' deferred_credit=\"factored\" update"),
+    "host_reselect_params_per_s": (None, "a reselection's column moves in the host state, on "
+                                         "the training thread with the workers' cores lent"),
     "device_adamw_params_per_s": (5.0e10, "fused AdamW on the GPU (HBM-bound, ~28 B/param)"),
     "device_norm_bytes_per_s": (2.0e12, "gradient bytes read per second by the norm kernel "
                                         "on the GPU (HBM)"),
@@ -107,6 +109,7 @@ def speeds(fig: dict, cpu: bool, world: int) -> Speeds:
     return Speeds(host_adamw=fig["host_adamw_params_per_s"] / world,
                   host_accumulate=fig["host_accumulate_params_per_s"] / world,
                   host_factored=fig["host_factored_params_per_s"] / world,
+                  host_reselect=fig["host_reselect_params_per_s"] / world,
                   device_adamw=fig["device_adamw_params_per_s"],
                   norm=fig["device_norm_bytes_per_s"], copy=fig["device_pass_bytes_per_s"],
                   fingerprint=fig["device_fingerprint_bytes_per_s"], d2h=d2h, h2d=h2d,

@@ -13,6 +13,7 @@ WINDOW_BOUNDS = (1, 16)   # update_interval="auto"'s (estimate_time.WINDOW_BOUND
 FIGURE_NAMES = {"host_adamw_params_per_s": "host AdamW",
                 "host_factored_params_per_s": "host \"factored\" update",
                 "host_accumulate_params_per_s": "host accumulate",
+                "host_reselect_params_per_s": "host column moves",
                 "device_adamw_params_per_s": "device AdamW",
                 "device_norm_bytes_per_s": "gradient norm", "device_copy_bytes_per_s":
                 "device copies", "device_pass_bytes_per_s": "device passes",
@@ -159,6 +160,21 @@ def step_line(r: dict) -> list[str]:
     return lines
 
 
+def reselect_line(r: dict) -> list[str]:
+    """What one reselection costs: the moves of the columns' state while the device waits."""
+    cost, tm = r["seconds"].get("reselect_s", 0.0), r["time"]
+    if not cost or not 0 < r["settings"]["topk_ratio"] < 1:   # nothing to move
+        return []
+    steps = (f" ({cost / tm['zenflow_step_s']:.1f} steps)"
+             if "zenflow_step_s" in tm and cost >= 0.05 * tm["zenflow_step_s"] else "")
+    return [f"reselection: the device waits about {secs(cost)}{steps} for one, every selected "
+            f"column moving its master value and moments between the device and the host (the "
+            f"host's column moves at {_figure(r, 'host_reselect_params_per_s', 'params/s')}). "
+            "select_strategy 'drift' (the default) reselects when the selection drifts, as often "
+            "as your gradients make it: stats()['reselect_s_total'] counts them, and a warning "
+            "names the select_interval that keeps them within 5%."]
+
+
 def device_line(r: dict) -> str:
     g, s, unit = r["per_gpu"], r["settings"], _unit(r)
     left = g["left_for_activations_bytes"]
@@ -237,8 +253,8 @@ def answer(r: dict, width: int = 100) -> list[str]:
     windows by forward+backward time as it is)."""
     out = textwrap.wrap("Answer: " + verdict(r), width, subsequent_indent="  ",
                         break_on_hyphens=False)
-    for line in window_line(r) + step_line(r) + [device_line(r), host_line(r), bus_line(r),
-                                                 figures_line(r)]:
+    for line in window_line(r) + step_line(r) + reselect_line(r) + [
+            device_line(r), host_line(r), bus_line(r), figures_line(r)]:
         out += ([line] if line.startswith("    ") else
                 textwrap.wrap(line, width, initial_indent="  - ", subsequent_indent="    ",
                               break_on_hyphens=False))

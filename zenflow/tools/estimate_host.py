@@ -46,6 +46,11 @@ PASSES = {
     "host_factored_params_per_s": (0.18e9, 34),
     # a bf16 gradient row read, its fp32 sum read and written
     "host_accumulate_params_per_s": (2.0e9, 10),
+    # a reselection's column moves (optim/handoff.py), every selected column changing: in each of
+    # the three fp32 state buffers a gather and a scatter of columns, which touch ~81% of the
+    # 64-byte lines at topk_ratio 0.1, the scatter's read and written (benchmarks/drained_host.py:
+    # the gathers of 180M parameters' three buffers 104 ms on one core, a scatter 1.17x a gather)
+    "host_reselect_params_per_s": (0.8e9, 29),
 }
 # host_moments_dtype="bfloat16": both moments read and written in 2 bytes (8 fewer a
 # parameter), but widened and rounded back by separate passes (host/compact_moments.py): per

@@ -81,6 +81,7 @@ class Speeds:
     h2d: float               # bytes/s host -> device (a CPU device: memcpy)
     operator: float = 25e-6  # the training thread's seconds per operator step() dispatches
     compiled_call: float = 0.5e-3   # ... per call of a compiled "factored" kernel
+    host_reselect: float = 0.8e9     # parameters/s of a reselection's host column moves
 
 
 # ------------------------------------------------------------------------------- bus bytes
@@ -265,6 +266,20 @@ def fingerprint_s(c: Counts, s: Speeds) -> float:
     printed = c.device_factored if c.fused_factored and not c.factored_other_params else 0
     passes = 3 * c.rank_matrix_params - c.moving - printed
     return c.item * passes / s.fingerprint
+
+
+def reselect_s(c: Counts, s: Speeds) -> float:
+    """Per reselection, the device waiting (optim/handoff.py move_columns), at worst every
+    selected column changing: the rank's host state moved column by column (a gather and a
+    scatter in each of its three buffers, host_reselect), each moving column's master value and
+    moments down and back up over the bus (pageable: the page-locked figures bound it), and on
+    the device the three [rows, k] states reshuffled (about four passes each) and the new columns
+    written into the weights (the lines they lie in, read and written)."""
+    if not c.selected_params:
+        return 0.0
+    device_bytes = 4 * 3 * FP32 * c.selected_params + 2 * c.touched_bytes
+    return (c.rank_matrix_params / s.host_reselect
+            + 3 * FP32 * c.selected_params * (1 / s.d2h + 1 / s.h2d) + device_bytes / s.copy)
 
 
 def offload_fingerprint_s(c: Counts, s: Speeds) -> float:

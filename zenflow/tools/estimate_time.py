@@ -235,6 +235,7 @@ def work_seconds(c: Counts, s: Speeds, mats, moving: set[int], fwd_bwd_s: float 
          "install_gather_s": cost.install_device_s(c, s),
          "device_update_s": cost.device_update_s(c, s),
          "fingerprint_s": cost.fingerprint_s(c, s),
+         "reselect_s": cost.reselect_s(c, s),
          "offload_fingerprint_s": cost.offload_fingerprint_s(c, s),
          "offload_host_s": cost.offload_host_s(c, s),
          "offload_norm_s": cost.offload_norm_s(c, s),
