@@ -144,3 +144,28 @@ def test_a_reselection_moves_columns_on_the_drained_workers_cores_too(monkeypatc
         assert seen and set(seen) == {3} and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_state_dict_and_load_copy_on_the_drained_workers_cores_too(monkeypatch):
+    import torch
+
+    import zenflow
+    from zenflow.host import pipeline_state
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    seen = []
+    for name in ("_saved_param", "_loaded"):
+        inner = getattr(pipeline_state, name)
+        monkeypatch.setattr(pipeline_state, name, lambda *a, inner=inner: (
+            seen.append(torch.get_num_threads()), inner(*a))[1])
+    param = torch.nn.Parameter(torch.randn(8, 16))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with zenflow.ZenFlowAdamW([param], lr=1e-3, worker=False, topk_ratio=0.25) as opt:
+            opt._pipeline.worker_cores = [6, 7]   # a worker's two cores (this one runs inline)
+            param.grad = torch.randn(8, 16)
+            opt.step()
+            opt.load_state_dict(opt.state_dict())
+        assert seen == [3, 3] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
