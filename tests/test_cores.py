@@ -94,78 +94,74 @@ def test_one_cpu_is_shared_and_bad_fractions_are_refused():
         cores.split_cores(1.5, [0, 1])
 
 
-def test_lent_threads_adds_the_workers_cores_within_the_cpus_and_gives_them_back(monkeypatch):
+@pytest.fixture
+def one_torch_thread(monkeypatch):
+    """The training thread on one torch thread, this process allowed 8 CPUs (a test may allow
+    fewer), and the thread count as it was afterwards."""
     import torch
-    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        with cores.lent_threads([5]) as n:
-            assert n == torch.get_num_threads() == 2
-        assert torch.get_num_threads() == 1
-        with cores.lent_threads([5, 6, 7, 8]) as n:   # at most one per CPU this process may use
-            assert n == torch.get_num_threads() == 3
-        with pytest.raises(RuntimeError), cores.lent_threads([5]):
-            raise RuntimeError("a failed move")
-        assert torch.get_num_threads() == 1           # given back on an error too
-        with cores.lent_threads(None) as n:           # no worker: nothing lent
-            assert n == 1
-        monkeypatch.setattr(cores, "_openmp", lambda: False)
-        with cores.lent_threads([5]) as n:            # torch's native pool keeps its size
-            assert n == torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(1)
+    yield torch
+    torch.set_num_threads(before)
 
 
-def test_a_reselection_moves_columns_on_the_drained_workers_cores_too(monkeypatch):
+def test_lent_threads_adds_the_workers_cores_within_the_cpus_and_gives_them_back(
+        monkeypatch, one_torch_thread):
+    torch = one_torch_thread
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    with cores.lent_threads([5]) as n:
+        assert n == torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 1
+    with cores.lent_threads([5, 6, 7, 8]) as n:   # at most one per CPU this process may use
+        assert n == torch.get_num_threads() == 3
+    with pytest.raises(RuntimeError), cores.lent_threads([5]):
+        raise RuntimeError("a failed move")
+    assert torch.get_num_threads() == 1           # given back on an error too
+    with cores.lent_threads(None) as n:           # no worker: nothing lent
+        assert n == 1
+    monkeypatch.setattr(cores, "_openmp", lambda: False)
+    with cores.lent_threads([5]) as n:            # torch's native pool keeps its size
+        assert n == torch.get_num_threads() == 1
+
+
+def test_a_reselection_moves_columns_on_the_drained_workers_cores_too(monkeypatch,
+                                                                       one_torch_thread):
     """The host's column moves run with the worker's cores lent (they are idle while it is
     drained), and the training thread's count is back afterwards."""
-    import torch
-
     import zenflow
     from zenflow.optim import handoff
-    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    torch = one_torch_thread
     seen = []
     move = handoff.move_columns
     monkeypatch.setattr(handoff, "move_columns",
                         lambda *a: (seen.append(torch.get_num_threads()), move(*a))[1])
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 16, generator=gen))]
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        with zenflow.ZenFlowAdamW(params, lr=1e-3, worker=False, topk_ratio=0.25,
-                                  update_interval=1, select_strategy="step",
-                                  select_interval=2) as opt:
-            opt._pipeline.worker_cores = [6, 7]   # a worker's two cores (this one runs inline)
-            for _ in range(4):
-                params[0].grad = torch.randn(8, 16, generator=gen)
-                opt.step()
-        assert seen and set(seen) == {3} and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    with zenflow.ZenFlowAdamW(params, lr=1e-3, worker=False, topk_ratio=0.25,
+                              update_interval=1, select_strategy="step",
+                              select_interval=2) as opt:
+        opt._pipeline.worker_cores = [6, 7]   # a worker's two cores (this one runs inline)
+        for _ in range(4):
+            params[0].grad = torch.randn(8, 16, generator=gen)
+            opt.step()
+    assert seen and set(seen) == {3} and torch.get_num_threads() == 1
 
 
-def test_state_dict_and_load_copy_on_the_drained_workers_cores_too(monkeypatch):
-    import torch
-
+def test_state_dict_and_load_copy_on_the_drained_workers_cores_too(monkeypatch,
+                                                                   one_torch_thread):
     import zenflow
     from zenflow.host import pipeline_state
-    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    torch = one_torch_thread
     seen = []
     for name in ("_saved_param", "_loaded"):
         inner = getattr(pipeline_state, name)
         monkeypatch.setattr(pipeline_state, name, lambda *a, inner=inner: (
             seen.append(torch.get_num_threads()), inner(*a))[1])
     param = torch.nn.Parameter(torch.randn(8, 16))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        with zenflow.ZenFlowAdamW([param], lr=1e-3, worker=False, topk_ratio=0.25) as opt:
-            opt._pipeline.worker_cores = [6, 7]   # a worker's two cores (this one runs inline)
-            param.grad = torch.randn(8, 16)
-            opt.step()
-            opt.load_state_dict(opt.state_dict())
-        assert seen == [3, 3] and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+    with zenflow.ZenFlowAdamW([param], lr=1e-3, worker=False, topk_ratio=0.25) as opt:
+        opt._pipeline.worker_cores = [6, 7]   # a worker's two cores (this one runs inline)
+        param.grad = torch.randn(8, 16)
+        opt.step()
+        opt.load_state_dict(opt.state_dict())
+    assert seen == [3, 3] and torch.get_num_threads() == 1
