@@ -241,3 +241,5 @@ def test_a_reselection_by_hand():
     assert cost.reselect_s(c, speeds) == pytest.approx(
         100 / 50 + 12 * 10 / 240 + 12 * 10 / 120 + (4 * 12 * 10 + 2 * 64) / 1000)
     assert cost.reselect_s(cost.Counts(**{**c.__dict__, "selected_params": 0}), speeds) == 0.0
+    # every column the device's (topk_ratio 1): none deferred, none to move
+    assert cost.reselect_s(cost.Counts(**{**c.__dict__, "deferred_params_all": 0}), speeds) == 0.0

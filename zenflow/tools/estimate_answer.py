@@ -163,7 +163,7 @@ def step_line(r: dict) -> list[str]:
 def reselect_line(r: dict) -> list[str]:
     """What one reselection costs: the moves of the columns' state while the device waits."""
     cost, tm = r["seconds"].get("reselect_s", 0.0), r["time"]
-    if not cost or not 0 < r["settings"]["topk_ratio"] < 1:   # nothing to move
+    if not cost:   # no column can move (topk_ratio 0 or 1)
         return []
     steps = (f" ({cost / tm['zenflow_step_s']:.1f} steps)"
              if "zenflow_step_s" in tm and cost >= 0.05 * tm["zenflow_step_s"] else "")

@@ -275,7 +275,7 @@ def reselect_s(c: Counts, s: Speeds) -> float:
     moments down and back up over the bus (pageable: the page-locked figures bound it), and on
     the device the three [rows, k] states reshuffled (about four passes each) and the new columns
     written into the weights (the lines they lie in, read and written)."""
-    if not c.selected_params:
+    if not c.selected_params or not c.deferred_params_all:   # no column can move
         return 0.0
     device_bytes = 4 * 3 * FP32 * c.selected_params + 2 * c.touched_bytes
     return (c.rank_matrix_params / s.host_reselect
